@@ -1,0 +1,27 @@
+# One virtualenv for everything. torch is pinned and installed first: any other torch build (or an
+# unpinned dependency that wants a newer one) would drag several GB of CUDA wheels onto a CPU box.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv test demo clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv
+	$(VENV)/bin/pytest -q
+
+demo: venv
+	$(VENV)/bin/rlctl start
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,64 @@
+"""The ``rlctl`` command group.
+
+Commands are loaded lazily: ``rlctl --help`` imports neither torch, DeepSpeed nor transformers, and a
+command module is imported only when that command runs (or its own ``--help`` is asked for; the command
+modules themselves import nothing heavy at module level).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from rlctl import __version__
+from rlctl.errors import ExitCode, RlctlError
+
+# name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "start": ("rlctl.commands.start", "start", "Start a new run from a YAML config (or the built-in demo)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rlctl")
+def cli() -> None:
+    """Resumable GRPO/PPO fine-tuning of language models on DeepSpeed ZeRO.
+
+    Data goes to stdout, logs and progress to stderr. Exit codes are listed in the README.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="rlctl", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except RlctlError as exc:
+        click.echo(f"Error: {exc.message}", err=True)
+        sys.exit(int(exc.exit_code))
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    sys.exit(int(ExitCode.OK))

@@ -1,0 +1,66 @@
+"""Progress and the end-of-run summary on stderr (rich). stdout stays clean for data.
+
+On a terminal a live bar shows step, reward and KL; in a log file (Slurm, cron, CI) the same facts are
+written as plain lines, about twenty per run, instead of bar redraws.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class StepProgress:
+    def __init__(self, total_steps: int, run_dir: Path):
+        self.console = Console(stderr=True)
+        self.total = total_steps
+        self.run_dir = run_dir
+        self.live = self.console.is_terminal
+        self.every = max(1, total_steps // 20)
+        self.progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.live,
+        )
+        self.task = None
+
+    def __enter__(self) -> StepProgress:
+        self.console.print(f"[dim]run directory: {self.run_dir}[/dim]")
+        self.console.print("[dim]loading model, data and DeepSpeed engine...[/dim]")
+        return self
+
+    def begin(self) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=self.total, info="")
+
+    def update(self, row: dict[str, Any]) -> None:
+        info = f"reward {row['critic/score/mean']:.3f}  kl {row['actor/ppo_kl']:+.2e}  " + (
+            f"{row['timing_s/step']:.2f}s/step"
+        )
+        if self.task is not None:
+            self.progress.update(self.task, completed=row["step"], info=info)
+        if not self.live and (row["step"] % self.every == 0 or row["step"] == self.total):
+            self.console.print(f"step {row['step']}/{self.total}  {info}", highlight=False)
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def print_summary(self, summary: dict[str, Any]) -> None:
+        def fmt(x: float) -> str:
+            return "n/a" if math.isnan(x) else f"{x:.3f}"
+
+        w = summary["window"]
+        self.console.print(
+            f"[bold green]done[/bold green]: {summary['steps']} steps in {summary['seconds']:.0f}s of training; "
+            f"reward {fmt(summary['reward_start'])} (mean of first {w}) -> {fmt(summary['reward_end'])} "
+            f"(mean of last {w})\nrun: {summary['run_dir']}",
+            highlight=False,
+        )

@@ -1,0 +1,307 @@
+"""The run config: a strict pydantic model, loaded from YAML with located, sentence-sized errors.
+
+A config file holds only what differs from the defaults below; ``--set a.b=VALUE`` overrides a key with
+a value read as YAML and typed by the schema. Every field carries a description (a test checks it), so
+``rlctl start --help`` and the README can be generated from one place.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rlctl.errors import ConfigError
+
+DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainerConfig(Strict):
+    total_steps: int = Field(200, ge=1, description="Number of RL steps (rollout + update) to run.")
+    prompts_per_step: int = Field(
+        16, ge=1, description="Prompts drawn per step; each is sampled `algorithm.group_size` times."
+    )
+    num_threads: int = Field(
+        1, ge=1, description="torch intra-op threads on CPU (one per process avoids oversubscription)."
+    )
+
+
+class BuiltinModelConfig(Strict):
+    arch: Literal["llama", "qwen2"] = Field("llama", description="Architecture of the built-in tiny model.")
+    hidden_size: int = Field(64, ge=32, description="Hidden size of the built-in model (head_dim is 32).")
+    num_layers: int = Field(2, ge=1, description="Transformer layers of the built-in model.")
+    intermediate_size: int = Field(256, ge=1, description="MLP width of the built-in model.")
+
+    @field_validator("hidden_size")
+    @classmethod
+    def _head_dim_32(cls, v: int) -> int:
+        if v % 32:
+            raise ValueError(f"must be a multiple of 32 (head_dim is fixed at 32), got {v}")
+        return v
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory. Empty: the built-in tiny model, created "
+        "from `model.builtin` and saved into the run directory.",
+    )
+    builtin: BuiltinModelConfig = Field(
+        default_factory=BuiltinModelConfig, description="Shape of the built-in tiny model."
+    )
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training precision: auto is bf16 on CUDA and fp32 on CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).expanduser().is_dir():
+            raise ValueError(f"no such model directory: {v}")
+        return v
+
+
+class DataConfig(Strict):
+    path: str | None = Field(
+        None, description="JSONL or parquet file of prompts. Empty: the built-in synthetic task."
+    )
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    apply_chat_template: bool = Field(
+        False, description="Wrap each prompt as a user message with the tokenizer's chat template."
+    )
+    max_prompt_length: int = Field(
+        512, ge=1, description="Prompts longer than this many tokens are truncated from the left."
+    )
+    shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded, resumable).")
+    builtin_size: int = Field(4096, ge=1, description="Number of prompts in the built-in task.")
+
+    @field_validator("path")
+    @classmethod
+    def _data_exists(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        p = Path(v).expanduser()
+        if not p.is_file():
+            raise ValueError(f"no such file: {v}")
+        if p.suffix not in (".jsonl", ".json", ".parquet"):
+            raise ValueError(f"expected a .jsonl or .parquet file, got {p.name}")
+        return v
+
+
+class RewardConfig(Strict):
+    function: str = Field(
+        "rlctl.engine.reward.builtin:echo_reward",
+        description="Reward function as `module:function`, called as "
+        "fn(prompts, completions, **columns) -> list[float].",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for it.")
+
+    @field_validator("function")
+    @classmethod
+    def _module_function(cls, v: str) -> str:
+        module, sep, fn = v.partition(":")
+        if not sep or not module or not fn:
+            raise ValueError(f"expected 'module:function', got {v!r}")
+        return v
+
+
+class AlgorithmConfig(Strict):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (GRPO's G).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL loss against the frozen reference model (0: no reference)."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator: k1 (log-ratio), k2 (squared), k3 (verl's low_var_kl, clamped)."
+    )
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon for the ratio.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes of updates over each rollout batch.")
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std when normalising advantages.")
+
+
+class ActorConfig(Strict):
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear lr warm-up, in optimizer steps.")
+    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the actor.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step; empty: the whole rollout batch (one step per epoch).",
+    )
+
+
+class RolloutConfig(Strict):
+    backend: Literal["hf"] = Field("hf", description="Generation backend (hf: batched generate with KV cache).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(0, ge=0, description="Snapshot every N steps (0: never).")
+
+
+class RunConfig(Strict):
+    name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
+    seed: int = Field(0, description="Seed of everything: model init, data order, sampling.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The prompts.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward function.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="The RL algorithm.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="The trained policy (DeepSpeed).")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of completions.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Snapshots.")
+
+    @model_validator(mode="after")
+    def _mini_batch_divides(self) -> RunConfig:
+        mb = self.actor.mini_batch_size
+        batch = self.trainer.prompts_per_step * self.algorithm.group_size
+        if mb is not None and batch % mb:
+            raise ValueError(
+                f"actor.mini_batch_size ({mb}) must divide the rollout batch "
+                f"(trainer.prompts_per_step x algorithm.group_size = {batch})"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: file + --set overrides, with the origin (file and line, or the --set flag) of every key.
+
+Origin = str  # "demo.yaml line 4" or "--set actor.lr=..."
+
+
+def _yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
+    """Map each key path of a YAML document to 'FILE line N'."""
+    origins: dict[tuple[str, ...], Origin] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = (*path, str(key_node.value))
+                origins[key] = f"{source} line {key_node.start_mark.line + 1}"
+                walk(value_node, key)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return origins
+    if root is not None:
+        walk(root, ())
+    return origins
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Origin]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path.name}{where} is not valid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name} must be a mapping of keys to values, got {type(data).__name__}")
+    return data, _yaml_lines(text, path.name)
+
+
+
+def parse_set(item: str) -> tuple[tuple[str, ...], Any]:
+    """``a.b=VALUE`` -> (("a", "b"), yaml-parsed VALUE)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return tuple(key.strip().split(".")), value
+
+
+def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the (nested) model that holds the key at ``loc``."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _origin_for(loc: tuple[str, ...], origins: dict[tuple[str, ...], Origin]) -> str:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in origins:
+            return f" ({origins[loc[:n]]})"
+    return ""
+
+
+def _explain(exc: ValidationError, origins: dict[tuple[str, ...], Origin]) -> str:
+    sentences = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc) or "(top level)"
+        where = _origin_for(loc, origins)
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc[-1], _fields_at(loc), n=1, cutoff=0.6)
+            hint = f"; did you mean '{'.'.join((*loc[:-1], close[0]))}'?" if close else ""
+            sentences.append(f"unknown key '{key}'{where}{hint}")
+        else:
+            msg = err["msg"]
+            for prefix in ("Value error, ", "Assertion failed, "):
+                msg = msg.removeprefix(prefix)
+            got = err.get("input")
+            shown = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {got!r})"
+            sentences.append(f"'{key}'{where}: {msg[:1].lower() + msg[1:]}{shown}")
+    return "invalid config: " + "; ".join(sentences) + "."
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly."""
+    data, origins = _read_yaml(Path(path) if path is not None else DEMO_CONFIG)
+    for item in overrides:
+        key, value = parse_set(item)
+        _set_path(data, key, value)
+        origins[key] = f"--set {item}"
+    return validate_config(data, origins)
+
+
+def validate_config(data: dict[str, Any], origins: dict[tuple[str, ...], Origin] | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, origins or {})) from None

@@ -1,0 +1,1 @@
+"""The RL loop and everything that touches tensors."""

@@ -1,0 +1,195 @@
+"""The policy being trained: a Hugging Face causal LM inside a DeepSpeed ZeRO engine.
+
+On CPU the optimizer is a ``torch.optim.AdamW`` instance (ZeRO accepts it and nothing needs a JIT
+build); on CUDA the same. The engine owns the weights, optimizer and lr scheduler; ``log_probs`` and
+``update`` are the only two things the trainer asks of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.engine import algos
+from rlctl.engine.model import load_causal_lm
+from rlctl.engine.runtime import Runtime
+
+
+@dataclass
+class Sequences:
+    """A rollout batch. P prompt tokens (left-padded), T response tokens (right-padded)."""
+
+    input_ids: torch.Tensor  # (B, P+T) prompt then response token ids
+    attention_mask: torch.Tensor  # (B, P+T) 1 on real prompt tokens and real response tokens
+    response_mask: torch.Tensor  # (B, T) 1 on response tokens up to and including the first eos
+    prompt_len: int  # P
+
+    @property
+    def responses(self) -> torch.Tensor:  # (B, T)
+        return self.input_ids[:, self.prompt_len :]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: slice) -> Sequences:
+        return Sequences(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.prompt_len)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions count real tokens only, as transformers' generate does for left-padded prompts."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def ds_config(cfg: RunConfig, micro_batch: int, dtype: torch.dtype) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.actor.grad_clip,
+        "zero_optimization": {"stage": cfg.actor.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
+        import deepspeed
+
+        self.cfg = cfg
+        self.runtime = runtime
+        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+        self.mini_batch = cfg.actor.mini_batch_size or batch
+        model = load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code).to(runtime.device)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas, weight_decay=cfg.actor.weight_decay
+        )
+        warmup = cfg.actor.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0
+        )
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config(cfg, self.mini_batch, runtime.dtype),
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Context in which every parameter is materialised (ZeRO-3 partitions them), e.g. for generate."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def log_probs(
+        self, seqs: Sequences, temperature: float, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) log π(response | prompt) of the sampled tokens in fp32 (logits / temperature, as the
+        sampler used), and optionally the (B, T) entropy of the token distribution. Gradients flow
+        when called outside ``torch.no_grad``."""
+        return sequence_log_probs(self.engine, seqs, temperature, with_entropy)
+
+    def update(
+        self,
+        seqs: Sequences,
+        advantages: torch.Tensor,
+        old_log_prob: torch.Tensor | None,
+        ref_log_prob: torch.Tensor | None,
+        kl_coef: float,
+    ) -> dict[str, float]:
+        """PPO/GRPO updates over the batch: ``ppo_epochs`` passes of mini-batches, one optimizer step each.
+
+        (B, T) advantages; (B, T) old log-probs, or None when the update is exactly on-policy (one epoch,
+        one mini-batch): then they come from the same forward as the gradient, without a second pass.
+        Returns the metrics averaged over the mini-batch steps.
+        """
+        a = self.cfg.algorithm
+        totals: dict[str, float] = {}
+        n_updates = 0
+        lr = self.scheduler.get_last_lr()[0]
+        for _ in range(a.ppo_epochs):
+            for start in range(0, len(seqs), self.mini_batch):
+                idx = slice(start, start + self.mini_batch)
+                mb, mask = seqs.select(idx), seqs.response_mask[idx]
+                log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
+                old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
+                pg_loss, clipfrac, ppo_kl = algos.policy_loss(log_prob, old, advantages[idx], mask, a.clip_ratio)
+                loss = pg_loss
+                kl_loss = torch.zeros(())
+                if ref_log_prob is not None:
+                    kl_loss = algos.agg_loss(algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator), mask)
+                    loss = loss + kl_coef * kl_loss
+                stats = {
+                    "actor/pg_loss": pg_loss.item(),
+                    "actor/kl_loss": kl_loss.item(),
+                    "actor/ppo_kl": ppo_kl.item(),
+                    "actor/pg_clipfrac": clipfrac.item(),
+                    "actor/entropy": algos.masked_mean(entropy, mask).item(),
+                    "actor/nonfinite/log_prob": algos.count_nonfinite(log_prob, mask),
+                    "actor/nonfinite/loss": float(not torch.isfinite(loss).item()),
+                }
+                if torch.isfinite(loss):
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    stats["actor/grad_norm"] = _as_float(self.engine.get_global_grad_norm())
+                else:
+                    # A non-finite loss is never applied: drop its gradients and count it.
+                    self.engine.zero_grad()
+                    stats["actor/grad_norm"] = float("nan")
+                    stats["actor/skipped_updates"] = 1.0
+                if old_log_prob is None:  # on-policy: the old log-probs are this forward's
+                    stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                n_updates += 1
+        # Counts (non-finite values, skipped updates) are summed over the updates; the rest averaged.
+        out = {k: v if _is_count(k) else v / n_updates for k, v in totals.items()}
+        out.setdefault("actor/skipped_updates", 0.0)
+        out["actor/lr"] = lr
+        return out
+
+
+def sequence_log_probs(
+    model: torch.nn.Module, seqs: Sequences, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = model(
+        input_ids=seqs.input_ids,
+        attention_mask=seqs.attention_mask,
+        position_ids=position_ids_for(seqs.attention_mask),
+        use_cache=False,
+    )
+    P = seqs.prompt_len
+    logits = out.logits[:, P - 1 : -1, :].float() / temperature  # (B, T, V): position t predicts token t+1
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token_lp = log_probs.gather(-1, seqs.responses.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = algos.entropy_from_logits(logits.detach())
+    return token_lp, entropy
+
+
+
+def _is_count(key: str) -> bool:
+    return key.startswith("actor/nonfinite/") or key == "actor/skipped_updates"
+
+
+def _as_float(x) -> float:
+    if x is None:
+        return float("nan")
+    return float(x.item() if isinstance(x, torch.Tensor) else x)

@@ -1,0 +1,107 @@
+"""Prompt datasets with a resumable cursor.
+
+Rows are dicts with at least the prompt column; every other column is passed to the reward function.
+The cursor walks a seeded permutation of the rows, reshuffled every epoch; its state is
+(epoch, position, seed), so a restored run draws exactly the prompts it would have drawn.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from rlctl.checkpoint import check_version
+from rlctl.config import DataConfig
+from rlctl.errors import InputError
+
+
+def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+    if cfg.path is None:
+        from rlctl.engine.reward.builtin import make_prompts
+
+        return make_prompts(cfg.builtin_size, seed)
+    path = Path(cfg.path).expanduser()
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's errors for a bad file vary
+            raise InputError(f"'data.path' {path} is not a readable parquet file: {exc}") from None
+    else:
+        rows = []
+        with path.open("rb") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = orjson.loads(line)
+                except orjson.JSONDecodeError as exc:
+                    raise InputError(f"'data.path' {path} line {lineno} is not valid JSON: {exc}") from None
+                if not isinstance(row, dict):
+                    raise InputError(f"'data.path' {path} line {lineno} is not a JSON object")
+                rows.append(row)
+    if not rows:
+        raise InputError(f"'data.path' {path} holds no rows")
+    missing = [i for i, row in enumerate(rows) if not isinstance(row.get(cfg.prompt_key), str)]
+    if missing:
+        raise InputError(
+            f"'data.path' {path}: row {missing[0] + 1} has no string column '{cfg.prompt_key}' "
+            f"(set 'data.prompt_key'; columns seen: {', '.join(sorted(rows[missing[0]]))})"
+        )
+    return rows
+
+
+class PromptCursor:
+    """Draws batches of (row index, row) in a seeded order, epoch after epoch. Stateful."""
+
+    VERSION = 1
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool = True):
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def next_batch(self, n: int) -> list[tuple[int, dict[str, Any]]]:
+        out = []
+        while len(out) < n:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            idx = int(self._order[self.position])
+            out.append((idx, self.rows[idx]))
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.VERSION,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_rows": len(self.rows),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version("data cursor", state, self.VERSION)
+        if state["num_rows"] != len(self.rows):
+            raise InputError(
+                f"the dataset now has {len(self.rows)} rows but the snapshot was taken with "
+                f"{state['num_rows']}; resume with the same 'data.path'"
+            )
+        self.seed, self.shuffle = state["seed"], state["shuffle"]
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,35 @@
+"""Generation backends behind one interface.
+
+A backend turns prompts into a ``Sequences`` batch: ``generate(prompts, keys, step)`` samples one
+completion per (prompt, key) where a key is (prompt index, sample index). Sampling seeds are derived
+from (seed, step, prompt index, sample index), so a resumed or rolled-back run regenerates exactly the
+same rollouts from the same weights, whatever the batch around them. ``sync_weights`` is called after
+every actor update and every restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Protocol
+
+from rlctl.engine.actor import Sequences
+
+
+class RolloutBackend(Protocol):
+    def sync_weights(self) -> None: ...
+
+    def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences: ...
+
+
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed that depends on the four numbers and nothing else."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def make_backend(name: str, **kwargs) -> RolloutBackend:
+    if name == "hf":
+        from rlctl.engine.rollout.hf import HFRollout
+
+        return HFRollout(**kwargs)
+    raise KeyError(f"unknown rollout backend '{name}'; valid: hf")

@@ -1,0 +1,183 @@
+"""The RL loop: rollout, reward, advantages, log-probs, update, log. One readable step at a time."""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlctl.checkpoint import check_version
+from rlctl.config import RunConfig
+from rlctl.engine import algos
+from rlctl.engine.actor import Actor, Sequences, sequence_log_probs
+from rlctl.engine.data import PromptCursor, load_rows
+from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
+from rlctl.engine.reward import load_reward_fn
+from rlctl.engine.rollout import make_backend
+from rlctl.engine.runtime import init_distributed, setup_runtime
+from rlctl.errors import InputError
+from rlctl.metrics import JsonlWriter
+
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+class TrainerState:
+    """Counters of the run. Stateful."""
+
+    VERSION = 1
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+        self.prompts_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.VERSION, "step": self.step, "tokens_seen": self.tokens_seen,
+                "prompts_seen": self.prompts_seen}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version("trainer", state, self.VERSION)
+        self.step, self.tokens_seen, self.prompts_seen = state["step"], state["tokens_seen"], state["prompts_seen"]
+
+
+@contextmanager
+def timed(timings: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = time.perf_counter() - start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, on_step: StepCallback | None = None):
+        self.cfg, self.run_dir, self.on_step = cfg, run_dir, on_step
+        self.runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
+        seed_everything(cfg.seed)
+        self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
+        model_dir = prepare_model_dir(cfg, run_dir)
+        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        init_distributed(self.runtime.backend)
+        self.actor = Actor(cfg, model_dir, self.runtime)
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            ref = load_causal_lm(model_dir, self.runtime.dtype, cfg.model.trust_remote_code)
+            self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
+        self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer)
+        self.kl_ctrl = algos.FixedKLController(cfg.algorithm.kl_coef)
+        self.state = TrainerState()
+        self.metrics = JsonlWriter(run_dir / "metrics.jsonl")
+        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+        # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
+        self.on_policy = cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch == batch
+
+    def stateful(self) -> dict[str, Any]:
+        """Everything a snapshot restores, by name."""
+        return {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl}
+
+    def train(self) -> None:
+        try:
+            while self.state.step < self.cfg.trainer.total_steps:
+                row = self.train_step(self.state.step + 1)
+                self.metrics.write(row)
+                if self.on_step is not None:
+                    self.on_step(row)
+        finally:
+            self.metrics.close()
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg, t = self.cfg, {}
+        with timed(t, "step"):
+            with timed(t, "gen"):
+                keys, prompts, columns = self.draw_prompts()
+                seqs = self.rollout.generate(prompts, keys, step)
+            with timed(t, "reward"):
+                completions = self.tokenizer.batch_decode(seqs.responses, skip_special_tokens=True)
+                scores = self.score(prompts, completions, columns)
+            advantages = algos.ADV_ESTIMATORS[cfg.algorithm.name](
+                scores, cfg.algorithm.group_size, cfg.algorithm.adv_eps
+            )
+            token_adv = advantages.unsqueeze(1) * seqs.response_mask  # (B, T)
+            with timed(t, "old_log_prob"), torch.no_grad():
+                old = None if self.on_policy else self.actor.log_probs(seqs, cfg.rollout.temperature)[0]
+            with timed(t, "ref"), torch.no_grad():
+                ref = None if self.ref is None else sequence_log_probs(self.ref, seqs, cfg.rollout.temperature)[0]
+            with timed(t, "update_actor"):
+                stats = self.actor.update(seqs, token_adv, old, ref, self.kl_ctrl.value)
+            self.rollout.sync_weights()
+        self.state.step = step
+        self.state.prompts_seen += cfg.trainer.prompts_per_step
+        tokens = int(seqs.attention_mask.sum())
+        self.state.tokens_seen += tokens
+        return {
+            "step": step,
+            **stats,
+            **self.batch_metrics(seqs, scores, advantages, old, ref),
+            **t,
+            "perf/throughput": tokens / t["timing_s/step"],
+            "perf/tokens_seen": self.state.tokens_seen,
+        }
+
+    def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
+        """Each drawn prompt repeated group_size times, with (prompt index, sample index) keys and the
+        dataset's other columns aligned for the reward function."""
+        g, key = self.cfg.algorithm.group_size, self.cfg.data.prompt_key
+        rows = self.data.next_batch(self.cfg.trainer.prompts_per_step)
+        keys = [(idx, s) for idx, _ in rows for s in range(g)]
+        expanded = [row for _, row in rows for _ in range(g)]
+        columns = {c: [r.get(c) for r in expanded] for c in expanded[0] if c != key}
+        return keys, [r[key] for r in expanded], columns
+
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
+        spec = self.cfg.reward.function
+        try:
+            scores = self.reward_fn(prompts, completions, **columns, **self.cfg.reward.kwargs)
+        except Exception as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            raise InputError(
+                f"reward function '{spec}' raised {type(exc).__name__}: {exc} "
+                f"({frame.filename}:{frame.lineno})"
+            ) from None
+        if scores is None or len(scores) != len(completions):
+            got = "None" if scores is None else f"{len(scores)} scores"
+            raise InputError(f"reward function '{spec}' returned {got} for {len(completions)} completions")
+        return torch.as_tensor([float(s) for s in scores], dtype=torch.float32)
+
+    def batch_metrics(
+        self, seqs: Sequences, scores: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+    ) -> dict[str, float]:  # fmt: skip
+        mask = seqs.response_mask
+        lengths = mask.sum(-1).float()
+        prompt_lengths = seqs.attention_mask[:, : seqs.prompt_len].sum(-1).float()
+        out = {
+            "critic/score/mean": scores.mean().item(),
+            "critic/score/max": scores.max().item(),
+            "critic/score/min": scores.min().item(),
+            "critic/advantages/mean": algos.masked_mean(adv.unsqueeze(1).expand_as(mask), mask).item(),
+            "critic/advantages/max": adv.max().item(),
+            "critic/advantages/min": adv.min().item(),
+            "response_length/mean": lengths.mean().item(),
+            "response_length/max": lengths.max().item(),
+            "response_length/min": lengths.min().item(),
+            "response_length/clip_ratio": (lengths >= self.cfg.rollout.max_new_tokens).float().mean().item(),
+            "prompt_length/mean": prompt_lengths.mean().item(),
+            "actor/kl_coef": self.kl_ctrl.value,
+            "actor/nonfinite/ref_log_prob": 0.0 if ref is None else algos.count_nonfinite(ref, mask),
+        }
+        if old is not None:  # else the update counted them on its own forward
+            out["actor/nonfinite/old_log_prob"] = algos.count_nonfinite(old, mask)
+        return out
+
