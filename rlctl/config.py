@@ -287,7 +287,8 @@ def _explain(exc: ValidationError, origins: dict[tuple[str, ...], Origin]) -> st
             got = err.get("input")
             shown = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {got!r})"
             sentences.append(f"'{key}'{where}: {msg[:1].lower() + msg[1:]}{shown}")
-    return "invalid config: " + "; ".join(sentences) + "."
+    text = "invalid config: " + "; ".join(sentences)
+    return text if text.endswith(("?", ".")) else text + "."
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:

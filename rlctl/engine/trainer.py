@@ -104,7 +104,7 @@ class Trainer:
                 keys, prompts, columns = self.draw_prompts()
                 seqs = self.rollout.generate(prompts, keys, step)
             with timed(t, "reward"):
-                completions = self.tokenizer.batch_decode(seqs.responses, skip_special_tokens=True)
+                completions = self.rollout.decode(seqs)
                 scores = self.score(prompts, completions, columns)
             advantages = algos.ADV_ESTIMATORS[cfg.algorithm.name](
                 scores, cfg.algorithm.group_size, cfg.algorithm.adv_eps

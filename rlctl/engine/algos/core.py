@@ -38,9 +38,11 @@ KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1; NaN in a masked-in position propagates."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    """Mean of ``x`` over positions where ``mask`` is 1. A NaN at a masked-in position propagates (it is
+    never hidden); one at a padding position does not leak in (``x * mask`` would: NaN * 0 is NaN)."""
+    keep = mask.bool()
+    total = torch.where(keep, x, torch.zeros_like(x)).sum()
+    return total / keep.sum().clamp(min=1).to(total.dtype)
 
 
 def count_nonfinite(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -9,6 +9,8 @@ one float per completion. This is the signature TRL's reward functions use, so t
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 from rlctl.errors import ConfigError
@@ -18,6 +20,10 @@ RewardFn = Callable[..., list[float]]
 
 def load_reward_fn(spec: str) -> RewardFn:
     module_name, _, fn_name = spec.partition(":")
+    # The console script does not put the working directory on sys.path; a reward module next to the
+    # config is the common case, so look there too (as uvicorn does for its apps).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -20,6 +20,8 @@ class RolloutBackend(Protocol):
 
     def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences: ...
 
+    def decode(self, seqs: Sequences) -> list[str]: ...
+
 
 def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed that depends on the four numbers and nothing else."""

@@ -73,6 +73,15 @@ class HFRollout:
         )
         return {k: v.to(self.actor.runtime.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
+    def decode(self, seqs: Sequences) -> list[str]:
+        """The text each completion holds up to its eos. Special tokens other than eos stay in the text
+        (a model that emits padding mid-answer is not shown a cleaned-up version to the reward)."""
+        keep = seqs.response_mask.bool() & ~torch.isin(seqs.responses, torch.tensor(self.eos_ids))
+        return [
+            self.tokenizer.decode(ids[k].tolist(), skip_special_tokens=False)
+            for ids, k in zip(seqs.responses.cpu(), keep.cpu())
+        ]
+
     @torch.no_grad()
     def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences:
         enc = self.encode(prompts)

@@ -1,0 +1,3 @@
+from rlctl.cli import main
+
+main()

@@ -1,0 +1,45 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+RLCTL = [str(Path(sys.executable).parent / "rlctl")]  # the installed console script
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    """One process-wide CPU runtime with a world-of-one gloo group, as `rlctl start` sets up."""
+    from rlctl.engine.runtime import init_distributed, setup_runtime
+
+    rt = setup_runtime("cpu", "fp32", 1)
+    init_distributed(rt.backend)
+    return rt
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The real entry point in a subprocess."""
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout)

@@ -1,0 +1,119 @@
+"""Config loading: defaults, file, --set, and one located sentence for every kind of bad input."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pydantic import BaseModel
+
+from rlctl.cli import main
+from rlctl.config import DEMO_CONFIG, RunConfig, load_config
+from rlctl.errors import ConfigError, ExitCode
+
+
+def write(tmp_path, text, name="run.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_and_demo():
+    cfg = load_config()  # the packaged demo
+    assert cfg.name == "demo" and cfg.model.path is None and cfg.data.path is None
+    assert RunConfig().algorithm.kl_estimator == "k3"
+
+
+def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
+    p = write(tmp_path, "actor:\n  lr: 1.0e-4\n")
+    cfg = load_config(p, ["trainer.total_steps=40", "actor.lr=5e-5", "actor.betas=[0.8, 0.9]", "algorithm.kl_coef=0"])
+    assert cfg.trainer.total_steps == 40
+    assert cfg.actor.lr == 5e-5  # YAML reads 5e-5 as a string; the schema types it
+    assert cfg.actor.betas == (0.8, 0.9)
+    assert cfg.actor.zero_stage == RunConfig().actor.zero_stage  # untouched default
+
+
+@pytest.mark.parametrize(
+    "text,sets,message",
+    [
+        ("actor:\n  lrr: 0.1\n", [], "unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?"),
+        ("actr:\n  lr: 0.1\n", [], "unknown key 'actr' (run.yaml line 1); did you mean 'actor'?"),
+        ("seed: 1\n", ["trainer.total_step=3"], "unknown key 'trainer.total_step' (--set trainer.total_step=3); "
+         "did you mean 'trainer.total_steps'?"),
+        ("actor:\n  lr: fast\n", [], "'actor.lr' (run.yaml line 2): input should be a valid number"),
+        ("actor:\n  zero_stage: 4\n", [], "'actor.zero_stage' (run.yaml line 2): input should be 1, 2 or 3"),
+        ("algorithm:\n  kl_estimator: k4\n", [], "'algorithm.kl_estimator' (run.yaml line 2): input should be 'k1', 'k2' or 'k3'"),
+        ("model:\n  path: /no/such/dir\n", [], "'model.path' (run.yaml line 2): no such model directory: /no/such/dir"),
+        ("data:\n  path: /no/such.jsonl\n", [], "'data.path' (run.yaml line 2): no such file: /no/such.jsonl"),
+        ("reward:\n  function: just_a_name\n", [], "'reward.function' (run.yaml line 2): expected 'module:function'"),
+        ("trainer:\n  total_steps: 0\n", [], "'trainer.total_steps' (run.yaml line 2): input should be greater than or equal to 1"),
+        ("trainer: 5\n", [], "'trainer' (run.yaml line 1): input should be a valid dictionary"),
+        ("- a\n- b\n", [], "run.yaml must be a mapping of keys to values, got list"),
+        ("actor: {lr: [1, 2\n", [], "run.yaml line 2 is not valid YAML"),
+        ("seed: 1\n", ["actor.lr"], "--set expects KEY=VALUE, got 'actor.lr'"),
+    ],
+)
+def test_bad_config_is_one_located_sentence(tmp_path, text, sets, message):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(p, sets)
+    assert message in err.value.message
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_renders_config_error_without_traceback(tmp_path, capsys):
+    p = write(tmp_path, "actor:\n  lrr: 0.1\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", str(p), "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == ExitCode.CONFIG == 3
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "Error: invalid config: unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?\n"
+    )
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", "--bogus"])
+    assert exit_.value.code == 2
+
+
+def test_every_field_has_a_description():
+    missing = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(prefix + name)
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    assert missing == []
+
+
+def test_demo_config_is_valid_and_minimal():
+    cfg = load_config(DEMO_CONFIG)
+    assert cfg.trainer.total_steps >= 100
+
+
+def test_help_does_not_import_heavy_libraries():
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from rlctl.cli import cli\n"
+        "for args in (['--help'], ['start', '--help']):\n"
+        "    r = CliRunner().invoke(cli, args)\n"
+        "    assert r.exit_code == 0, r.output\n"
+        "    assert 'Usage:' in r.output\n"
+        "heavy = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

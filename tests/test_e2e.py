@@ -1,0 +1,110 @@
+"""Real runs of the `rlctl` entry point in a subprocess, on the tiny built-in model."""
+
+import math
+import textwrap
+
+import orjson
+import pytest
+import yaml
+
+from conftest import run_cli
+from rlctl.errors import ExitCode
+from rlctl.metrics import read_rows
+
+pytestmark = pytest.mark.slow
+
+REQUIRED = [
+    "step", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy",
+    "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/advantages/mean", "response_length/mean",
+    "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+    "actor/nonfinite/old_log_prob", "actor/nonfinite/ref_log_prob", "actor/nonfinite/log_prob",
+    "actor/nonfinite/loss",
+]  # fmt: skip
+
+
+def test_demo_learns(tmp_path):
+    """A shorter demo through the real entry point: one metrics row per step, and the reward of the
+    last 10 steps clearly above that of the first 10."""
+    run_dir = tmp_path / "demo"
+    steps = 80
+    r = run_cli("start", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={steps}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{run_dir}\n"  # stdout is data only
+    assert "reward" in r.stderr and "done" in r.stderr
+    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert set(REQUIRED) <= set(row)
+        assert row["actor/nonfinite/loss"] == 0 and math.isfinite(row["actor/grad_norm"])
+    first = sum(r["critic/score/mean"] for r in rows[:10]) / 10
+    last = sum(r["critic/score/mean"] for r in rows[-10:]) / 10
+    assert last > 1.5 * first and last - first > 0.03, (first, last)
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["trainer"]["total_steps"] == steps and resolved["actor"]["lr"] == 2e-3
+    assert (run_dir / "model" / "tokenizer.json").exists() and (run_dir / "model" / "config.json").exists()
+
+
+def test_kl_zero3_off_policy_minibatches(tmp_path):
+    """Reference model + k3 KL under ZeRO-3, two PPO epochs over two mini-batches (old log-probs from a
+    separate pass): every metric finite, the policy drifts from the reference and the ratio from 1."""
+    run_dir = tmp_path / "kl"
+    r = run_cli(
+        "start", "--run-dir", str(run_dir),
+        "--set", "trainer.total_steps=6", "--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4",
+        "--set", "algorithm.kl_coef=0.1", "--set", "algorithm.kl_estimator=k3", "--set", "actor.zero_stage=3",
+        "--set", "algorithm.ppo_epochs=2", "--set", "actor.mini_batch_size=8", "--set", "rollout.max_new_tokens=6",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    assert len(rows) == 6
+    for row in rows:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["actor/kl_coef"] == 0.1
+    assert rows[0]["actor/kl_loss"] >= 0 and rows[-1]["actor/kl_loss"] > 0
+    assert any(row["actor/ppo_kl"] != 0 for row in rows)  # later mini-batches are off-policy
+
+
+def test_user_model_data_and_reward(tmp_path):
+    """model.path, data.path (JSONL with extra columns) and a module:function reward, as for a real model."""
+    first = tmp_path / "first"
+    assert run_cli("start", "--run-dir", str(first), "--set", "trainer.total_steps=1").returncode == 0
+    data = tmp_path / "math.jsonl"
+    data.write_bytes(b"".join(orjson.dumps({"question": f"{i}+{i}=", "answer": f"#### {2 * i}"}) + b"\n"
+                              for i in range(10)))  # fmt: skip
+    cfg = tmp_path / "real.yaml"
+    cfg.write_text(textwrap.dedent(f"""
+        name: math
+        model: {{path: {first / 'model'}}}
+        data: {{path: {data}, prompt_key: question}}
+        reward: {{function: "rlctl.engine.reward.gsm8k:exact_match", kwargs: {{format_score: 0.1}}}}
+        trainer: {{total_steps: 3, prompts_per_step: 2}}
+        algorithm: {{group_size: 4}}
+        rollout: {{max_new_tokens: 4}}
+    """))
+    run_dir = tmp_path / "math"
+    r = run_cli("start", str(cfg), "--run-dir", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    assert len(rows) == 3 and all(0 <= row["critic/score/mean"] <= 1 for row in rows)
+    assert not (run_dir / "model").exists()  # a user model is used in place, not copied
+
+
+def test_reward_errors_are_sentences(tmp_path):
+    mod = tmp_path / "badreward.py"
+    mod.write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
+    r = run_cli("start", "--run-dir", str(tmp_path / "x"), "--set", "reward.function=badreward:f",
+                "--set", "trainer.total_steps=1", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == ExitCode.INPUT, r.stderr
+    assert "reward function 'badreward:f' returned 1 scores for 128 completions" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = run_cli("start", "--run-dir", str(tmp_path / "y"), "--set", "reward.function=nomodule:f", cwd=tmp_path)
+    assert r.returncode == ExitCode.CONFIG and "cannot import module 'nomodule'" in r.stderr
+
+
+def test_run_dir_is_never_overwritten(tmp_path):
+    run_dir = tmp_path / "r"
+    assert run_cli("start", "--run-dir", str(run_dir), "--set", "trainer.total_steps=1").returncode == 0
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    r = run_cli("start", "--run-dir", str(run_dir), "--set", "trainer.total_steps=1")
+    assert r.returncode == ExitCode.CONFIG and "already holds a run" in r.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before

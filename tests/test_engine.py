@@ -1,0 +1,113 @@
+"""The actor, the rollout backend and the tiny model, with real DeepSpeed in this process."""
+
+import math
+
+import pytest
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.engine.actor import Actor, sequence_log_probs
+from rlctl.engine.model import load_tokenizer, prepare_model_dir
+from rlctl.engine.rollout import sample_seed
+from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for
+
+
+def make_cfg(**sets) -> RunConfig:
+    cfg = RunConfig.model_validate(
+        {"trainer": {"prompts_per_step": 2}, "algorithm": {"group_size": 2},
+         "rollout": {"max_new_tokens": 6}, "actor": {"lr": 1e-2}}  # fmt: skip
+    )
+    for key, value in sets.items():
+        section, field = key.split("__")
+        setattr(getattr(cfg, section), field, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return prepare_model_dir(RunConfig(), tmp_path_factory.mktemp("run"))
+
+
+def test_tiny_model_reloads_with_any_hf_tool(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.hidden_size // model.config.num_attention_heads == 32  # vLLM CPU head_dim
+    assert tok.decode(tok("abc=")["input_ids"], skip_special_tokens=True) == "abc="
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_actor_is_a_deepspeed_engine_with_the_configured_stage(runtime, model_dir, stage):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    cfg = make_cfg(actor__zero_stage=stage)
+    actor = Actor(cfg, model_dir, runtime)
+    assert isinstance(actor.engine, DeepSpeedEngine)
+    assert actor.engine.zero_optimization_stage() == stage == actor.zero_stage
+
+    tok = load_tokenizer(model_dir)
+    rollout = HFRollout(cfg, actor, tok)
+    seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+    with actor.full_parameters():
+        before = [p.detach().clone() for p in actor.module.parameters()]
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * seqs.response_mask
+    stats = actor.update(seqs, adv, None, None, 0.0)
+    assert math.isfinite(stats["actor/grad_norm"]) and stats["actor/grad_norm"] > 0
+    assert stats["actor/lr"] == pytest.approx(1e-2)
+    with actor.full_parameters():
+        after = list(actor.module.parameters())
+        assert any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_response_mask_stops_after_first_eos():
+    resp = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 2, 2]])
+    assert response_mask_for(resp, [2]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_seeded_sampler_samples_softmax_at_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    temperature = 0.7
+    n = 4000
+    seeds = [sample_seed(0, 1, i, 0) for i in range(n)]
+    sampler = SeededGumbelSampler(seeds, temperature)
+    picks = sampler(None, logits.expand(n, -1)).argmax(-1)
+    freq = torch.bincount(picks, minlength=4).float() / n
+    want = torch.softmax(logits[0] / temperature, -1)
+    assert torch.allclose(freq, want, atol=0.03), (freq, want)
+
+
+def test_sample_seed_depends_on_every_part():
+    base = sample_seed(1, 2, 3, 4)
+    assert base == sample_seed(1, 2, 3, 4)
+    assert len({base, sample_seed(0, 2, 3, 4), sample_seed(1, 0, 3, 4), sample_seed(1, 2, 0, 4),
+                sample_seed(1, 2, 3, 0)}) == 5  # fmt: skip
+
+
+def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtime, model_dir):
+    cfg = make_cfg(actor__zero_stage=2, rollout__temperature=0.9)
+    actor = Actor(cfg, model_dir, runtime)
+    rollout = HFRollout(cfg, actor, load_tokenizer(model_dir))
+    prompts, keys = ["abcd=", "e=", "fgh="], [(7, 0), (8, 0), (9, 1)]
+    a = rollout.generate(prompts, keys, step=3)
+    b = rollout.generate(prompts, keys, step=3)
+    assert torch.equal(a.input_ids, b.input_ids)
+    # The same (prompt, sample) gives the same completion alone as inside a batch of other lengths.
+    alone = rollout.generate(["e="], [(8, 0)], step=3)
+    n = int(alone.response_mask.sum())
+    assert torch.equal(alone.responses[0, :n], a.responses[1, :n])
+    assert not torch.equal(rollout.generate(prompts, keys, step=4).responses, a.responses)
+
+    # Log-probs the actor computes (left padding, position ids from the mask) equal the ones generate
+    # sampled from, token by token.
+    enc = rollout.encode(prompts)
+    with torch.no_grad():
+        out = actor.module.generate(
+            **enc, generation_config=rollout.gen_config, return_dict_in_generate=True, output_logits=True,
+            logits_processor=[SeededGumbelSampler([sample_seed(0, 3, p, s) for p, s in keys], 0.9)],
+        )  # fmt: skip
+        gen_lp = torch.stack(out.logits, 1).float().div(0.9).log_softmax(-1)
+        gen_lp = gen_lp.gather(-1, a.responses[:, : gen_lp.shape[1]].unsqueeze(-1)).squeeze(-1)
+        actor_lp, _ = sequence_log_probs(actor.engine, a, temperature=0.9)
+    mask = a.response_mask[:, : gen_lp.shape[1]].bool()
+    assert torch.allclose(actor_lp[:, : gen_lp.shape[1]][mask], gen_lp[mask], atol=1e-5)
