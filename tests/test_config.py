@@ -117,3 +117,21 @@ def test_help_does_not_import_heavy_libraries():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_readme_documents_every_config_key():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+            elif f"`{prefix}{name}`" not in readme:
+                missing.append(prefix + name)
+
+    walk(RunConfig, "")
+    assert missing == []
