@@ -18,6 +18,9 @@ from rlctl.errors import ExitCode, RlctlError
 # name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "start": ("rlctl.commands.start", "start", "Start a new run from a YAML config (or the built-in demo)."),
+    "resume": ("rlctl.commands.resume", "resume", "Continue a run from a snapshot (latest, last-good, step-N)."),
+    "checkpoints": ("rlctl.commands.checkpoints", "checkpoints", "List a run's snapshots and whether each is usable."),
+    "export": ("rlctl.commands.export", "export", "Write a snapshot as a Hugging Face model directory."),
 }
 
 

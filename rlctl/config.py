@@ -32,6 +32,11 @@ class TrainerConfig(Strict):
     num_threads: int = Field(
         1, ge=1, description="torch intra-op threads on CPU (one per process avoids oversubscription)."
     )
+    lease_timeout: float = Field(
+        120.0, gt=0, description="Seconds without a heartbeat after which another host may take the run "
+        "over with --force."
+    )
+    lease_heartbeat: float = Field(15.0, gt=0, description="Seconds between lease heartbeats.")
 
 
 class BuiltinModelConfig(Strict):
@@ -149,7 +154,28 @@ class RolloutConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    every: int = Field(0, ge=0, description="Snapshot every N steps (0: never).")
+    every: int = Field(
+        0, ge=0, description="Snapshot every N steps (0: only on preemption); a run with snapshots also "
+        "snapshots its last step."
+    )
+    dir: str | None = Field(
+        None, description="Where snapshots go, any fsspec URL (s3://, gs://, memory://, a path). "
+        "Empty: RUN_DIR/checkpoints."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec options for the snapshot storage, e.g. {client_kwargs: {endpoint_url: ...}}.",
+    )
+    keep_last: int | None = Field(
+        3, ge=1, description="Keep the newest N snapshots (empty: keep all). The newest good one is always kept."
+    )
+    keep_every: int = Field(0, ge=0, description="Also keep snapshots whose step is a multiple of this (0: off).")
+    asynchronous: bool = Field(
+        True, description="Upload and commit in a background thread; training waits only for staging."
+    )
+    staging_dir: str | None = Field(
+        None, description="Local directory for staging snapshots bound for remote storage (default: temp)."
+    )
 
 
 class RunConfig(Strict):

@@ -16,7 +16,9 @@ class ExitCode(IntEnum):
     USAGE = 2  # bad command line (click's own convention)
     CONFIG = 3  # the run config is invalid: unknown key, wrong type, missing file
     INPUT = 4  # a model, dataset or reward function named by the config cannot be loaded
-    NONFINITE_ABORT = 5  # training produced NaN/Inf and no policy is there to handle it
+    LEASE_HELD = 10  # another live process is writing this run
+    SNAPSHOT = 11  # no usable snapshot: not found, corrupt, incomplete, or from another topology
+    PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after a committed snapshot: resume me (EX_TEMPFAIL)
 
 
 class RlctlError(Exception):
@@ -35,3 +37,15 @@ class ConfigError(RlctlError):
 
 class InputError(RlctlError):
     exit_code = ExitCode.INPUT
+
+
+class LeaseError(RlctlError):
+    exit_code = ExitCode.LEASE_HELD
+
+
+class SnapshotError(RlctlError):
+    exit_code = ExitCode.SNAPSHOT
+
+
+class Preempted(RlctlError):
+    exit_code = ExitCode.PREEMPTED

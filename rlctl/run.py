@@ -1,37 +1,268 @@
-"""The run directory: its layout, creation, and the summary of a finished run.
+"""A run: its directory on any fsspec storage, and starting or resuming it under a lease.
 
 RUN_DIR/
-  config.yaml       the resolved config (every key, defaults included)
-  model/            the built-in model and tokenizer (when model.path is empty)
-  metrics.jsonl     one orjson line per step
+  config.yaml              the resolved config (every key; updated by `resume --set`, changes in events)
+  model/                   the built-in model and tokenizer (when model.path is empty)
+  metrics.jsonl            one orjson row per step, each step exactly once
+  metrics.abandoned.jsonl  rows of steps a resume turned away from, tagged with the resume
+  events.jsonl             start, resume, snapshot commits and failures, preemption, completion
+  lease.json               the live writer (host, pid, heartbeat); absent when nobody writes
+  checkpoints/             snapshots (unless checkpoint.dir is set)
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import signal
+import time
+from typing import Any, Protocol
 
-from rlctl.config import RunConfig
-from rlctl.errors import ConfigError
-from rlctl.metrics import read_rows
+import orjson
+import yaml
+
+from rlctl import faults
+from rlctl.checkpoint.lease import Lease
+from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager, parse_step_spec
+from rlctl.checkpoint.storage import Storage
+from rlctl.config import RunConfig, parse_set, validate_config
+from rlctl.errors import ConfigError, Preempted, SnapshotError
+from rlctl.metrics import EventLog, parse_rows, read_rows, split_after_step
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+ABANDONED = "metrics.abandoned.jsonl"
+
+# What `rlctl resume --set` may change: knobs of the optimisation, not the identity of the run.
+SAFE_ON_RESUME = frozenset({
+    "trainer.total_steps", "trainer.num_threads", "trainer.lease_timeout", "trainer.lease_heartbeat",
+    "actor.lr", "actor.grad_clip", "algorithm.kl_coef", "algorithm.clip_ratio", "rollout.temperature",
+    "rollout.max_new_tokens", "checkpoint.every", "checkpoint.keep_last", "checkpoint.keep_every",
+    "checkpoint.asynchronous", "checkpoint.staging_dir",
+})  # fmt: skip
 
 
-def create_run_dir(run_dir: Path, cfg: RunConfig) -> None:
-    if (run_dir / "config.yaml").exists() or (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"--run-dir {run_dir} already holds a run; choose a new directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+class Reporter(Protocol):
+    def ready(self, step: int, total: int) -> None: ...
+
+    def step(self, row: dict[str, Any]) -> None: ...
+
+    def note(self, text: str) -> None: ...
 
 
-def run_summary(run_dir: Path, window: int = 10) -> dict[str, Any]:
-    rows = list(read_rows(run_dir / "metrics.jsonl"))
+class _Silent:
+    def ready(self, step: int, total: int) -> None: ...
+
+    def step(self, row: dict[str, Any]) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+# -- the run directory -----------------------------------------------------------------------------
+def create_run_dir(url: str, cfg: RunConfig) -> Storage:
+    run = Storage(url)
+    if run.exists(CONFIG) or run.exists(METRICS):
+        raise ConfigError(f"--run-dir {url} already holds a run; choose a new directory (or rlctl resume it)")
+    run.makedirs()
+    run.write_bytes(CONFIG, cfg.to_yaml().encode())
+    return run
+
+
+def load_run_config(run: Storage) -> RunConfig:
+    try:
+        raw = run.read_bytes(CONFIG)
+    except FileNotFoundError:
+        raise ConfigError(f"{run.url} is not an rlctl run directory (it has no {CONFIG})") from None
+    return validate_config(yaml.safe_load(raw) or {}, {})
+
+
+def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
+    c = cfg.checkpoint
+    if c.dir is not None:
+        return Storage(c.dir, c.storage_options)
+    return Storage(run.url_of("checkpoints"), c.storage_options) if c.storage_options else run.child("checkpoints")
+
+
+def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None) -> SnapshotManager:
+    c = cfg.checkpoint
+    manager = SnapshotManager(
+        checkpoint_storage(run, cfg),
+        world_size=1,
+        zero_stage=cfg.actor.zero_stage,
+        retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every),
+        on_event=events.emit if events is not None else None,
+        staging_dir=c.staging_dir,
+        asynchronous=c.asynchronous,
+    )
+    manager.commit_delay = float(faults.value("commit_delay") or 0)
+    return manager
+
+
+def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, Any]]:
+    data = cfg.model_dump(mode="json")
+    changes: dict[str, Any] = {}
+    origins = {}
+    for item in overrides:
+        key, value = parse_set(item)
+        dotted = ".".join(key)
+        if dotted not in SAFE_ON_RESUME:
+            raise ConfigError(
+                f"'{dotted}' cannot change on resume: the run would no longer continue the same training. "
+                f"Keys that can: {', '.join(sorted(SAFE_ON_RESUME))}"
+            )
+        node = data
+        for part in key[:-1]:
+            node = node[part]
+        changes[dotted] = {"from": node.get(key[-1]), "to": value}
+        node[key[-1]] = value
+        origins[key] = f"--set {item}"
+    new = validate_config(data, origins)
+    for dotted, change in changes.items():  # record typed values
+        section, name = dotted.split(".")
+        change["to"] = getattr(getattr(new, section), name)
+    return new, changes
+
+
+def abandon_metrics_after(run: Storage, step: int, tag: dict[str, Any]) -> int:
+    """Move the metric rows of steps after ``step`` to metrics.abandoned.jsonl, tagged; nothing is lost.
+    Returns the number of lines moved."""
+    if not run.exists(METRICS):
+        return 0
+    kept, moved = split_after_step(run.read_bytes(METRICS), step)
+    if not moved:
+        return 0
+    out = []
+    for line in moved:
+        rows = list(parse_rows(line))
+        row = rows[0] if rows else {"unparsed_line": line.decode(errors="replace").rstrip("\n")}
+        out.append(orjson.dumps({**row, "abandoned": tag}) + b"\n")
+    run.append_bytes(ABANDONED, b"".join(out))  # first keep them, then drop them from the main log
+    run.write_bytes(METRICS, kept)
+    return len(moved)
+
+
+def run_summary(run: Storage, window: int = 10) -> dict[str, Any]:
+    rows = read_rows(run, METRICS)
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     first, last = scores[:window], scores[-window:]
     return {
-        "run_dir": str(run_dir),
+        "run_dir": run.url,
         "steps": rows[-1]["step"] if rows else 0,
         "reward_start": sum(first) / len(first) if first else float("nan"),
         "reward_end": sum(last) / len(last) if last else float("nan"),
         "window": window,
         "seconds": sum(r.get("timing_s/step", 0.0) for r in rows),
     }
+
+
+# -- start and resume ------------------------------------------------------------------------------
+def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
+    run = create_run_dir(url, cfg)
+    events = EventLog(run)
+    try:
+        with Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire():
+            events.emit({"event": "start", "total_steps": cfg.trainer.total_steps})
+            snapshots = snapshot_manager(run, cfg, events)
+            snapshots.remove_uncommitted()
+            return _train(run, cfg, events, snapshots, reporter or _Silent(), restore=None)
+    finally:
+        events.close()
+
+
+def resume_run(
+    url: str, spec: str = "latest", overrides: list[str] = (), *, force: bool = False,
+    reporter: Reporter | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    run = Storage(url)
+    cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
+    wanted = parse_step_spec(spec)
+    reporter = reporter or _Silent()
+    events = EventLog(run)
+    try:
+        with Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire(force) as lease:
+            if lease.taken_over is not None:
+                events.emit({"event": "lease_taken_over", "previous": lease.taken_over})
+            snapshots = snapshot_manager(run, cfg, events)
+            removed = snapshots.remove_uncommitted()
+            if removed:
+                events.emit({"event": "uncommitted_removed", "steps": removed})
+            candidates = snapshots.candidates(wanted)
+            if isinstance(wanted, int) and candidates[0].problem:
+                raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
+            if wanted == "last-good" and not candidates:
+                raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
+            usable = [c for c in candidates if c.usable]
+            for bad in (c for c in candidates if not c.usable):
+                reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
+            if usable and usable[0].step >= cfg.trainer.total_steps and not changes:
+                reporter.note(f"run already complete at step {usable[0].step}; nothing to do")
+                return run_summary(run)
+            if not usable and wanted == "latest" and _completed(run, cfg):
+                reporter.note("run already complete; nothing to do")
+                return run_summary(run)
+            run.write_bytes(CONFIG, cfg.to_yaml().encode())
+            return _train(run, cfg, events, snapshots, reporter, restore=(usable, wanted, changes))
+    finally:
+        events.close()
+
+
+def _completed(run: Storage, cfg: RunConfig) -> bool:
+    return any(e.get("event") == "completed" and e.get("step", 0) >= cfg.trainer.total_steps
+               for e in read_rows(run, "events.jsonl"))  # fmt: skip
+
+
+def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter) -> SnapshotInfo | None:
+    for info in usable:
+        try:
+            trainer.restore(info)
+            return info
+        except SnapshotError as exc:
+            if len(usable) == 1:
+                raise
+            reporter.note(f"warning: {exc.message}; trying an older snapshot")
+    if usable:
+        raise SnapshotError(f"no usable snapshot in {snapshots.storage.url}: every candidate failed its checks")
+    return None
+
+
+def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
+    from rlctl.engine.trainer import Trainer  # heavy: torch, DeepSpeed, transformers
+
+    trainer = Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step)
+    if restore is not None:
+        usable, wanted, changes = restore
+        info = _restore(trainer, snapshots, usable, reporter)
+        step = info.step if info else 0
+        if info is None:
+            reporter.note("warning: no snapshot to resume from; starting again from step 0")
+        tag = {"event": "resume", "from_step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        moved = abandon_metrics_after(run, step, tag)
+        later = snapshots.abandon_after(step, tag["time"].replace(":", ""))
+        if "actor.lr" in changes:
+            trainer.actor.set_lr(cfg.actor.lr)
+        if "algorithm.kl_coef" in changes:
+            trainer.kl_ctrl.value = cfg.algorithm.kl_coef
+        events.emit({
+            "event": "resume", "from": wanted, "step": step, "snapshot": info.name if info else None,
+            "location": snapshots.storage.url_of(info.name) if info else None, "changes": changes,
+            "abandoned_metric_rows": moved, "abandoned_snapshots": later,
+        })  # fmt: skip
+    reporter.ready(trainer.state.step, cfg.trainer.total_steps)
+
+    def on_signal(signum, _frame):
+        trainer.request_stop(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        trainer.train()
+    except Preempted as exc:
+        events.emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
+                     "snapshot": snapshots.last_committed})  # fmt: skip
+        raise exc
+    except BaseException as exc:
+        events.emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        snapshots.close()
+    events.emit({"event": "completed", "step": trainer.state.step, "weights_sha256": trainer.actor.weights_sha256()})
+    return run_summary(run)

@@ -43,3 +43,10 @@ def runtime():
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """The real entry point in a subprocess."""
     return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout)
+
+
+def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
+    from rlctl.checkpoint.storage import Storage
+    from rlctl.metrics import read_rows
+
+    return read_rows(Storage(str(run_dir)), rel)

@@ -7,9 +7,8 @@ import orjson
 import pytest
 import yaml
 
-from conftest import run_cli
+from conftest import metrics_of, run_cli
 from rlctl.errors import ExitCode
-from rlctl.metrics import read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,7 @@ def test_demo_learns(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run_dir}\n"  # stdout is data only
     assert "reward" in r.stderr and "done" in r.stderr
-    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    rows = metrics_of(run_dir)
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     for row in rows:
         assert set(REQUIRED) <= set(row)
@@ -55,7 +54,7 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
         "--set", "algorithm.ppo_epochs=2", "--set", "actor.mini_batch_size=8", "--set", "rollout.max_new_tokens=6",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    rows = metrics_of(run_dir)
     assert len(rows) == 6
     for row in rows:
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
@@ -84,7 +83,7 @@ def test_user_model_data_and_reward(tmp_path):
     run_dir = tmp_path / "math"
     r = run_cli("start", str(cfg), "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stderr
-    rows = list(read_rows(run_dir / "metrics.jsonl"))
+    rows = metrics_of(run_dir)
     assert len(rows) == 3 and all(0 <= row["critic/score/mean"] <= 1 for row in rows)
     assert not (run_dir / "model").exists()  # a user model is used in place, not copied
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
@@ -25,7 +26,7 @@ def make_cfg(**sets) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return prepare_model_dir(RunConfig(), tmp_path_factory.mktemp("run"))
+    return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("run"))))
 
 
 def test_tiny_model_reloads_with_any_hf_tool(model_dir):

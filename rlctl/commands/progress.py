@@ -1,4 +1,4 @@
-"""Progress and the end-of-run summary on stderr (rich). stdout stays clean for data.
+"""Progress, notes and the end-of-run summary on stderr (rich). stdout stays clean for data.
 
 On a terminal a live bar shows step, reward and KL; in a log file (Slurm, cron, CI) the same facts are
 written as plain lines, about twenty per run, instead of bar redraws.
@@ -7,7 +7,6 @@ written as plain lines, about twenty per run, instead of bar redraws.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -15,12 +14,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepProgress:
-    def __init__(self, total_steps: int, run_dir: Path):
+    """A ``rlctl.run.Reporter`` that draws on stderr."""
+
+    def __init__(self, run_dir: str):
         self.console = Console(stderr=True)
-        self.total = total_steps
         self.run_dir = run_dir
         self.live = self.console.is_terminal
-        self.every = max(1, total_steps // 20)
+        self.total = 0
+        self.every = 1
         self.progress = Progress(
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
@@ -37,18 +38,25 @@ class StepProgress:
         self.console.print("[dim]loading model, data and DeepSpeed engine...[/dim]")
         return self
 
-    def begin(self) -> None:
+    def ready(self, step: int, total: int) -> None:
+        self.total, self.every = total, max(1, total // 20)
+        if step:
+            self.console.print(f"[dim]continuing from step {step} of {total}[/dim]")
         self.progress.start()
-        self.task = self.progress.add_task("train", total=self.total, info="")
+        self.task = self.progress.add_task("train", total=total, completed=step, info="")
 
-    def update(self, row: dict[str, Any]) -> None:
-        info = f"reward {row['critic/score/mean']:.3f}  kl {row['actor/ppo_kl']:+.2e}  " + (
+    def step(self, row: dict[str, Any]) -> None:
+        info = (
+            f"reward {row['critic/score/mean']:.3f}  kl {row['actor/ppo_kl']:+.2e}  "
             f"{row['timing_s/step']:.2f}s/step"
         )
         if self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=info)
         if not self.live and (row["step"] % self.every == 0 or row["step"] == self.total):
             self.console.print(f"step {row['step']}/{self.total}  {info}", highlight=False)
+
+    def note(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False)
 
     def __exit__(self, *exc) -> None:
         self.progress.stop()

@@ -8,6 +8,8 @@ build); on CUDA the same. The engine owns the weights, optimizer and lr schedule
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,37 @@ class Actor:
 
             return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
         return contextlib.nullcontext()
+
+    # -- DirStateful: the engine's own checkpoint format, ZeRO-aware for every stage and rank ----------
+    def save_to_dir(self, path: str) -> None:
+        parent, tag = os.path.split(path.rstrip("/"))
+        self.engine.save_checkpoint(parent, tag=tag, save_latest=False)
+
+    def load_from_dir(self, path: str) -> None:
+        parent, tag = os.path.split(path.rstrip("/"))
+        loaded, _ = self.engine.load_checkpoint(
+            parent, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state from {path}")
+
+    def set_lr(self, lr: float) -> None:
+        """Change the base learning rate (warm-up and schedule still apply on top of it)."""
+        sched = self.scheduler
+        sched.base_lrs = [lr for _ in sched.base_lrs]
+        factor = sched.lr_lambdas[0](sched.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def weights_sha256(self) -> str:
+        """A hash of every parameter's bytes, by name: equal hashes mean bit-identical weights."""
+        h = hashlib.sha256()
+        with self.full_parameters():
+            for name, p in sorted(self.module.named_parameters()):
+                h.update(name.encode())
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def log_probs(
         self, seqs: Sequences, temperature: float, with_entropy: bool = False

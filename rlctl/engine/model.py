@@ -7,13 +7,17 @@ needs it), built from a transformers config with seeded random weights and saved
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import string
+import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from rlctl.checkpoint.storage import Storage
 from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.errors import InputError
 
@@ -69,17 +73,42 @@ def build_tiny_model(spec: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFas
     return model
 
 
-def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """The directory the actor (and reference) load from: `model.path`, or the built-in model saved
-    into RUN_DIR/model (created once; a resumed run reuses it)."""
+def prepare_model_dir(cfg: RunConfig, run: Storage) -> Path:
+    """A local directory the actor (and reference) load from: `model.path`, or the built-in model kept in
+    RUN_DIR/model (created once; a resumed run reuses it). For a remote run directory the built-in model
+    is built or fetched into a local temporary directory."""
     if cfg.model.path is not None:
         return Path(cfg.model.path).expanduser()
-    out = run_dir / "model"
-    if not (out / "config.json").exists():
-        tokenizer = build_char_tokenizer()
-        model = build_tiny_model(cfg.model.builtin, tokenizer, cfg.seed)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+    if run.is_local:
+        out = Path(run.path("model"))
+        if not (out / "config.json").exists():
+            _save_builtin(cfg, out)
+        return out
+    out = Path(tempfile.mkdtemp(prefix="rlctl-model-"))
+    atexit.register(shutil.rmtree, out, True)
+    if run.exists("model", "config.json"):
+        run.get_dir(str(out), "model")
+    else:
+        _save_builtin(cfg, out)
+        run.put_dir(str(out), "model")
+    return out
+
+
+def _save_builtin(cfg: RunConfig, out: Path) -> None:
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.builtin, tokenizer, cfg.seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def hf_metadata_files(model_dir: Path) -> dict[str, bytes]:
+    """The small files that describe a model directory (configs, tokenizer), without weights: kept in
+    every snapshot so `rlctl export` can rebuild a Hugging Face directory from it alone."""
+    out = {}
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and f.stat().st_size < 64 << 20:
+            if not f.name.endswith(".index.json"):
+                out[f"hf/{f.name}"] = f.read_bytes()
     return out
 
 

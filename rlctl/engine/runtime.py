@@ -61,7 +61,7 @@ def setup_runtime(device_pref: str, dtype_pref: str, num_threads: int) -> Runtim
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         torch.set_num_threads(num_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _quiet_libraries()
+    quiet_libraries()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch_device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -70,7 +70,7 @@ def setup_runtime(device_pref: str, dtype_pref: str, num_threads: int) -> Runtim
     return Runtime(torch_device, resolve_dtype(dtype_pref, device), "nccl" if device == "cuda" else "gloo")
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Library chatter goes to stderr and only above INFO: stdout is for data."""
     import transformers
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import traceback
@@ -13,17 +14,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlctl import faults
 from rlctl.checkpoint import check_version
+from rlctl.checkpoint.rng import RNGState
+from rlctl.checkpoint.snapshots import SnapshotManager
+from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine import algos
 from rlctl.engine.actor import Actor, Sequences, sequence_log_probs
 from rlctl.engine.data import PromptCursor, load_rows
-from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
+from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import init_distributed, setup_runtime
-from rlctl.errors import InputError
-from rlctl.metrics import JsonlWriter
+from rlctl.errors import InputError, Preempted
+from rlctl.metrics import JsonlLog
 
 StepCallback = Callable[[dict[str, Any]], None]
 
@@ -47,6 +52,17 @@ class TrainerState:
         self.step, self.tokens_seen, self.prompts_seen = state["step"], state["tokens_seen"], state["prompts_seen"]
 
 
+def is_healthy(row: dict[str, Any]) -> bool:
+    """A step is good when every metric is finite and no non-finite value was counted anywhere. (The
+    rollback policies refine this; a snapshot records the verdict.)"""
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if key.startswith("actor/nonfinite/") and value:
+            return False
+    return True
+
+
 @contextmanager
 def timed(timings: dict[str, float], name: str):
     start = time.perf_counter()
@@ -61,41 +77,88 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, on_step: StepCallback | None = None):
-        self.cfg, self.run_dir, self.on_step = cfg, run_dir, on_step
+    def __init__(
+        self, cfg: RunConfig, run: Storage, *, snapshots: SnapshotManager | None = None,
+        on_step: StepCallback | None = None,
+    ):  # fmt: skip
+        self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
         self.runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
         seed_everything(cfg.seed)
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
-        model_dir = prepare_model_dir(cfg, run_dir)
-        self.tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+        self.model_dir = prepare_model_dir(cfg, run)
+        self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         init_distributed(self.runtime.backend)
-        self.actor = Actor(cfg, model_dir, self.runtime)
+        self.actor = Actor(cfg, self.model_dir, self.runtime)
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
-            ref = load_causal_lm(model_dir, self.runtime.dtype, cfg.model.trust_remote_code)
+            ref = load_causal_lm(self.model_dir, self.runtime.dtype, cfg.model.trust_remote_code)
             self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
         self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer)
         self.kl_ctrl = algos.FixedKLController(cfg.algorithm.kl_coef)
         self.state = TrainerState()
-        self.metrics = JsonlWriter(run_dir / "metrics.jsonl")
+        self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
         self.on_policy = cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch == batch
+        self.stop_signal: str | None = None
+        self.metrics: JsonlLog | None = None
+        self._hf_files = hf_metadata_files(self.model_dir)
+        self._snapshotted = -1
 
+    # -- state ---------------------------------------------------------------------------------------
     def stateful(self) -> dict[str, Any]:
-        """Everything a snapshot restores, by name."""
-        return {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl}
+        """Everything a snapshot restores besides the engine, by name."""
+        return {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl, "rng": self.rng}
 
+    def restore(self, info) -> None:
+        """Load a snapshot into every Stateful and the engine, then re-sync the rollout weights."""
+        self.snapshots.restore(info, self.stateful(), {"actor": self.actor})
+        self._snapshotted = self.state.step
+        self.rollout.sync_weights()
+
+    def snapshot(self, good: bool) -> None:
+        self.metrics.flush()  # the rows the snapshot claims are on storage before it commits
+        self.snapshots.save(
+            self.state.step, self.stateful(), {"actor": self.actor}, good=good,
+            extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
+            meta={"metrics_offset": self.metrics.tell(), "tokens_seen": self.state.tokens_seen},
+        )  # fmt: skip
+        self._snapshotted = self.state.step
+
+    def request_stop(self, reason: str) -> None:
+        """Finish the current step, snapshot it, and stop (SIGTERM / SIGUSR1 land here)."""
+        self.stop_signal = reason
+
+    # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> None:
+        """Steps until total_steps; snapshots every `checkpoint.every` steps, at the end of a run that
+        snapshots, and when a stop is requested (then raises Preempted once the snapshot is committed)."""
+        total, every = self.cfg.trainer.total_steps, self.cfg.checkpoint.every
+        self.metrics = JsonlLog(self.run, "metrics.jsonl")
+        healthy = True
         try:
-            while self.state.step < self.cfg.trainer.total_steps:
+            while self.state.step < total and self.stop_signal is None:
                 row = self.train_step(self.state.step + 1)
                 self.metrics.write(row)
                 if self.on_step is not None:
                     self.on_step(row)
+                healthy = is_healthy(row)
+                if (pause := faults.value("sleep", self.state.step)) is not None:
+                    time.sleep(float(pause or 1))
+                if self.snapshots is not None and every and self.state.step % every == 0:
+                    self.snapshot(good=healthy)
+            wanted = self.stop_signal is not None or every > 0
+            if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
+                self.snapshot(good=healthy)
+            committed = self.snapshots.wait() if self.snapshots is not None else None
         finally:
             self.metrics.close()
+        if self.stop_signal is not None:
+            where = (f"snapshot of step {self.state.step} committed" if committed
+                     else "no new snapshot was committed; the previous one stands")  # fmt: skip
+            raise Preempted(f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
+                            f"Resume with: rlctl resume {self.run.url} --from latest")  # fmt: skip
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, t = self.cfg, {}

@@ -1,0 +1,402 @@
+"""Snapshots: staged while training waits, uploaded and committed in the background.
+
+Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.dir`` says otherwise)::
+
+    step-000500/
+      <name>/...          each directory-Stateful (the DeepSpeed engine: weights, optimizer, scheduler)
+      state.pt            every other Stateful's state_dict (trainer, data cursor, RNG, KL controller ...)
+      <extra files>       the resolved config, the model's HF config and tokenizer
+      manifest.json       written last, created exclusively: the only proof the snapshot exists
+    abandoned/<time>/step-000700/   snapshots of a branch a resume turned away from (never deleted)
+
+The manifest lists every file with its size and sha256, the rlctl version, world size and ZeRO stage.
+A directory without a manifest is not a snapshot: discovery ignores it and start-up removes it.
+"latest" is found by listing, never from a pointer file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from rlctl import __version__
+from rlctl.checkpoint.stateful import Stateful
+from rlctl.checkpoint.storage import Storage, with_retries
+from rlctl.errors import SnapshotError
+
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+EventFn = Callable[[dict[str, Any]], None]
+
+
+class DirStateful(Protocol):
+    """State too big or too structured for a state_dict: saved into, and loaded from, a directory."""
+
+    def save_to_dir(self, path: str) -> None: ...
+
+    def load_from_dir(self, path: str) -> None: ...
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def parse_step_spec(spec: str) -> int | str:
+    """'latest' | 'last-good' | 'step-500' | '500' -> 'latest' | 'last-good' | 500."""
+    if spec in ("latest", "last-good"):
+        return spec
+    m = re.fullmatch(r"(?:step-)?0*(\d+)", spec)
+    if not m:
+        raise SnapshotError(f"--from expects latest, last-good, step-N or N; got {spec!r}")
+    return int(m.group(1))
+
+
+@dataclass
+class SnapshotInfo:
+    step: int
+    name: str
+    manifest: dict[str, Any] | None = None
+    problem: str | None = None  # why the snapshot is not usable
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def usable(self) -> bool:
+        return self.committed and self.problem is None
+
+    @property
+    def good(self) -> bool:
+        return bool(self.manifest and self.manifest.get("good"))
+
+    def as_row(self) -> dict[str, Any]:
+        m = self.manifest or {}
+        return {
+            "step": self.step,
+            "name": self.name,
+            "time": m.get("created"),
+            "bytes": m.get("total_bytes"),
+            "committed": self.committed,
+            "good": self.good,
+            "usable": self.usable,
+            "problem": self.problem,
+        }
+
+
+def sha256_file(path: str, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _local_files(root: str) -> dict[str, dict[str, Any]]:
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel == MANIFEST:
+                continue
+            files[rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
+            _fsync(full)  # durable before the manifest can claim it
+    return dict(sorted(files.items()))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Retention:
+    keep_last: int | None = None  # None: keep every snapshot
+    keep_every: int = 0  # also keep steps that are multiples of this (0: none)
+    protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
+
+
+class SnapshotManager:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        world_size: int = 1,
+        zero_stage: int | None = None,
+        retention: Retention | None = None,
+        on_event: EventFn | None = None,
+        staging_dir: str | None = None,
+        asynchronous: bool = True,
+        retry_delay: float = 0.5,
+    ):
+        self.storage = storage
+        self.world_size = world_size
+        self.zero_stage = zero_stage
+        self.retention = retention or Retention()
+        self.on_event = on_event or (lambda event: None)
+        self.staging_dir = staging_dir
+        self.asynchronous = asynchronous
+        self.retry_delay = retry_delay
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-snapshot")
+        self._pending: Future | None = None
+        self._lock = threading.Lock()
+        self.last_committed: int | None = None
+        self.commit_delay = 0.0  # fault drills: seconds to wait before committing
+
+    # -- discovery ---------------------------------------------------------------------------------
+    def scan(self, deep: bool = False) -> list[SnapshotInfo]:
+        """Every step directory, committed or not, oldest first. ``deep`` also checks every sha256."""
+        infos = []
+        for name in self.storage.listdir():
+            m = _STEP_DIR.match(name)
+            if not m:
+                continue
+            info = SnapshotInfo(int(m.group(1)), name)
+            self._inspect(info, deep)
+            infos.append(info)
+        return sorted(infos, key=lambda i: i.step)
+
+    def _inspect(self, info: SnapshotInfo, deep: bool) -> None:
+        try:
+            raw = self.storage.read_bytes(info.name, MANIFEST)
+        except FileNotFoundError:
+            info.problem = "no manifest: never committed (interrupted or in progress)"
+            return
+        try:
+            info.manifest = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            info.problem = "manifest.json is not valid JSON"
+            return
+        info.problem = self._problem(info, deep)
+
+    def _problem(self, info: SnapshotInfo, deep: bool) -> str | None:
+        m = info.manifest or {}
+        if m.get("format") != FORMAT:
+            return f"manifest format {m.get('format')!r}; this rlctl reads format {FORMAT}"
+        if m.get("world_size") != self.world_size:
+            return f"written by {m.get('world_size')} rank(s); this run has {self.world_size}"
+        if self.zero_stage is not None and m.get("zero_stage") != self.zero_stage:
+            return f"written with ZeRO stage {m.get('zero_stage')}; this run uses stage {self.zero_stage}"
+        existing = set(self.storage.walk_files(info.name))
+        for rel, meta in m.get("files", {}).items():
+            if rel not in existing:
+                return f"file {rel} is missing"
+            if self.storage.size(info.name, rel) != meta["size"]:
+                return f"file {rel} has {self.storage.size(info.name, rel)} bytes; the manifest says {meta['size']}"
+        if deep and self.storage.is_local:
+            return checksum_problem(self.storage.path(info.name), m)
+        return None
+
+    def remove_uncommitted(self) -> list[int]:
+        """Delete step directories without a manifest (left by a crash). Call only as the run's writer."""
+        removed = []
+        for info in self.scan():
+            if not info.committed:
+                self.storage.rm(info.name, recursive=True)
+                removed.append(info.step)
+        return removed
+
+    def candidates(self, spec: int | str) -> list[SnapshotInfo]:
+        """Snapshots to try for ``spec``, best first. An explicit step gives that one only."""
+        infos = self.scan()
+        if isinstance(spec, int):
+            match = [i for i in infos if i.step == spec]
+            if not match:
+                steps = ", ".join(str(i.step) for i in infos if i.usable) or "none"
+                raise SnapshotError(f"no snapshot of step {spec} in {self.storage.url} (usable steps: {steps})")
+            return match
+        committed = [i for i in reversed(infos) if i.committed]
+        return [i for i in committed if i.good] if spec == "last-good" else committed
+
+    # -- saving ------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        states: dict[str, Stateful],
+        dirs: dict[str, DirStateful],
+        *,
+        good: bool,
+        extra_files: dict[str, bytes] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> float:
+        """Stage the snapshot of ``step`` (training waits only for this), then upload and commit it in
+        the background. A snapshot still in flight is awaited first, never overlapped. Returns the
+        seconds training stalled."""
+        import torch
+
+        t0 = time.perf_counter()
+        self.wait()
+        name = step_name(step)
+        if self.storage.exists(name, MANIFEST):
+            raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
+        self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
+        if self.storage.is_local:
+            stage = self.storage.path(name)  # stage in place: the manifest still commits it
+        else:
+            stage = tempfile.mkdtemp(prefix=f"rlctl-{name}-", dir=self.staging_dir)
+        os.makedirs(stage, exist_ok=True)
+        for key, obj in dirs.items():
+            obj.save_to_dir(os.path.join(stage, key))
+        buf = io.BytesIO()
+        torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
+        _write(os.path.join(stage, STATE_FILE), buf.getvalue())
+        for rel, data in (extra_files or {}).items():
+            _write(os.path.join(stage, *rel.split("/")), data)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "rlctl_version": __version__,
+            "world_size": self.world_size,
+            "zero_stage": self.zero_stage,
+            "good": good,
+            **(meta or {}),
+        }
+        stall = time.perf_counter() - t0
+        job = self._pool.submit(self._commit, step, stage, manifest, stall)
+        with self._lock:
+            self._pending = job
+        if not self.asynchronous:
+            self.wait()
+        return stall
+
+    def _commit(self, step: int, stage: str, manifest: dict[str, Any], stall: float) -> bool:
+        name = step_name(step)
+        t0 = time.perf_counter()
+        try:
+            manifest["files"] = _local_files(stage)
+            manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
+            if not self.storage.is_local:
+                with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay,
+                             on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
+            if self.commit_delay:
+                time.sleep(self.commit_delay)
+            data = orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
+            with_retries(lambda: self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True),
+                         base_delay=self.retry_delay, on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
+        except Exception as exc:
+            self.on_event({"event": "snapshot_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
+            if not self.storage.exists(name, MANIFEST):
+                self.storage.rm(name, recursive=True)  # never half-visible, and no litter
+            return False
+        finally:
+            if not self.storage.is_local:
+                shutil.rmtree(stage, ignore_errors=True)
+        self.last_committed = step
+        self.on_event({
+            "event": "snapshot_committed", "step": step, "good": manifest["good"],
+            "bytes": manifest["total_bytes"], "stall_s": round(stall, 4),
+            "commit_s": round(time.perf_counter() - t0, 4), "location": self.storage.url_of(name),
+        })  # fmt: skip
+        self.purge()
+        return True
+
+    def _retry_event(self, step: int, attempt: int, exc: Exception) -> None:
+        self.on_event({"event": "snapshot_retry", "step": step, "attempt": attempt, "error": str(exc)})
+
+    def wait(self) -> bool | None:
+        """Block until the snapshot in flight (if any) is committed or has failed; its outcome."""
+        with self._lock:
+            job, self._pending = self._pending, None
+        return None if job is None else job.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    # -- retention ---------------------------------------------------------------------------------
+    def purge(self) -> list[int]:
+        """Apply keep_last / keep_every to committed snapshots. Never removes the newest snapshot, the
+        newest good one, nor a protected step. Runs only after a commit."""
+        r = self.retention
+        committed = [i for i in self.scan() if i.committed]
+        if r.keep_last is None or not committed:
+            return []
+        keep = {i.step for i in committed[-r.keep_last :]} | set(r.protected) | {committed[-1].step}
+        good = [i for i in committed if i.good]
+        if good:
+            keep.add(good[-1].step)
+        if r.keep_every:
+            keep |= {i.step for i in committed if i.step % r.keep_every == 0}
+        removed = []
+        for info in committed:
+            if info.step not in keep:
+                # un-commit first (the manifest goes), so a crash mid-delete leaves no broken snapshot
+                self.storage.rm(info.name, MANIFEST)
+                self.storage.rm(info.name, recursive=True)
+                removed.append(info.step)
+        if removed:
+            self.on_event({"event": "snapshots_purged", "steps": removed})
+        return removed
+
+    def abandon_after(self, step: int, tag: str) -> list[int]:
+        """Move committed snapshots later than ``step`` to abandoned/<tag>/ (a resume turned away from
+        them; they are kept, not deleted)."""
+        moved = []
+        for info in self.scan():
+            if info.step > step:
+                dst = self.storage.path("abandoned", tag, info.name)
+                self.storage.fs.makedirs(os.path.dirname(dst), exist_ok=True)
+                self.storage.fs.mv(self.storage.path(info.name), dst, recursive=True)
+                moved.append(info.step)
+        return moved
+
+    # -- restoring ---------------------------------------------------------------------------------
+    def restore(self, info: SnapshotInfo, states: dict[str, Stateful], dirs: dict[str, DirStateful]) -> None:
+        """Verify every checksum, then load every Stateful. Raises SnapshotError when the snapshot is not
+        usable; nothing is loaded then."""
+        import torch
+
+        if info.problem is not None:
+            raise SnapshotError(f"snapshot {info.name} is not usable: {info.problem}")
+        local, cleanup = self.storage.local_copy(info.name)
+        try:
+            problem = checksum_problem(local, info.manifest or {})
+            if problem:
+                info.problem = problem
+                raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
+            saved = torch.load(os.path.join(local, STATE_FILE), weights_only=False)
+            missing = sorted(set(states) - set(saved))
+            if missing:
+                raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")
+            for key, obj in dirs.items():
+                obj.load_from_dir(os.path.join(local, key))
+            for key, obj in states.items():
+                obj.load_state_dict(saved[key])
+        finally:
+            cleanup()
+
+
+def checksum_problem(local_dir: str, manifest: dict[str, Any]) -> str | None:
+    for rel, meta in manifest.get("files", {}).items():
+        path = os.path.join(local_dir, *rel.split("/"))
+        if not os.path.exists(path):
+            return f"file {rel} is missing"
+        if sha256_file(path) != meta["sha256"]:
+            return f"file {rel} does not match its sha256 (corrupt)"
+    return None
+
+
+def _write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(data)

@@ -1,0 +1,22 @@
+"""Options shared by several commands, defined once."""
+
+from __future__ import annotations
+
+import click
+
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config key; the value is read as YAML (--set actor.lr=5e-5). Repeatable.",
+)
+
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table for people, json for scripts.",
+)

@@ -1,0 +1,60 @@
+"""Export a snapshot as a Hugging Face model directory (safetensors plus tokenizer).
+
+The weights are consolidated in fp32 from the DeepSpeed files of any ZeRO stage with DeepSpeed's own
+``zero_to_fp32`` reader (no engine, no process group); the model's config and tokenizer come from the
+snapshot's ``hf/`` copy, so the export needs nothing but the snapshot. Checksums are verified first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlctl.checkpoint.snapshots import SnapshotInfo, checksum_problem, parse_step_spec
+from rlctl.checkpoint.storage import Storage
+from rlctl.errors import ConfigError, SnapshotError
+from rlctl.run import load_run_config, snapshot_manager
+
+
+def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.engine.runtime import quiet_libraries
+
+    quiet_libraries()
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"OUT_DIR {out_dir} is not empty; choose a new directory")
+    run = Storage(run_dir)
+    cfg = load_run_config(run)
+    manager = snapshot_manager(run, cfg)
+    usable = [c for c in manager.candidates(parse_step_spec(spec)) if c.usable]
+    if not usable:
+        raise SnapshotError(f"no usable snapshot for --step {spec} in {manager.storage.url}")
+    info = usable[0]
+    local, cleanup = manager.storage.local_copy(info.name)
+    try:
+        problem = checksum_problem(local, info.manifest or {})
+        if problem:
+            raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
+        hf = os.path.join(local, "hf")
+        state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor")
+        config = AutoConfig.from_pretrained(hf, trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        if unexpected or set(missing) - tied:
+            raise SnapshotError(
+                f"snapshot {info.name} does not fit its model config: missing {sorted(set(missing) - tied)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        model.tie_weights()
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(hf).save_pretrained(out)
+    finally:
+        cleanup()
+    return info

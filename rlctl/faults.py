@@ -1,0 +1,51 @@
+"""Fault drills: deliberate faults, switched on by the RLCTL_FAULTS environment variable.
+
+Used by the test suite and by anyone who wants to see what a bad night looks like before having one.
+A comma-separated list of ``name[@step][=value]``:
+
+- ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run)
+- ``commit_delay=30``   wait 30 s in the background before writing each snapshot's manifest
+                        (a window to kill the run mid-commit)
+
+Unknown names are an error, so a typo cannot silently disarm a drill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from rlctl.errors import ConfigError
+
+KNOWN = {"sleep", "commit_delay"}
+_ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    step: int | None
+    value: str | None
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        m = _ITEM.match(item)
+        if not m or m["name"] not in KNOWN:
+            raise ConfigError(f"RLCTL_FAULTS: cannot read {item!r}; known faults: {', '.join(sorted(KNOWN))}")
+        faults.append(Fault(m["name"], int(m["step"]) if m["step"] else None, m["value"]))
+    return faults
+
+
+def active() -> list[Fault]:
+    return parse(os.environ.get("RLCTL_FAULTS", ""))
+
+
+def value(name: str, step: int | None = None) -> str | None:
+    """The value of fault ``name`` armed for ``step`` (or for every step), else None."""
+    for f in active():
+        if f.name == name and (f.step is None or f.step == step):
+            return f.value if f.value is not None else ""
+    return None
