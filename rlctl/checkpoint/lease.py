@@ -9,6 +9,7 @@ host is taken over only with ``--force``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import threading
@@ -35,12 +36,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def read_lease(storage: Storage) -> dict[str, Any] | None:
+    """The lease record, with ``_digest`` (a hash of its bytes); a corrupt one reads as long stale."""
     try:
-        return orjson.loads(storage.read_bytes(LEASE_FILE))
+        raw = storage.read_bytes(LEASE_FILE)
     except FileNotFoundError:
         return None
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    try:
+        return {**orjson.loads(raw), "_digest": digest}
     except orjson.JSONDecodeError:
-        return {"owner": "?", "host": "?", "pid": -1, "heartbeat": 0.0}
+        return {"owner": "?", "host": "?", "pid": -1, "heartbeat": 0.0, "_digest": digest}
 
 
 def lease_state(lease: dict[str, Any] | None, timeout: float, now: float | None = None) -> str:
@@ -72,13 +77,15 @@ class Lease:
         })  # fmt: skip
 
     def acquire(self, force: bool = False) -> Lease:
-        for _ in range(2):
+        for _ in range(3):
             try:
                 self.storage.write_bytes(LEASE_FILE, self._record(), exclusive=True)
                 break
             except FileExistsError:
                 held = read_lease(self.storage)
                 state = lease_state(held, self.timeout)
+                if state == "free":
+                    continue  # released between our create and our read: try the create again
                 age = time.time() - float((held or {}).get("heartbeat", 0))
                 who = f"{(held or {}).get('host')} pid {(held or {}).get('pid')}, heartbeat {age:.0f}s ago"
                 if state == "live":
@@ -88,13 +95,24 @@ class Lease:
                         f"run {self.storage.url} has a stale lease ({who}); if that process is really gone, "
                         "take it over with --force"
                     )
-                self.taken_over = held
+                # Takeover is itself exclusive: the first to create the marker named after this stale
+                # lease's bytes replaces it; a second taker fails here instead of deleting the winner's
+                # fresh lease. Markers are a few bytes each and are kept.
+                try:
+                    self.storage.write_bytes(f".lease/takeover-{held['_digest']}", self._record(), exclusive=True)
+                except FileExistsError:
+                    raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
+                self.taken_over = {k: v for k, v in held.items() if k != "_digest"}
                 self.storage.rm(LEASE_FILE)  # then race for the exclusive create again
         else:
             raise LeaseError(f"another process took the lease of {self.storage.url} at the same moment")
         self._thread = threading.Thread(target=self._beat, name="rlctl-lease", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def held(self) -> bool:
+        return self._thread is not None and not self.lost
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):

@@ -11,6 +11,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -80,12 +81,25 @@ class Storage:
         on local disks and, through If-None-Match, on S3)."""
         path = self.path(rel)
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        if exclusive:
+        if exclusive and self.is_local:
+            # complete in a temporary file, then link it into place: link fails if the name exists, and
+            # nobody ever sees the file half-written (an "xb" open creates it empty first)
+            tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            try:
+                os.link(tmp, path)
+            finally:
+                os.unlink(tmp)
+        elif exclusive:
+            # object stores: one conditional PUT (If-None-Match) of the whole object
             with self.fs.open(path, "xb") as fh:
                 fh.write(data)
         elif self.is_local:
             # write then rename: a reader never sees half a file
-            tmp = f"{path}.tmp-{os.getpid()}"
+            tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
