@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     except RlctlError as exc:
         click.echo(f"Error: {exc.message}", err=True)
         sys.exit(int(exc.exit_code))
+    except OSError as exc:
+        # storage that cannot be reached, read or written: the environment, not a bug in rlctl
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        click.echo(f"Error: storage error{where}: {exc.strerror or exc}", err=True)
+        sys.exit(int(ExitCode.STORAGE))
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(130)

@@ -18,6 +18,7 @@ class ExitCode(IntEnum):
     INPUT = 4  # a model, dataset or reward function named by the config cannot be loaded
     LEASE_HELD = 10  # another live process is writing this run
     SNAPSHOT = 11  # no usable snapshot: not found, corrupt, incomplete, or from another topology
+    STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after a committed snapshot: resume me (EX_TEMPFAIL)
 
 

@@ -7,7 +7,9 @@ snapshot's ``hf/`` copy, so the export needs nothing but the snapshot. Checksums
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from pathlib import Path
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, checksum_problem, parse_step_spec
@@ -41,7 +43,8 @@ def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:
         if problem:
             raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
         hf = os.path.join(local, "hf")
-        state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor")
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's reader prints progress to stdout
+            state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor")
         config = AutoConfig.from_pretrained(hf, trust_remote_code=cfg.model.trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)

@@ -4,8 +4,8 @@ Used by the test suite and by anyone who wants to see what a bad night looks lik
 A comma-separated list of ``name[@step][=value]``:
 
 - ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run)
-- ``commit_delay=30``   wait 30 s in the background before writing each snapshot's manifest
-                        (a window to kill the run mid-commit)
+- ``commit_delay@6=30`` wait 30 s in the background before writing the manifest of the step-6
+                        snapshot (of every snapshot without @step): a window to kill the run mid-commit
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
 """

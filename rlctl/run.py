@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import orjson
 import yaml
 
-from rlctl import faults
 from rlctl.checkpoint.lease import Lease
 from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.checkpoint.storage import Storage
@@ -83,7 +82,7 @@ def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
 
 def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None) -> SnapshotManager:
     c = cfg.checkpoint
-    manager = SnapshotManager(
+    return SnapshotManager(
         checkpoint_storage(run, cfg),
         world_size=1,
         zero_stage=cfg.actor.zero_stage,
@@ -92,8 +91,6 @@ def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = Non
         staging_dir=c.staging_dir,
         asynchronous=c.asynchronous,
     )
-    manager.commit_delay = float(faults.value("commit_delay") or 0)
-    return manager
 
 
 def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, Any]]:
@@ -189,16 +186,12 @@ def resume_run(
                 raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
             if wanted == "last-good" and not candidates:
                 raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
+            if wanted == "latest" and _completed(run, cfg):
+                reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
+                return run_summary(run)
             usable = [c for c in candidates if c.usable]
             for bad in (c for c in candidates if not c.usable):
                 reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
-            if usable and usable[0].step >= cfg.trainer.total_steps and not changes:
-                reporter.note(f"run already complete at step {usable[0].step}; nothing to do")
-                return run_summary(run)
-            if not usable and wanted == "latest" and _completed(run, cfg):
-                reporter.note("run already complete; nothing to do")
-                return run_summary(run)
-            run.write_bytes(CONFIG, cfg.to_yaml().encode())
             return _train(run, cfg, events, snapshots, reporter, restore=(usable, wanted, changes))
     finally:
         events.close()
@@ -234,6 +227,7 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
         if info is None:
             reporter.note("warning: no snapshot to resume from; starting again from step 0")
         tag = {"event": "resume", "from_step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
         moved = abandon_metrics_after(run, step, tag)
         later = snapshots.abandon_after(step, tag["time"].replace(":", ""))
         if "actor.lr" in changes:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from rlctl import __version__
+from rlctl import __version__, faults
 from rlctl.checkpoint.stateful import Stateful
 from rlctl.checkpoint.storage import Storage, with_retries
 from rlctl.errors import SnapshotError
@@ -288,8 +288,9 @@ class SnapshotManager:
             if not self.storage.is_local:
                 with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay,
                              on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
-            if self.commit_delay:
-                time.sleep(self.commit_delay)
+            delay = self.commit_delay or float(faults.value("commit_delay", step) or 0)
+            if delay:
+                time.sleep(delay)
             data = orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
             with_retries(lambda: self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True),
                          base_delay=self.retry_delay, on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
@@ -354,9 +355,7 @@ class SnapshotManager:
         moved = []
         for info in self.scan():
             if info.step > step:
-                dst = self.storage.path("abandoned", tag, info.name)
-                self.storage.fs.makedirs(os.path.dirname(dst), exist_ok=True)
-                self.storage.fs.mv(self.storage.path(info.name), dst, recursive=True)
+                self.storage.move_dir(info.name, f"abandoned/{tag}/{info.name}")
                 moved.append(info.step)
         return moved
 

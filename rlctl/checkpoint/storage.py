@@ -120,6 +120,20 @@ class Storage:
         except FileNotFoundError:
             pass
 
+    def move_dir(self, src: str, dst: str) -> None:
+        """Move a directory within this storage. Local: one atomic rename. Object stores (where a
+        recursive move fails part-way): copy every file, then delete the source, manifest first."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(self.path(dst)), exist_ok=True)
+            os.rename(self.path(src), self.path(dst))
+            return
+        files = self.walk_files(src)
+        for rel in files:
+            self.fs.copy(self.path(src, rel), self.path(dst, rel))
+        for rel in sorted(files, key=lambda r: r != "manifest.json"):
+            self.rm(src, rel)
+        self.rm(src, recursive=True)
+
     def put_dir(self, local_dir: str, *parts: str) -> None:
         """Upload every file of a local directory below ``parts``."""
         for root, _, files in os.walk(local_dir):

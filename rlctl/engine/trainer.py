@@ -144,11 +144,12 @@ class Trainer:
                 if self.on_step is not None:
                     self.on_step(row)
                 healthy = is_healthy(row)
-                if (pause := faults.value("sleep", self.state.step)) is not None:
-                    time.sleep(float(pause or 1))
                 if self.snapshots is not None and every and self.state.step % every == 0:
                     self.snapshot(good=healthy)
-            wanted = self.stop_signal is not None or every > 0
+                if (pause := faults.value("sleep", self.state.step)) is not None:
+                    self._drill_sleep(float(pause or 1))
+            # the last step is snapshotted by a run that snapshots at all (or was restored from one)
+            wanted = self.stop_signal is not None or every > 0 or self._snapshotted >= 0
             if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
                 self.snapshot(good=healthy)
             committed = self.snapshots.wait() if self.snapshots is not None else None
@@ -159,6 +160,12 @@ class Trainer:
                      else "no new snapshot was committed; the previous one stands")  # fmt: skip
             raise Preempted(f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
                             f"Resume with: rlctl resume {self.run.url} --from latest")  # fmt: skip
+
+    def _drill_sleep(self, seconds: float) -> None:
+        """A fault drill's pause, cut short by a stop request (signal handlers do not end time.sleep)."""
+        deadline = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, t = self.cfg, {}

@@ -1,0 +1,269 @@
+"""Snapshots and resume end to end: the installed `rlctl` in subprocesses, real DeepSpeed, real storage,
+real signals. Faults come from RLCTL_FAULTS (rlctl/faults.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import orjson
+import pytest
+
+from conftest import REPO, RLCTL, metrics_of, run_cli
+from rlctl.errors import ExitCode
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=6"]
+VOLATILE = ("timing_s/", "perf/throughput")
+
+
+def stable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "abandoned"} for r in rows]
+
+
+def events_of(run_dir):
+    return metrics_of(run_dir, "events.jsonl")
+
+
+def completed_hash(run_dir):
+    return [e for e in events_of(run_dir) if e["event"] == "completed"][-1]["weights_sha256"]
+
+
+def spawn(*args, faults="", env=None):
+    return subprocess.Popen(
+        [*RLCTL, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RLCTL_FAULTS": faults, **(env or {})},
+    )  # fmt: skip
+
+
+def wait_for(predicate, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("timed out waiting")
+
+
+def has_step(run_dir, step):
+    return lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics_of(run_dir))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sigkill_and_resume_is_exact(tmp_path, stage):
+    """An uninterrupted run and one killed with SIGKILL after step 7 (last snapshot: 6) and resumed end
+    with bit-identical weights and identical per-step metrics."""
+    common = [*SMALL, "--set", "trainer.total_steps=12", "--set", "checkpoint.every=3",
+              "--set", f"actor.zero_stage={stage}"]  # fmt: skip
+    ref = tmp_path / "ref"
+    assert run_cli("start", "--run-dir", str(ref), *common).returncode == 0
+
+    run = tmp_path / "killed"
+    proc = spawn("start", "--run-dir", str(run), *common, faults="sleep@7=120")
+    wait_for(has_step(run, 7), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run_cli("resume", str(run), "--from", "latest")
+    assert r.returncode == 0, r.stderr
+    assert "continuing from step 6" in r.stderr
+
+    assert completed_hash(run) == completed_hash(ref)
+    assert stable(metrics_of(run)) == stable(metrics_of(ref))
+    abandoned = metrics_of(run, "metrics.abandoned.jsonl")
+    assert [row["step"] for row in abandoned] == [7]
+    assert abandoned[0]["abandoned"]["event"] == "resume" and abandoned[0]["abandoned"]["from_step"] == 6
+    resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
+    assert resume["step"] == 6 and resume["snapshot"] == "step-000006" and resume["abandoned_metric_rows"] == 1
+
+    # export consolidates the weights of any ZeRO stage into a Hugging Face directory, bit for bit
+    out = tmp_path / "hf"
+    r = run_cli("export", str(run), str(out))
+    assert r.returncode == 0 and r.stdout == f"{out}\n", r.stderr
+    probe = (
+        "import hashlib, sys, torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "h = hashlib.sha256()\n"
+        "for n, p in sorted(m.named_parameters()):\n"
+        "    h.update(n.encode()); h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())\n"
+        "print(h.hexdigest())\n"
+    )
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", probe, str(out)], capture_output=True, text=True, check=True)
+    assert got.stdout.strip() == completed_hash(ref)
+
+
+def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=9",
+                 "--set", "checkpoint.every=3", faults="commit_delay@6=120")  # fmt: skip
+    step6 = run / "checkpoints" / "step-000006"
+    wait_for(lambda: (step6 / "state.pt").exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (step6 / "manifest.json").exists()
+
+    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    assert [(c["step"], c["committed"], c["usable"]) for c in listed] == [(3, True, True), (6, False, False)]
+    assert "no manifest" in listed[1]["problem"]
+
+    r = run_cli("resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "continuing from step 3" in r.stderr
+    events = events_of(run)
+    assert {"event": "uncommitted_removed", "steps": [6]}.items() <= [e for e in events if e["event"] == "uncommitted_removed"][0].items()
+    assert [r["step"] for r in metrics_of(run)] == list(range(1, 10))
+    assert (step6 / "manifest.json").exists()  # re-made, committed, by the resumed run
+
+
+def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=8", faults="sleep@4=120")
+    wait_for(has_step(run, 4), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.PREEMPTED == 75, err
+    assert "stopped by SIGTERM after step 4; snapshot of step 4 committed" in err
+    assert f"rlctl resume {run} --from latest" in err
+    kinds = [e["event"] for e in events_of(run)]
+    assert kinds[-2:] == ["snapshot_committed", "preempted"]
+
+    r = run_cli("resume", str(run), "--from", "latest")
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, 9))
+    assert not (run / "metrics.abandoned.jsonl").exists()  # nothing was after the snapshot
+    # idempotent: resuming a complete run is a no-op that succeeds
+    r = run_cli("resume", str(run), "--from", "latest")
+    assert r.returncode == 0 and "already complete" in r.stderr
+    assert len(metrics_of(run)) == 8
+
+
+def test_lease_refuses_second_writer_and_dead_owner_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=4",
+                 "--set", "checkpoint.every=2", faults="sleep@2=120")  # fmt: skip
+    wait_for(lambda: (run / "checkpoints" / "step-000002" / "manifest.json").exists(), proc)
+    r = run_cli("resume", str(run))
+    assert r.returncode == ExitCode.LEASE_HELD == 10
+    assert "is being written by" in r.stderr and f"pid {proc.pid}" in r.stderr
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run_cli("resume", str(run))  # same host, owner gone: taken over without --force
+    assert r.returncode == 0, r.stderr
+    taken = [e for e in events_of(run) if e["event"] == "lease_taken_over"]
+    assert taken and taken[0]["previous"]["pid"] == proc.pid
+    assert not (run / "lease.json").exists()
+
+
+def test_corrupt_and_missing_snapshots(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2")
+    assert r.returncode == 0, r.stderr
+    blob = run / "checkpoints" / "step-000006" / "state.pt"
+    data = bytearray(blob.read_bytes())
+    data[-20] ^= 0xFF
+    blob.write_bytes(bytes(data))  # same size, one byte flipped
+
+    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json", "--verify").stdout)
+    assert listed[-1]["problem"] == "file state.pt does not match its sha256 (corrupt)"
+    table = run_cli("checkpoints", str(run)).stdout
+    assert "step" in table and "committed" in table and "MiB" in table
+
+    r = run_cli("resume", str(run), "--from", "step-6", "--set", "trainer.total_steps=8")
+    assert r.returncode == ExitCode.SNAPSHOT == 11
+    assert "snapshot step-000006 is not usable: file state.pt does not match its sha256 (corrupt)" in r.stderr
+
+    (run / "checkpoints" / "step-000002" / "manifest.json").unlink()
+    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    assert listed[0]["problem"] == "no manifest: never committed (interrupted or in progress)"
+    r = run_cli("resume", str(run), "--from", "step-2")  # an uncommitted directory is removed, never loaded
+    assert r.returncode == 11 and "no snapshot of step 2" in r.stderr and "usable steps: 4, 6" in r.stderr
+    assert not (run / "checkpoints" / "step-000002").exists()
+
+    r = run_cli("resume", str(run), "--from", "latest", "--set", "trainer.total_steps=8")
+    assert r.returncode == 0, r.stderr
+    assert "warning: snapshot step-000006 is not usable" in r.stderr and "continuing from step 4" in r.stderr
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, 9))
+    resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
+    assert resume["changes"] == {"trainer.total_steps": {"from": 6, "to": 8}}
+
+
+def test_resume_set_only_safe_keys_and_lr_change_is_applied(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=2", "--set", "checkpoint.every=2")
+    assert r.returncode == 0
+    r = run_cli("resume", str(run), "--set", "model.builtin.num_layers=4")
+    assert r.returncode == ExitCode.CONFIG and "'model.builtin.num_layers' cannot change on resume" in r.stderr
+    r = run_cli("resume", str(run), "--set", "trainer.total_steps=4", "--set", "actor.lr=5e-4")
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["actor/lr"] for row in rows] == [2e-3, 2e-3, 5e-4, 5e-4]  # the demo's lr, then the new one
+    assert "lr: 0.0005" in (run / "config.yaml").read_text()
+
+
+def test_resume_of_something_that_is_not_a_run(tmp_path):
+    r = run_cli("resume", str(tmp_path))
+    assert r.returncode == ExitCode.CONFIG and "is not an rlctl run directory" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """A real S3 endpoint on loopback (moto), and the fsspec config that points s3fs at it."""
+    import logging
+
+    moto_server = pytest.importorskip("moto.server")
+    import s3fs
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "test", "secret": "test"}
+    s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
+    yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
+    server.stop()
+
+
+def test_run_and_snapshots_on_s3(tmp_path, s3_env):
+    env, opts = s3_env
+    url = "s3://rlctl-runs/exp/run1"
+    proc = spawn("start", "--run-dir", url, *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2",
+                 env=env)  # fmt: skip
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    listed = subprocess.run([*RLCTL, "checkpoints", url, "--format", "json"], capture_output=True, text=True,
+                            env={**os.environ, **env})  # fmt: skip
+    assert [c["step"] for c in json.loads(listed.stdout)] == [2, 4, 6], listed.stderr
+
+    proc = spawn("resume", url, "--from", "step-2", env=env)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    events = [orjson.loads(line) for line in fs.cat(f"{url}/events.jsonl").splitlines()]
+    hashes = [e["weights_sha256"] for e in events if e["event"] == "completed"]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    steps = [orjson.loads(line)["step"] for line in fs.cat(f"{url}/metrics.jsonl").splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert fs.exists(f"{url}/metrics.abandoned.jsonl") and not fs.exists(f"{url}/lease.json")
+
+
+def test_local_run_with_checkpoint_dir_on_s3(tmp_path, s3_env):
+    _, opts = s3_env
+    run = tmp_path / "run"
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"checkpoint": {"every": 2, "dir": "s3://rlctl-runs/ckpts/r2", "storage_options": opts},
+                               "trainer": {"total_steps": 4}}))  # fmt: skip
+    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert not (run / "checkpoints").exists()
+    r = run_cli("resume", str(run), "--from", "2")
+    assert r.returncode == 0, r.stderr
+    hashes = [e["weights_sha256"] for e in events_of(run) if e["event"] == "completed"]
+    assert hashes[0] == hashes[1]
