@@ -40,9 +40,19 @@ def runtime():
     return rt
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without the distributed variables an in-process test may have set (a child
+    would inherit a MASTER_PORT this process already holds)."""
+    return {**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **extra}
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """The real entry point in a subprocess."""
-    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout)
+    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout,
+                          env=child_env(**(env or {})))  # fmt: skip
 
 
 def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:

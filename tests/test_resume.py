@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from conftest import REPO, RLCTL, metrics_of, run_cli
+from conftest import REPO, RLCTL, child_env, metrics_of, run_cli
 from rlctl.errors import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def completed_hash(run_dir):
 def spawn(*args, faults="", env=None):
     return subprocess.Popen(
         [*RLCTL, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "RLCTL_FAULTS": faults, **(env or {})},
+        env=child_env(RLCTL_FAULTS=faults, **(env or {})),
     )  # fmt: skip
 
 
@@ -236,8 +236,7 @@ def test_run_and_snapshots_on_s3(tmp_path, s3_env):
                  env=env)  # fmt: skip
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    listed = subprocess.run([*RLCTL, "checkpoints", url, "--format", "json"], capture_output=True, text=True,
-                            env={**os.environ, **env})  # fmt: skip
+    listed = run_cli("checkpoints", url, "--format", "json", env=env)
     assert [c["step"] for c in json.loads(listed.stdout)] == [2, 4, 6], listed.stderr
 
     proc = spawn("resume", url, "--from", "step-2", env=env)

@@ -80,7 +80,7 @@ def quiet_libraries() -> None:
 
     ds_logger.setLevel(logging.WARNING)
     for handler in ds_logger.handlers:
-        if isinstance(handler, logging.StreamHandler):
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
             handler.setStream(sys.stderr)
 
 
