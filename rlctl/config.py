@@ -212,7 +212,7 @@ class RunConfig(Strict):
 Origin = str  # "demo.yaml line 4" or "--set actor.lr=..."
 
 
-def _yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
+def yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
     """Map each key path of a YAML document to 'FILE line N'."""
     origins: dict[tuple[str, ...], Origin] = {}
 
@@ -232,7 +232,7 @@ def _yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
     return origins
 
 
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Origin]]:
+def read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Origin]]:
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -250,7 +250,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Origin
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path.name} must be a mapping of keys to values, got {type(data).__name__}")
-    return data, _yaml_lines(text, path.name)
+    return data, yaml_lines(text, path.name)
 
 
 
@@ -277,9 +277,9 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+def _fields_at(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
     """Field names of the (nested) model that holds the key at ``loc``."""
-    model: type[BaseModel] = RunConfig
+    model: type[BaseModel] = root
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         ann = field.annotation if field else None
@@ -296,14 +296,18 @@ def _origin_for(loc: tuple[str, ...], origins: dict[tuple[str, ...], Origin]) ->
     return ""
 
 
-def _explain(exc: ValidationError, origins: dict[tuple[str, ...], Origin]) -> str:
+def explain(
+    exc: ValidationError, origins: dict[tuple[str, ...], Origin], root: type[BaseModel], what: str = "config"
+) -> str:
+    """A pydantic error as sentences naming each dotted key, where it came from (file and line, or the
+    --set flag), and for an unknown key the nearest valid one."""
     sentences = []
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
         key = ".".join(loc) or "(top level)"
         where = _origin_for(loc, origins)
         if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(loc[-1], _fields_at(loc), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(loc[-1], _fields_at(loc, root), n=1, cutoff=0.6)
             hint = f"; did you mean '{'.'.join((*loc[:-1], close[0]))}'?" if close else ""
             sentences.append(f"unknown key '{key}'{where}{hint}")
         else:
@@ -313,13 +317,13 @@ def _explain(exc: ValidationError, origins: dict[tuple[str, ...], Origin]) -> st
             got = err.get("input")
             shown = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {got!r})"
             sentences.append(f"'{key}'{where}: {msg[:1].lower() + msg[1:]}{shown}")
-    text = "invalid config: " + "; ".join(sentences)
+    text = f"invalid {what}: " + "; ".join(sentences)
     return text if text.endswith(("?", ".")) else text + "."
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
     """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly."""
-    data, origins = _read_yaml(Path(path) if path is not None else DEMO_CONFIG)
+    data, origins = read_yaml(Path(path) if path is not None else DEMO_CONFIG)
     for item in overrides:
         key, value = parse_set(item)
         _set_path(data, key, value)
@@ -331,4 +335,4 @@ def validate_config(data: dict[str, Any], origins: dict[tuple[str, ...], Origin]
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, origins or {})) from None
+        raise ConfigError(explain(exc, origins or {}, RunConfig)) from None
