@@ -6,6 +6,8 @@ A comma-separated list of ``name[@step][=value]``:
 - ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run)
 - ``commit_delay@6=30`` wait 30 s in the background before writing the manifest of the step-6
                         snapshot (of every snapshot without @step): a window to kill the run mid-commit
+- ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
+                        next optimizer step, never change the state being written)
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
 
-KNOWN = {"sleep", "commit_delay"}
+KNOWN = {"sleep", "commit_delay", "write_delay"}
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 
 

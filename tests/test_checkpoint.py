@@ -36,7 +36,7 @@ class Blob:
     def __init__(self, data=b""):
         self.data = data
 
-    def save_to_dir(self, path):
+    def save_to_dir(self, path, defer=None):
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "blob.bin"), "wb") as fh:
             fh.write(self.data)

@@ -112,3 +112,33 @@ def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtim
         actor_lp, _ = sequence_log_probs(actor.engine, a, temperature=0.9)
     mask = a.response_mask[:, : gen_lp.shape[1]].bool()
     assert torch.allclose(actor_lp[:, : gen_lp.shape[1]][mask], gen_lp[mask], atol=1e-5)
+
+
+def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path, monkeypatch):
+    """Snapshot files are serialized in the background straight from the live weights; an update made
+    meanwhile must wait at the fence, so the snapshot holds exactly the weights of its step."""
+    import time
+
+    from rlctl.checkpoint.snapshots import SnapshotManager
+
+    monkeypatch.setenv("RLCTL_FAULTS", "write_delay=0.5")
+    cfg = make_cfg(actor__zero_stage=2)
+    actor = Actor(cfg, model_dir, runtime)
+    manager = SnapshotManager(Storage(str(tmp_path / "ckpt")), zero_stage=2)
+    actor.fence = manager.wait_staged
+    rollout = HFRollout(cfg, actor, load_tokenizer(model_dir))
+    seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * seqs.response_mask
+    at_save = actor.weights_sha256()
+
+    t0 = time.perf_counter()
+    stall = manager.save(1, {}, {"actor": actor}, good=True)
+    assert stall < 0.5  # save returned before the files were written
+    actor.update(seqs, adv, None, None, 0.0)  # reaches engine.step() while the writer is held
+    assert time.perf_counter() - t0 >= 0.5  # ... so it waited at the fence
+    assert actor.weights_sha256() != at_save
+    manager.close()
+
+    fresh = Actor(cfg, model_dir, runtime)
+    manager.restore(manager.scan()[0], {}, {"actor": fresh})
+    assert fresh.weights_sha256() == at_save

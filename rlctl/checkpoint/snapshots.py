@@ -34,6 +34,7 @@ import orjson
 from rlctl import __version__, faults
 from rlctl.checkpoint.stateful import Stateful
 from rlctl.checkpoint.storage import Storage, with_retries
+from rlctl.checkpoint.writer import DurableFile
 from rlctl.errors import SnapshotError
 
 MANIFEST = "manifest.json"
@@ -44,10 +45,18 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 EventFn = Callable[[dict[str, Any]], None]
 
 
-class DirStateful(Protocol):
-    """State too big or too structured for a state_dict: saved into, and loaded from, a directory."""
+Defer = Callable[[str, Callable[[Any], None]], None]
 
-    def save_to_dir(self, path: str) -> None: ...
+
+class DirStateful(Protocol):
+    """State too big or too structured for a state_dict: saved into, and loaded from, a directory.
+
+    ``save_to_dir`` may write files at once, or hand a file to ``defer(path, write)``: the manager then
+    calls ``write(fileobj)`` on its background thread. Whoever defers promises that what ``write`` reads
+    does not change until ``SnapshotManager.wait_staged()`` returns (the actor waits there before its
+    next optimizer step)."""
+
+    def save_to_dir(self, path: str, defer: Defer | None = None) -> None: ...
 
     def load_from_dir(self, path: str) -> None: ...
 
@@ -107,13 +116,18 @@ def sha256_file(path: str, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _local_files(root: str) -> dict[str, dict[str, Any]]:
+def _local_files(root: str, known: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``root``, each fsynced; ``known`` ones (written by a
+    DurableFile, already hashed and synced) are taken as they are."""
     files = {}
     for dirpath, _, names in os.walk(root):
         for name in names:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
             if rel == MANIFEST:
+                continue
+            if rel in known:
+                files[rel] = known[rel]
                 continue
             files[rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
             _fsync(full)  # durable before the manifest can claim it
@@ -158,6 +172,8 @@ class SnapshotManager:
         self.retry_delay = retry_delay
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-snapshot")
         self._pending: Future | None = None
+        self._staged = threading.Event()
+        self._staged.set()
         self._lock = threading.Lock()
         self.last_committed: int | None = None
         self.commit_delay = 0.0  # fault drills: seconds to wait before committing
@@ -254,8 +270,9 @@ class SnapshotManager:
         else:
             stage = tempfile.mkdtemp(prefix=f"rlctl-{name}-", dir=self.staging_dir)
         os.makedirs(stage, exist_ok=True)
+        deferred: list[tuple[str, Callable[[Any], None]]] = []
         for key, obj in dirs.items():
-            obj.save_to_dir(os.path.join(stage, key))
+            obj.save_to_dir(os.path.join(stage, key), lambda path, write: deferred.append((path, write)))
         buf = io.BytesIO()
         torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
         _write(os.path.join(stage, STATE_FILE), buf.getvalue())
@@ -272,18 +289,31 @@ class SnapshotManager:
             **(meta or {}),
         }
         stall = time.perf_counter() - t0
-        job = self._pool.submit(self._commit, step, stage, manifest, stall)
+        staged = threading.Event()
         with self._lock:
-            self._pending = job
+            self._staged = staged
+            self._pending = self._pool.submit(self._commit, step, stage, manifest, stall, deferred, staged)
         if not self.asynchronous:
             self.wait()
         return stall
 
-    def _commit(self, step: int, stage: str, manifest: dict[str, Any], stall: float) -> bool:
+    def _commit(self, step: int, stage: str, manifest: dict[str, Any], stall: float, deferred, staged) -> bool:
         name = step_name(step)
         t0 = time.perf_counter()
         try:
-            manifest["files"] = _local_files(stage)
+            known = {}
+            try:
+                if deferred and (hold := faults.value("write_delay", step)):
+                    time.sleep(float(hold))
+                for path, write in deferred:
+                    with DurableFile(path) as fh:
+                        write(fh)
+                    size, digest = fh.close()
+                    known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
+            finally:
+                staged.set()  # the live state is no longer read: training may step again
+            manifest["write_s"] = round(time.perf_counter() - t0, 4)
+            manifest["files"] = _local_files(stage, known)
             manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
             if not self.storage.is_local:
                 with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay,
@@ -313,6 +343,11 @@ class SnapshotManager:
 
     def _retry_event(self, step: int, attempt: int, exc: Exception) -> None:
         self.on_event({"event": "snapshot_retry", "step": step, "attempt": attempt, "error": str(exc)})
+
+    def wait_staged(self) -> None:
+        """Block until the snapshot in flight no longer reads live state (its deferred files are
+        written). Cheap when nothing is in flight."""
+        self._staged.wait()
 
     def wait(self) -> bool | None:
         """Block until the snapshot in flight (if any) is committed or has failed; its outcome."""
@@ -365,6 +400,7 @@ class SnapshotManager:
         usable; nothing is loaded then."""
         import torch
 
+        self.wait()  # a snapshot still in flight is finished first
         if info.problem is not None:
             raise SnapshotError(f"snapshot {info.name} is not usable: {info.problem}")
         local, cleanup = self.storage.local_copy(info.name)

@@ -41,6 +41,59 @@ class Sequences:
         return Sequences(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.prompt_len)
 
 
+def _deferring_engine_class():
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class _Deferring(CheckpointEngine):
+        """DeepSpeed's checkpoint I/O with serialization moved off the training thread.
+
+        ``save`` hands the state dict to ``defer(path, write)``; the snapshot manager calls ``write`` on
+        a background thread with a file that hashes and fsyncs as it goes. Without ``defer`` (a plain
+        ``save_checkpoint``) it saves at once. ``preserves_storage_sharing`` is False, so DeepSpeed does
+        not clone every tensor first: nothing is copied in the training thread at all."""
+
+        def __init__(self):
+            super().__init__()
+            self.name = "rlctl-deferring"
+            self.defer = None
+
+        def create(self, info) -> None:
+            pass
+
+        def save(self, state_dict, path: str) -> None:
+            if self.defer is None:
+                torch.save(state_dict, path)
+            else:
+                self.defer(path, lambda fh: _save_without_crc(state_dict, fh))
+
+        def load(self, path: str, map_location=None):
+            return torch.load(path, map_location=map_location, weights_only=False)
+
+        def commit(self, info) -> bool:
+            return True
+
+        def preserves_storage_sharing(self) -> bool:
+            return False
+
+    return _Deferring
+
+
+def _save_without_crc(obj, fh) -> None:
+    """torch.save without the zip format's CRC32: the manifest's sha256 covers every byte already."""
+    from torch.utils.serialization import config as serialization_config
+
+    previous = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        torch.save(obj, fh)
+    finally:
+        serialization_config.save.compute_crc32 = previous
+
+
+def DeferringCheckpointEngine():  # noqa: N802 - a factory: DeepSpeed is imported lazily
+    return _deferring_engine_class()()
+
+
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions count real tokens only, as transformers' generate does for left-padded prompts."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -81,6 +134,9 @@ class Actor:
             lr_scheduler=scheduler,
             config=ds_config(cfg, self.mini_batch, runtime.dtype),
         )
+        self._ckpt_engine = DeferringCheckpointEngine()
+        self.engine.checkpoint_engine = self._ckpt_engine
+        self.fence = None  # called before every optimizer step: waits for snapshot files still being written
 
     @property
     def module(self) -> torch.nn.Module:
@@ -99,9 +155,17 @@ class Actor:
         return contextlib.nullcontext()
 
     # -- DirStateful: the engine's own checkpoint format, ZeRO-aware for every stage and rank ----------
-    def save_to_dir(self, path: str) -> None:
+    def save_to_dir(self, path: str, defer=None) -> None:
+        """DeepSpeed's save_checkpoint, with each file's serialization handed to ``defer`` (the snapshot
+        manager's background writer) when given. The files then read the live tensors, so the next
+        optimizer step waits at ``fence`` until they are written: the only thing that changes saved
+        state is ``engine.step()``."""
         parent, tag = os.path.split(path.rstrip("/"))
-        self.engine.save_checkpoint(parent, tag=tag, save_latest=False)
+        self._ckpt_engine.defer = defer
+        try:
+            self.engine.save_checkpoint(parent, tag=tag, save_latest=False)
+        finally:
+            self._ckpt_engine.defer = None
 
     def load_from_dir(self, path: str) -> None:
         parent, tag = os.path.split(path.rstrip("/"))
@@ -178,6 +242,8 @@ class Actor:
                 }
                 if torch.isfinite(loss):
                     self.engine.backward(loss)
+                    if self.fence is not None:
+                        self.fence()
                     self.engine.step()
                     stats["actor/grad_norm"] = _as_float(self.engine.get_global_grad_norm())
                 else:

@@ -90,6 +90,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         init_distributed(self.runtime.backend)
         self.actor = Actor(cfg, self.model_dir, self.runtime)
+        if snapshots is not None:
+            self.actor.fence = snapshots.wait_staged  # no optimizer step while a snapshot reads the weights
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             ref = load_causal_lm(self.model_dir, self.runtime.dtype, cfg.model.trust_remote_code)
