@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resume": ("rlctl.commands.resume", "resume", "Continue a run from a snapshot (latest, last-good, step-N)."),
     "checkpoints": ("rlctl.commands.checkpoints", "checkpoints", "List a run's snapshots and whether each is usable."),
     "export": ("rlctl.commands.export", "export", "Write a snapshot as a Hugging Face model directory."),
+    "policy": ("rlctl.commands.policy", "policy", "Check and explain rollback policy files."),
 }
 
 

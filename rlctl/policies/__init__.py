@@ -1,0 +1,22 @@
+"""Rollback policies: the schema of policy files, their loader, and the per-step evaluator.
+
+Pure Python (pydantic, yaml, the standard library): never imports torch or ``rlctl.engine``. The trainer
+feeds each step's metrics row to ``PolicyEngine.evaluate`` and carries out the actions of the firings.
+Ready-made YAML policies live in the repository's top-level ``policies/`` folder.
+"""
+
+from rlctl.policies.evaluator import Firing, PolicyEngine, firing_event, is_healthy
+from rlctl.policies.loader import load_policies, load_policy_file, validate_policy
+from rlctl.policies.schema import PolicyFile, Rule
+
+__all__ = [
+    "Firing",
+    "PolicyEngine",
+    "PolicyFile",
+    "Rule",
+    "firing_event",
+    "is_healthy",
+    "load_policies",
+    "load_policy_file",
+    "validate_policy",
+]

@@ -1,0 +1,342 @@
+"""The per-step evaluator: metrics row in, firings out. Pure Python, cheap enough for every step.
+
+Triggers are a registry of pure functions ``check(trigger, row, history) -> Observation`` (the history is
+the spike window; other triggers ignore it). ``PolicyEngine`` adds what needs memory: consecutive hits
+(``sustained``), ``warmup``, ``cooldown``, trigger counts and escalation (``max_triggers`` then ``then``),
+and the spike windows. It is Stateful, so a resumed run keeps its counts and windows.
+
+Rollbacks: the engine's state is *not* meant to be restored from the snapshot a rollback returns to
+(the trigger counts would reset and ``max_triggers`` could never run out). Keep the live engine and
+call ``rewind(step)`` instead: it forgets history recorded after ``step`` and keeps the counts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.checkpoint.stateful import check_version
+from rlctl.errors import ConfigError
+from rlctl.policies.schema import (
+    Action,
+    HaltAction,
+    NonfiniteTrigger,
+    Rule,
+    SpikeTrigger,
+    ThresholdTrigger,
+    WarnAction,
+)
+
+STATE_VERSION = 1
+COUNTER_PREFIX = "actor/nonfinite/"  # counts of NaN/Inf in old_log_prob, ref_log_prob, log_prob, loss
+SKIPPED_UPDATES = "actor/skipped_updates"
+
+_NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def as_number(value: Any) -> float | None:
+    """A metric value as a float: ints, floats and the strings "NaN"/"Infinity"/"-Infinity"; None for
+    anything else (bools, other strings, lists, missing)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return _NONFINITE_STRINGS.get(value)
+    return None
+
+
+def json_number(value: float | None) -> float | str | None:
+    """A float for a JSON log: NaN and infinities as the strings "NaN", "Infinity", "-Infinity"."""
+    if value is None or math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+# --------------------------------------------------------------------------------------------------
+# Triggers: pure functions of (trigger, row, history)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a trigger saw on one row: whether its condition held, on which metric, at what value,
+    against what limit (None where there is no single number to show)."""
+
+    held: bool
+    metric: str | None = None
+    value: float | None = None
+    limit: float | None = None
+
+
+MISS = Observation(held=False)
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+}
+
+
+def check_threshold(trigger: ThresholdTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
+    """Holds when ``row[metric] OP value``. A missing or NaN value does not hold (nonfinite's job)."""
+    value = as_number(row.get(trigger.metric))
+    if value is None:
+        return MISS
+    return Observation(_OPS[trigger.op](value, trigger.value), trigger.metric, value, trigger.value)
+
+
+def check_nonfinite(trigger: NonfiniteTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
+    """Holds when a watched metric is NaN/Inf, or (with ``counters``) a NaN/Inf counter is above 0."""
+    for key, raw in row.items():
+        value = as_number(raw)
+        if value is None:
+            continue
+        if not math.isfinite(value) and any(fnmatch.fnmatchcase(key, pat) for pat in trigger.metrics):
+            return Observation(True, key, value, None)
+        if trigger.counters and (key.startswith(COUNTER_PREFIX) or key == SKIPPED_UPDATES) and value > 0:
+            return Observation(True, key, value, 0.0)
+    return MISS
+
+
+def spike_limit(trigger: SpikeTrigger, history: Sequence[float]) -> float | None:
+    """The value above which ``trigger`` fires given its history; None while it is not armed."""
+    if len(history) < trigger.min_history:
+        return None
+    if trigger.sigma is not None:
+        mean = math.fsum(history) / len(history)
+        std = math.sqrt(math.fsum((x - mean) ** 2 for x in history) / len(history))  # population std
+        return mean + trigger.sigma * std
+    baseline = statistics.median(history) if trigger.baseline == "median" else max(history)
+    return trigger.factor * baseline  # type: ignore[operator]
+
+
+def check_spike(trigger: SpikeTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
+    """Holds when the value is above ``spike_limit``. NaN never holds (nonfinite's job); +Inf does."""
+    value = as_number(row.get(trigger.metric))
+    if value is None or math.isnan(value):
+        return MISS
+    limit = spike_limit(trigger, history)
+    return Observation(limit is not None and value > limit, trigger.metric, value, limit)
+
+
+TRIGGER_CHECKS: dict[str, Callable[[Any, Mapping[str, Any], Sequence[float]], Observation]] = {
+    "threshold": check_threshold,
+    "nonfinite": check_nonfinite,
+    "spike": check_spike,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Firings
+
+
+@dataclass(frozen=True)
+class Firing:
+    """A rule fired at a step: what it saw and what the run must do now.
+
+    ``actions`` are the rule's actions, or the single escalation action (halt or warn, from the rule's
+    ``then``) when the rule has already fired ``max_triggers`` times; ``escalated`` tells which.
+    """
+
+    rule: str
+    step: int
+    trigger: str  # plain words: "actor/ppo_kl > 0.05 for 3 consecutive steps"
+    metric: str | None  # the metric that fired it
+    value: float | None  # its observed value (NaN/Inf for a nonfinite trigger)
+    limit: float | None  # what it was compared to (None: no single number, e.g. "is NaN")
+    actions: tuple[Action, ...]
+    escalated: bool = False
+    count: int = 1  # how many times this rule has fired, this one included
+
+    @property
+    def warn_only(self) -> bool:
+        """True when the run goes on untouched: every action is a warning."""
+        return all(a.type == "warn" for a in self.actions)
+
+    def action_types(self) -> list[str]:
+        return [a.type for a in self.actions]
+
+    def as_event(self) -> dict[str, Any]:
+        """The firing as a JSON-serialisable dict for the event log (non-finite floats as strings)."""
+        return {
+            "event": "policy",
+            "rule": self.rule,
+            "step": self.step,
+            "trigger": self.trigger,
+            "metric": self.metric,
+            "value": json_number(self.value),
+            "limit": json_number(self.limit),
+            "actions": [a.model_dump(mode="json") for a in self.actions],
+            "escalated": self.escalated,
+            "count": self.count,
+        }
+
+
+def firing_event(firing: Firing) -> dict[str, Any]:
+    """``firing.as_event()``, as a function."""
+    return firing.as_event()
+
+
+def is_healthy(firings: Iterable[Firing]) -> bool:
+    """A step is good when no rule with a non-warn action fired on it."""
+    return all(f.warn_only for f in firings)
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class RuleState:
+    """What one rule remembers between steps."""
+
+    triggers: int = 0  # times fired
+    streak: int = 0  # consecutive steps the condition held
+    streak_step: int | None = None  # the last step of that streak
+    cooldown_until: int | None = None  # not evaluated at steps <= this
+    last_fired: int | None = None
+    history: deque[tuple[int, float]] = field(default_factory=deque)  # spike window: (step, value)
+
+    def values(self) -> list[float]:
+        return [v for _, v in self.history]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "triggers": self.triggers,
+            "streak": self.streak,
+            "streak_step": self.streak_step,
+            "cooldown_until": self.cooldown_until,
+            "last_fired": self.last_fired,
+            "history": [v for _, v in self.history],
+            "history_steps": [s for s, _ in self.history],
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], window: int | None) -> RuleState:
+        pairs = zip(state.get("history_steps", []), state.get("history", []))
+        return cls(
+            triggers=int(state["triggers"]),
+            streak=int(state["streak"]),
+            streak_step=state["streak_step"],
+            cooldown_until=state["cooldown_until"],
+            last_fired=state["last_fired"],
+            history=deque(((int(s), float(v)) for s, v in pairs), maxlen=window),
+        )
+
+
+class PolicyEngine:
+    """Evaluates rules, in order, on each step's metrics row. Stateful (``state_dict`` /
+    ``load_state_dict``).
+
+    >>> engine = PolicyEngine(load_policies(["policies/default.yaml"]))   # doctest: +SKIP
+    >>> for firing in engine.evaluate(step, row): ...                      # doctest: +SKIP
+    """
+
+    def __init__(self, rules: Iterable[Rule]):
+        self.rules: list[Rule] = list(rules)
+        names = [r.name for r in self.rules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"rule names must be unique across policies; used more than once: {', '.join(twice)}")
+        self._state: dict[str, RuleState] = {r.name: self._fresh(r) for r in self.rules}
+        self._last: tuple[int, list[Firing]] | None = None
+
+    @staticmethod
+    def _fresh(rule: Rule) -> RuleState:
+        trigger = rule.resolved_trigger
+        window = trigger.window if isinstance(trigger, SpikeTrigger) else 0
+        return RuleState(history=deque(maxlen=window))
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def evaluate(self, step: int, row: Mapping[str, Any]) -> list[Firing]:
+        """The rules that fire on ``step`` whose metrics are ``row``, in rule order. Call once per step."""
+        firings = [f for rule in self.rules if (f := self._evaluate_rule(rule, step, row)) is not None]
+        self._last = (step, firings)
+        return firings
+
+    def healthy(self, step: int, row: Mapping[str, Any] | None = None) -> bool:
+        """True when ``step`` is good: no rule with a non-warn action fired on it.
+
+        Reads the result of the ``evaluate(step, ...)`` just done (no side effects). If ``step`` was not
+        the last step evaluated, evaluates it now with ``row`` (which then counts as that step's
+        evaluation)."""
+        if self._last is not None and self._last[0] == step:
+            return is_healthy(self._last[1])
+        if row is None:
+            raise ValueError(f"step {step} has not been evaluated; pass its metrics row")
+        return is_healthy(self.evaluate(step, row))
+
+    def _evaluate_rule(self, rule: Rule, step: int, row: Mapping[str, Any]) -> Firing | None:
+        state = self._state[rule.name]
+        if state.cooldown_until is not None and step <= state.cooldown_until:
+            return None
+        trigger = rule.resolved_trigger
+        observed = TRIGGER_CHECKS[trigger.kind](trigger, row, state.values() if state.history.maxlen else ())
+        self._remember(state, step, observed)
+        if step <= rule.warmup or not observed.held:
+            state.streak = 0
+            return None
+        state.streak = state.streak + 1 if state.streak_step == step - 1 else 1
+        state.streak_step = step
+        if state.streak < rule.sustained:
+            return None
+        return self._fire(rule, state, step, observed)
+
+    @staticmethod
+    def _remember(state: RuleState, step: int, observed: Observation) -> None:
+        """Add the value to a spike window, unless it is an outlier (held) or not finite."""
+        if state.history.maxlen and not observed.held and observed.value is not None and math.isfinite(observed.value):
+            state.history.append((step, observed.value))
+
+    @staticmethod
+    def _fire(rule: Rule, state: RuleState, step: int, observed: Observation) -> Firing:
+        state.triggers += 1
+        state.streak = 0
+        state.last_fired = step
+        state.cooldown_until = step + rule.cooldown if rule.cooldown else None
+        escalated = rule.max_triggers is not None and state.triggers > rule.max_triggers
+        actions: tuple[Action, ...] = tuple(rule.actions)
+        if escalated:
+            actions = (HaltAction(type="halt"),) if rule.then == "halt" else (WarnAction(type="warn"),)
+        return Firing(rule.name, step, rule.describe_condition(warmup=False), observed.metric, observed.value,
+                      observed.limit, actions, escalated, state.triggers)  # fmt: skip
+
+    # -- rollbacks ---------------------------------------------------------------------------------
+
+    def rewind(self, step: int) -> None:
+        """After the run rolled back to ``step``: forget spike values recorded after it and any streak in
+        progress; keep trigger counts, cooldowns and last-fired steps (so ``max_triggers`` still runs out)."""
+        for state in self._state.values():
+            kept = [(s, v) for s, v in state.history if s <= step]
+            state.history.clear()
+            state.history.extend(kept)
+            state.streak, state.streak_step = 0, None
+        self._last = None
+
+    def triggers(self, name: str) -> int:
+        """How many times the rule ``name`` has fired."""
+        return self._state[name].triggers
+
+    # -- Stateful ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "rules": {name: s.to_dict() for name, s in self._state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counts, streaks, cooldowns and windows. A rule absent from ``state`` (added since)
+        starts fresh; state of a rule no longer configured is ignored, so policies may change on resume."""
+        check_version("policy engine", state, STATE_VERSION)
+        saved = state.get("rules", {})
+        for rule in self.rules:
+            window = self._fresh(rule).history.maxlen
+            self._state[rule.name] = (
+                RuleState.from_dict(saved[rule.name], window) if rule.name in saved else self._fresh(rule)
+            )
+        self._last = None
