@@ -108,7 +108,13 @@ def main() -> None:
 
         def async_stall(tag: str) -> tuple[float, float]:
             manager = SnapshotManager(Storage(str(root / f"ckpt-{tag}")), zero_stage=2)
-            actor.fence = manager.wait_staged
+
+            def fence() -> None:
+                t = time.perf_counter()
+                manager.wait_staged()
+                rows["fence"].append(time.perf_counter() - t)
+
+            actor.fence = fence
             t0 = time.perf_counter()
             manager.save(1, {"trainer": Counters()}, {"actor": actor}, good=True)
             save_s = time.perf_counter() - t0
@@ -119,7 +125,7 @@ def main() -> None:
             shutil.rmtree(manager.storage.path())
             return blocked, save_s
 
-        rows = {"raw": [], "sync": [], "blocked": [], "save": [], "update": []}
+        rows = {"raw": [], "sync": [], "blocked": [], "save": [], "update": [], "fence": []}
         size = 0
         timed_update()  # warm-up
         for i in range(args.repeats):
@@ -141,6 +147,7 @@ def main() -> None:
         print(f"{'training update alone':<44}{update:>10.3f}")
         print(f"{'async snapshot: save() returns after':<44}{save_s:>10.3f}")
         print(f"{'async snapshot + the next update':<44}{blocked:>10.3f}")
+        print(f"{'  of which waiting at the fence':<44}{statistics.median(rows['fence']):>10.3f}")
         print(f"{'async snapshot: training stall':<44}{stall:>10.3f}")
         print(f"stall / synchronous save       = {stall / sync:6.1%}   (target <= 5%)")
         print(f"snapshot bandwidth / raw write = {raw / sync:6.1%}   (target >= 80%)")
