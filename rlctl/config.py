@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -178,6 +178,9 @@ class CheckpointConfig(Strict):
     )
 
 
+PolicySpec = Union[str, dict[str, Any]]
+
+
 class RunConfig(Strict):
     name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
     seed: int = Field(0, description="Seed of everything: model init, data order, sampling.")
@@ -190,6 +193,11 @@ class RunConfig(Strict):
     actor: ActorConfig = Field(default_factory=ActorConfig, description="The trained policy (DeepSpeed).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of completions.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Snapshots.")
+    policies: list[PolicySpec] = Field(
+        default_factory=list,
+        description="Rollback policies checked after every step: paths to YAML files (see policies/) or "
+        "inline policies. The resolved config holds them inline.",
+    )
 
     @model_validator(mode="after")
     def _mini_batch_divides(self) -> RunConfig:
@@ -322,13 +330,42 @@ def explain(
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly."""
-    data, origins = read_yaml(Path(path) if path is not None else DEMO_CONFIG)
+    """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly. Policy files
+    are read (relative to the config's folder, then the working directory), checked, and inlined."""
+    source = Path(path) if path is not None else DEMO_CONFIG
+    data, origins = read_yaml(source)
     for item in overrides:
         key, value = parse_set(item)
         _set_path(data, key, value)
         origins[key] = f"--set {item}"
-    return validate_config(data, origins)
+    cfg = validate_config(data, origins)
+    return inline_policies(cfg, source.parent)
+
+
+def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
+    """Check every policy (located errors) and that what it adjusts exists in this run; replace file
+    references by their contents so the run directory does not depend on where the files lived."""
+    from rlctl.policies.loader import load_policies, resolve_policy_path
+
+    rules = load_policies(cfg.policies, base_dir)
+    for rule in rules:
+        for action in rule.actions:
+            for key in [*(getattr(action, "set", None) or {}), *(getattr(action, "multiply", None) or {})]:
+                section, _, name = key.partition(".")
+                model = getattr(cfg, section, None)
+                if not isinstance(model, BaseModel) or name not in type(model).model_fields:
+                    raise ConfigError(
+                        f"policy rule '{rule.name}' adjusts '{key}', which this run does not have "
+                        f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
+                    )
+    inline = []
+    for spec in cfg.policies:
+        if isinstance(spec, dict):
+            inline.append(spec)
+        else:
+            inline.append(yaml.safe_load(resolve_policy_path(Path(spec), base_dir).read_text()))
+    cfg.policies = inline
+    return cfg
 
 
 def validate_config(data: dict[str, Any], origins: dict[tuple[str, ...], Origin] | None = None) -> RunConfig:

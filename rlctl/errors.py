@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     LEASE_HELD = 10  # another live process is writing this run
     SNAPSHOT = 11  # no usable snapshot: not found, corrupt, incomplete, or from another topology
     STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
+    HALTED = 20  # a rollback policy halted the run; the last good snapshot is there to resume from
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after a committed snapshot: resume me (EX_TEMPFAIL)
 
 
@@ -50,3 +51,7 @@ class SnapshotError(RlctlError):
 
 class Preempted(RlctlError):
     exit_code = ExitCode.PREEMPTED
+
+
+class Halted(RlctlError):
+    exit_code = ExitCode.HALTED

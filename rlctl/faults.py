@@ -6,6 +6,9 @@ A comma-separated list of ``name[@step][=value]``:
 - ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run)
 - ``commit_delay@6=30`` wait 30 s in the background before writing the manifest of the step-6
                         snapshot (of every snapshot without @step): a window to kill the run mid-commit
+- ``nan_log_prob@5``    make one log-prob of step 5 NaN, as a broken kernel or a degenerate sample
+                        would (once per process: a step replayed after a rollback is clean)
+- ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
                         next optimizer step, never change the state being written)
 
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
 
-KNOWN = {"sleep", "commit_delay", "write_delay"}
+KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric"}
+_fired: set[tuple[str, int | None]] = set()
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 
 
@@ -49,5 +53,15 @@ def value(name: str, step: int | None = None) -> str | None:
     """The value of fault ``name`` armed for ``step`` (or for every step), else None."""
     for f in active():
         if f.name == name and (f.step is None or f.step == step):
+            return f.value if f.value is not None else ""
+    return None
+
+
+def once(name: str, step: int) -> str | None:
+    """Like ``value``, but a fault armed for a step fires only the first time that step runs in this
+    process: a transient fault, which a rollback and replay should get past."""
+    for f in active():
+        if f.name == name and f.step == step and (name, step) not in _fired:
+            _fired.add((name, step))
             return f.value if f.value is not None else ""
     return None

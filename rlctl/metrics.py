@@ -137,3 +137,24 @@ class EventLog(JsonlLog):
 
     def emit(self, event: dict[str, Any]) -> None:
         self.write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **event})
+
+
+def abandon_rows_after(storage: Storage, step: int, tag: dict[str, Any]) -> int:
+    """Move the metric rows of steps after ``step`` from metrics.jsonl to metrics.abandoned.jsonl, each
+    tagged with ``tag`` (the resume or rollback that turned away from them). Nothing is lost: they are
+    appended there first, then dropped from the main log. Returns the number of lines moved."""
+    from rlctl.layout import ABANDONED, METRICS
+
+    if not storage.exists(METRICS):
+        return 0
+    kept, moved = split_after_step(storage.read_bytes(METRICS), step)
+    if not moved:
+        return 0
+    out = []
+    for line in moved:
+        rows = list(parse_rows(line))
+        row = rows[0] if rows else {"unparsed_line": line.decode(errors="replace").rstrip("\n")}
+        out.append(orjson.dumps({**{k: _encode(v) for k, v in row.items()}, "abandoned": tag}) + b"\n")
+    storage.append_bytes(ABANDONED, b"".join(out))
+    storage.write_bytes(METRICS, kept)
+    return len(moved)

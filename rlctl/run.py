@@ -16,19 +16,16 @@ import signal
 import time
 from typing import Any, Protocol
 
-import orjson
 import yaml
 
 from rlctl.checkpoint.lease import Lease
 from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig, parse_set, validate_config
-from rlctl.errors import ConfigError, Preempted, SnapshotError
-from rlctl.metrics import EventLog, parse_rows, read_rows, split_after_step
+from rlctl.errors import ConfigError, Halted, Preempted, SnapshotError
+from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS, POLICY_STATE
+from rlctl.metrics import EventLog, abandon_rows_after, read_rows
 
-CONFIG = "config.yaml"
-METRICS = "metrics.jsonl"
-ABANDONED = "metrics.abandoned.jsonl"
 
 # What `rlctl resume --set` may change: knobs of the optimisation, not the identity of the run.
 SAFE_ON_RESUME = frozenset({
@@ -77,7 +74,7 @@ def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
     c = cfg.checkpoint
     if c.dir is not None:
         return Storage(c.dir, c.storage_options)
-    return Storage(run.url_of("checkpoints"), c.storage_options) if c.storage_options else run.child("checkpoints")
+    return Storage(run.url_of(CHECKPOINTS), c.storage_options) if c.storage_options else run.child(CHECKPOINTS)
 
 
 def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None) -> SnapshotManager:
@@ -116,24 +113,6 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
         section, name = dotted.split(".")
         change["to"] = getattr(getattr(new, section), name)
     return new, changes
-
-
-def abandon_metrics_after(run: Storage, step: int, tag: dict[str, Any]) -> int:
-    """Move the metric rows of steps after ``step`` to metrics.abandoned.jsonl, tagged; nothing is lost.
-    Returns the number of lines moved."""
-    if not run.exists(METRICS):
-        return 0
-    kept, moved = split_after_step(run.read_bytes(METRICS), step)
-    if not moved:
-        return 0
-    out = []
-    for line in moved:
-        rows = list(parse_rows(line))
-        row = rows[0] if rows else {"unparsed_line": line.decode(errors="replace").rstrip("\n")}
-        out.append(orjson.dumps({**row, "abandoned": tag}) + b"\n")
-    run.append_bytes(ABANDONED, b"".join(out))  # first keep them, then drop them from the main log
-    run.write_bytes(METRICS, kept)
-    return len(moved)
 
 
 def run_summary(run: Storage, window: int = 10) -> dict[str, Any]:
@@ -199,7 +178,7 @@ def resume_run(
 
 def _completed(run: Storage, cfg: RunConfig) -> bool:
     return any(e.get("event") == "completed" and e.get("step", 0) >= cfg.trainer.total_steps
-               for e in read_rows(run, "events.jsonl"))  # fmt: skip
+               for e in read_rows(run, EVENTS))  # fmt: skip
 
 
 def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter) -> SnapshotInfo | None:
@@ -219,7 +198,7 @@ def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], re
 def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
     from rlctl.engine.trainer import Trainer  # heavy: torch, DeepSpeed, transformers
 
-    trainer = Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step)
+    trainer = Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step, on_event=events.emit)
     if restore is not None:
         usable, wanted, changes = restore
         info = _restore(trainer, snapshots, usable, reporter)
@@ -228,12 +207,8 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
             reporter.note("warning: no snapshot to resume from; starting again from step 0")
         tag = {"event": "resume", "from_step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
-        moved = abandon_metrics_after(run, step, tag)
+        moved = abandon_rows_after(run, step, tag)
         later = snapshots.abandon_after(step, tag["time"].replace(":", ""))
-        if "actor.lr" in changes:
-            trainer.actor.set_lr(cfg.actor.lr)
-        if "algorithm.kl_coef" in changes:
-            trainer.kl_ctrl.value = cfg.algorithm.kl_coef
         events.emit({
             "event": "resume", "from": wanted, "step": step, "snapshot": info.name if info else None,
             "location": snapshots.storage.url_of(info.name) if info else None, "changes": changes,
@@ -251,6 +226,8 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
         events.emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
                      "snapshot": snapshots.last_committed})  # fmt: skip
         raise exc
+    except Halted:
+        raise  # the trainer logged why
     except BaseException as exc:
         events.emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}"})
         raise

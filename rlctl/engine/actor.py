@@ -208,12 +208,13 @@ class Actor:
         old_log_prob: torch.Tensor | None,
         ref_log_prob: torch.Tensor | None,
         kl_coef: float,
+        poison: bool = False,
     ) -> dict[str, float]:
         """PPO/GRPO updates over the batch: ``ppo_epochs`` passes of mini-batches, one optimizer step each.
 
         (B, T) advantages; (B, T) old log-probs, or None when the update is exactly on-policy (one epoch,
         one mini-batch): then they come from the same forward as the gradient, without a second pass.
-        Returns the metrics averaged over the mini-batch steps.
+        Returns the metrics averaged over the mini-batch steps. ``poison`` is the nan_log_prob fault drill.
         """
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
@@ -224,6 +225,10 @@ class Actor:
                 idx = slice(start, start + self.mini_batch)
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
+                if poison and n_updates == 0:  # fault drill: one NaN log-prob, as a broken kernel would give
+                    hit = torch.zeros_like(log_prob, dtype=torch.bool)
+                    hit[0, 0] = True
+                    log_prob = torch.where(hit, torch.full_like(log_prob, float("nan")), log_prob)
                 old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
                 pg_loss, clipfrac, ppo_kl = algos.policy_loss(log_prob, old, advantages[idx], mask, a.clip_ratio)
                 loss = pg_loss

@@ -67,6 +67,7 @@ class PromptCursor:
         self.epoch = 0
         self.position = 0
         self._order = self._permutation(0)
+        self.exclude: set[int] = set()  # owned by the policy guard, not part of this state
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -74,15 +75,22 @@ class PromptCursor:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
 
     def next_batch(self, n: int) -> list[tuple[int, dict[str, Any]]]:
+        """The next ``n`` rows, passing over the indices in ``exclude`` (prompts a policy skipped)."""
         out = []
+        passed = 0
         while len(out) < n:
             if self.position >= len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
             idx = int(self._order[self.position])
-            out.append((idx, self.rows[idx]))
             self.position += 1
+            if idx in self.exclude:
+                passed += 1
+                if passed > len(self.rows):
+                    raise InputError("every prompt of the dataset has been skipped by a rollback policy")
+                continue
+            out.append((idx, self.rows[idx]))
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
 from rlctl import faults
@@ -27,10 +28,14 @@ from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import init_distributed, setup_runtime
-from rlctl.errors import InputError, Preempted
-from rlctl.metrics import JsonlLog
+from rlctl.policies import load_policies
+from rlctl.policies.guard import PolicyGuard
+from rlctl.errors import ConfigError, Halted, InputError, Preempted, SnapshotError
+from rlctl.layout import CONFIG, METRICS, POLICY_STATE
+from rlctl.metrics import JsonlLog, abandon_rows_after
 
 StepCallback = Callable[[dict[str, Any]], None]
+EventCallback = Callable[[dict[str, Any]], None]
 
 
 class TrainerState:
@@ -79,9 +84,15 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(
         self, cfg: RunConfig, run: Storage, *, snapshots: SnapshotManager | None = None,
-        on_step: StepCallback | None = None,
+        on_step: StepCallback | None = None, on_event: EventCallback | None = None,
     ):  # fmt: skip
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
+        self.emit = on_event or (lambda event: None)
+        self.guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
+        if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
+            raise ConfigError(
+                "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
+            )
         self.runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
         seed_everything(cfg.seed)
         self.reward_fn = load_reward_fn(cfg.reward.function)
@@ -94,8 +105,7 @@ class Trainer:
             self.actor.fence = snapshots.wait_staged  # no optimizer step while a snapshot reads the weights
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
-            ref = load_causal_lm(self.model_dir, self.runtime.dtype, cfg.model.trust_remote_code)
-            self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
+            self.ensure_reference()
         self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer)
         self.kl_ctrl = algos.FixedKLController(cfg.algorithm.kl_coef)
         self.state = TrainerState()
@@ -107,19 +117,53 @@ class Trainer:
         self.metrics: JsonlLog | None = None
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
+        self._drawn: list[int] = []  # dataset indices of the prompts of the current step
+
+    def ensure_reference(self) -> None:
+        """The frozen reference model (the initial weights), loaded the first time a KL term needs it."""
+        if self.ref is None:
+            ref = load_causal_lm(self.model_dir, self.runtime.dtype, self.cfg.model.trust_remote_code)
+            self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
+
+    def apply_knobs(self) -> None:
+        """Make the engine follow the config's knobs (after a restore, a resume --set or a policy's
+        adjust): the config is where adjustments persist, the snapshot may predate them."""
+        self.actor.set_lr(self.cfg.actor.lr)
+        self.kl_ctrl.value = self.cfg.algorithm.kl_coef
+        if self.kl_ctrl.value > 0:
+            self.ensure_reference()
 
     # -- state ---------------------------------------------------------------------------------------
     def stateful(self) -> dict[str, Any]:
         """Everything a snapshot restores besides the engine, by name."""
-        return {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl, "rng": self.rng}
+        states = {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl, "rng": self.rng}
+        if self.guard is not None:
+            states["policy"] = self.guard
+        return states
 
-    def restore(self, info) -> None:
-        """Load a snapshot into every Stateful and the engine, then re-sync the rollout weights."""
-        self.snapshots.restore(info, self.stateful(), {"actor": self.actor})
+    def restore(self, info, rollback: bool = False) -> None:
+        """Load a snapshot into every Stateful and the engine, then re-apply the config's knobs and
+        re-sync the rollout weights. A rollback keeps the live policy state (its trigger counts must
+        survive); a resume takes the newest policy state, RUN_DIR/policy_state.json, over the snapshot's."""
+        states = self.stateful()
+        if rollback:
+            states.pop("policy", None)
+        self.snapshots.restore(info, states, {"actor": self.actor})
+        if self.guard is not None:
+            if not rollback and self.run.exists(POLICY_STATE):
+                self.guard.load_state_dict(orjson.loads(self.run.read_bytes(POLICY_STATE)))
+            self.guard.rewind(info.step)
+            self.data.exclude = self.guard.skipped_prompts
         self._snapshotted = self.state.step
+        self.apply_knobs()
         self.rollout.sync_weights()
 
     def snapshot(self, good: bool) -> None:
+        if self.guard is not None and self.guard.max_steps_back:
+            # retention keeps the snapshot a `steps_back` rollback would need
+            horizon = self.state.step - self.guard.max_steps_back
+            needed = [i.step for i in self.snapshots.scan() if i.good and i.step <= horizon]
+            self.snapshots.retention.protected = set(needed[-1:])
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits
         self.snapshots.save(
             self.state.step, self.stateful(), {"actor": self.actor}, good=good,
@@ -140,11 +184,18 @@ class Trainer:
         self.metrics = JsonlLog(self.run, "metrics.jsonl")
         healthy = True
         try:
+            if self.guard is not None and self.guard.rolls_back and self._snapshotted < 0 and self.state.step == 0:
+                self.snapshot(good=True)  # step 0: a policy always has somewhere to roll back to
             while self.state.step < total and self.stop_signal is None:
                 row = self.train_step(self.state.step + 1)
+                verdict = self.guard.check(row["step"], row) if self.guard is not None else None
                 self.metrics.write(row)
                 if self.on_step is not None:
                     self.on_step(row)
+                if verdict is not None and verdict.firings:
+                    self.act_on(verdict)  # may halt, roll back, adjust, skip
+                    if not verdict.good:
+                        continue  # a step that fails a policy is never snapshotted
                 healthy = is_healthy(row)
                 if self.snapshots is not None and every and self.state.step % every == 0:
                     self.snapshot(good=healthy)
@@ -169,6 +220,80 @@ class Trainer:
         while self.stop_signal is None and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    # -- what the rollback policies ask for -----------------------------------------------------------
+    def act_on(self, verdict) -> None:
+        """Carry out a step's policy verdict: log every firing, then halt, or adjust, roll back and skip."""
+        for firing in verdict.firings:
+            self.emit(firing.as_event())
+        if verdict.halt is not None:
+            self._persist_policy_state()
+            self._halt(verdict.halt)
+        if verdict.skip_offending:
+            self.guard.skipped_prompts |= set(self._drawn)
+        if verdict.adjust:
+            self._adjust(verdict)
+        if verdict.rollback is not None:
+            self._rollback(verdict)
+        for _ in range(verdict.skip_batches):
+            self.data.next_batch(self.cfg.trainer.prompts_per_step)
+        self.data.exclude = self.guard.skipped_prompts
+        if verdict.skip_offending or verdict.skip_batches:
+            self.emit({"event": "skip", "step": verdict.step, "prompts": sorted(self._drawn) if verdict.skip_offending
+                       else [], "batches": verdict.skip_batches})  # fmt: skip
+        self._persist_policy_state()
+
+    def _persist_policy_state(self) -> None:
+        self.run.write_bytes(POLICY_STATE, orjson.dumps(self.guard.state_dict()))
+
+    def _halt(self, firing) -> None:
+        good = [i.step for i in self.snapshots.scan() if i.usable and i.good] if self.snapshots else []
+        where = f"the last good snapshot is step {good[-1]}" if good else "there is no good snapshot"
+        self.emit({"event": "halted", "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None})
+        raise Halted(
+            f"policy rule '{firing.rule}' halted the run at step {firing.step} ({firing.trigger}); {where}. "
+            f"After fixing the cause: rlctl resume {self.run.url} --from last-good"
+        )
+
+    def _adjust(self, verdict) -> None:
+        changes = {}
+        for key, op, value in verdict.adjust:
+            section, name = key.split(".")
+            model = getattr(self.cfg, section)
+            before = getattr(model, name)
+            setattr(model, name, value if op == "set" else before * value)
+            changes[key] = {"from": before, "to": getattr(model, name)}
+        self.guard.adjustments.append({"step": verdict.step, "changes": changes})
+        self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())  # adjustments persist across resumes
+        self.apply_knobs()
+        self.emit({"event": "adjust", "step": verdict.step, "changes": changes})
+
+    def _rollback(self, verdict) -> None:
+        action, step = verdict.rollback, verdict.step
+        horizon = step - (action.min_steps_back or 0)
+        candidates = [i for i in reversed(self.snapshots.scan()) if i.usable and i.good and i.step <= horizon]
+        for info in candidates:
+            try:
+                self.restore(info, rollback=True)
+                break
+            except SnapshotError as exc:
+                self.emit({"event": "snapshot_unusable", "step": info.step, "error": exc.message})
+        else:
+            self._halt_no_target(verdict)
+        tag = {"event": "rollback", "rule": verdict.rollback_rule, "from_step": step, "to_step": self.state.step,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        self.metrics.close()
+        moved = abandon_rows_after(self.run, self.state.step, tag)
+        self.metrics = JsonlLog(self.run, METRICS)
+        later = self.snapshots.abandon_after(self.state.step, tag["time"].replace(":", ""))
+        self.emit({**tag, "abandoned_metric_rows": moved, "abandoned_snapshots": later})
+
+    def _halt_no_target(self, verdict) -> None:
+        self.emit({"event": "halted", "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})
+        raise Halted(
+            f"policy rule '{verdict.rollback_rule}' asked for a rollback at step {verdict.step}, but no good "
+            "snapshot is old enough to roll back to"
+        )
+
     def train_step(self, step: int) -> dict[str, Any]:
         cfg, t = self.cfg, {}
         with timed(t, "step"):
@@ -187,13 +312,14 @@ class Trainer:
             with timed(t, "ref"), torch.no_grad():
                 ref = None if self.ref is None else sequence_log_probs(self.ref, seqs, cfg.rollout.temperature)[0]
             with timed(t, "update_actor"):
-                stats = self.actor.update(seqs, token_adv, old, ref, self.kl_ctrl.value)
+                poison = faults.once("nan_log_prob", step) is not None
+                stats = self.actor.update(seqs, token_adv, old, ref, self.kl_ctrl.value, poison=poison)
             self.rollout.sync_weights()
         self.state.step = step
         self.state.prompts_seen += cfg.trainer.prompts_per_step
         tokens = int(seqs.attention_mask.sum())
         self.state.tokens_seen += tokens
-        return {
+        row = {
             "step": step,
             **stats,
             **self.batch_metrics(seqs, scores, advantages, old, ref),
@@ -201,12 +327,17 @@ class Trainer:
             "perf/throughput": tokens / t["timing_s/step"],
             "perf/tokens_seen": self.state.tokens_seen,
         }
+        if (spec := faults.once("metric", step)) is not None:
+            key, _, value = spec.rpartition(":")
+            row[key] = float(value)
+        return row
 
     def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
         """Each drawn prompt repeated group_size times, with (prompt index, sample index) keys and the
         dataset's other columns aligned for the reward function."""
         g, key = self.cfg.algorithm.group_size, self.cfg.data.prompt_key
         rows = self.data.next_batch(self.cfg.trainer.prompts_per_step)
+        self._drawn = [idx for idx, _ in rows]
         keys = [(idx, s) for idx, _ in rows for s in range(g)]
         expanded = [row for _, row in rows for _ in range(g)]
         columns = {c: [r.get(c) for r in expanded] for c in expanded[0] if c != key}

@@ -76,13 +76,13 @@ def load_policies(specs: Iterable[PolicySpec], base_dir: str | os.PathLike[str] 
             policy = validate_policy(spec, None, source)
             located += [(rule, f"'rules.{i}.name' of {source}") for i, rule in enumerate(policy.rules)]
         else:
-            policy, origins = _load_file(_resolve(Path(spec), base_dir))
+            policy, origins = _load_file(resolve_policy_path(Path(spec), base_dir))
             located += [(rule, _where(("rules", str(i), "name"), origins)) for i, rule in enumerate(policy.rules)]
     _check_unique(located, "invalid policies: ")
     return [rule for rule, _ in located]
 
 
-def _resolve(path: Path, base_dir: str | os.PathLike[str] | None) -> Path:
+def resolve_policy_path(path: Path, base_dir: str | os.PathLike[str] | None) -> Path:
     if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_file():
         return Path(base_dir) / path
     return path

@@ -1,0 +1,104 @@
+"""What the run does about a step: the firings of every rule, merged into one verdict.
+
+``PolicyGuard`` wraps the evaluator and keeps what must outlive a rollback: the evaluator's counts and
+windows, the prompts skipped so far, and the adjustments made. It is Stateful (a snapshot carries it),
+but a rollback never restores it from the snapshot it returns to: the trigger counts would reset and
+``max_triggers`` could never run out. The trainer also writes it to RUN_DIR/policy_state.json at every
+firing, so a kill before the next snapshot loses none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.checkpoint.stateful import check_version
+from rlctl.policies.evaluator import Firing, PolicyEngine
+from rlctl.policies.schema import AdjustAction, HaltAction, RollbackAction, Rule, SkipAction
+
+
+@dataclass
+class Verdict:
+    """The merged decision for one step."""
+
+    step: int
+    firings: list[Firing] = field(default_factory=list)
+    halt: Firing | None = None  # the firing that halts the run, if any
+    rollback: RollbackAction | None = None  # the furthest-reaching rollback asked for
+    rollback_rule: str | None = None
+    adjust: list[tuple[str, str, float]] = field(default_factory=list)  # (key, "set"|"multiply", value)
+    skip_offending: bool = False
+    skip_batches: int = 0
+
+    @property
+    def good(self) -> bool:
+        """No rule with a non-warn action fired: the step may be snapshotted as good."""
+        return all(f.warn_only for f in self.firings)
+
+    @property
+    def recovers(self) -> bool:
+        return self.rollback is not None or bool(self.adjust) or self.skip_offending or self.skip_batches > 0
+
+
+def _reach(action: RollbackAction) -> int:
+    return (action.min_steps_back or 0) if action.to == "steps_back" else 0
+
+
+def merge(step: int, firings: Iterable[Firing]) -> Verdict:
+    """Halt wins over everything; the rollback that reaches furthest back wins over the others;
+    adjustments apply in rule order; skips add up."""
+    verdict = Verdict(step, list(firings))
+    for firing in verdict.firings:
+        for action in firing.actions:
+            if isinstance(action, HaltAction) and verdict.halt is None:
+                verdict.halt = firing
+            elif isinstance(action, RollbackAction):
+                if verdict.rollback is None or _reach(action) > _reach(verdict.rollback):
+                    verdict.rollback, verdict.rollback_rule = action, firing.rule
+            elif isinstance(action, AdjustAction):
+                verdict.adjust += [(k, "set", v) for k, v in action.set.items()]
+                verdict.adjust += [(k, "multiply", v) for k, v in action.multiply.items()]
+            elif isinstance(action, SkipAction):
+                verdict.skip_offending |= action.offending
+                verdict.skip_batches += action.batches
+    return verdict
+
+
+class PolicyGuard:
+    VERSION = 1
+
+    def __init__(self, rules: list[Rule]):
+        self.rules = rules
+        self.engine = PolicyEngine(rules)
+        self.skipped_prompts: set[int] = set()
+        self.adjustments: list[dict[str, Any]] = []
+
+    @property
+    def rolls_back(self) -> bool:
+        return any(isinstance(a, RollbackAction) for r in self.rules for a in r.actions)
+
+    @property
+    def max_steps_back(self) -> int:
+        """The furthest any rule may need to roll back (retention keeps a snapshot that far back)."""
+        return max((_reach(a) for r in self.rules for a in r.actions if isinstance(a, RollbackAction)), default=0)
+
+    def check(self, step: int, row: Mapping[str, Any]) -> Verdict:
+        return merge(step, self.engine.evaluate(step, row))
+
+    def rewind(self, step: int) -> None:
+        self.engine.rewind(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.VERSION,
+            "engine": self.engine.state_dict(),
+            "skipped_prompts": sorted(self.skipped_prompts),
+            "adjustments": list(self.adjustments),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_version("policy guard", state, self.VERSION)
+        self.engine.load_state_dict(state["engine"])
+        self.skipped_prompts = set(state["skipped_prompts"])
+        self.adjustments = list(state["adjustments"])
