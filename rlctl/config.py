@@ -221,15 +221,20 @@ Origin = str  # "demo.yaml line 4" or "--set actor.lr=..."
 
 
 def yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
-    """Map each key path of a YAML document to 'FILE line N'."""
+    """Map each key path of a YAML document to 'FILE line N', list items included by index:
+    ``("rules", "0", "trigger")``. Empty when the text is not valid YAML."""
     origins: dict[tuple[str, ...], Origin] = {}
 
     def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
         if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                key = (*path, str(key_node.value))
-                origins[key] = f"{source} line {key_node.start_mark.line + 1}"
-                walk(value_node, key)
+            children = [(str(k.value), k, v) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            children = [(str(i), v, v) for i, v in enumerate(node.value)]
+        else:
+            return
+        for name, marked, child in children:
+            origins[(*path, name)] = f"{source} line {marked.start_mark.line + 1}"
+            walk(child, (*path, name))
 
     try:
         root = yaml.compose(text)

@@ -23,7 +23,7 @@ from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager,
 from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig, parse_set, validate_config
 from rlctl.errors import ConfigError, Halted, Preempted, SnapshotError
-from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS, POLICY_STATE
+from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS
 from rlctl.metrics import EventLog, abandon_rows_after, read_rows
 
 

@@ -121,3 +121,13 @@ def test_bad_policy_stops_before_anything_starts(tmp_path):
     assert r.returncode == ExitCode.CONFIG and "Error: invalid policy file" in r.stderr
     r = run_cli("policy", "check", "policies/default.yaml", "policies/conservative.yaml", "policies/warn-only.yaml")
     assert r.returncode == 0 and "rule nonfinite" in r.stdout
+
+
+def test_step_failing_an_adjust_only_rule_is_not_snapshotted_even_at_the_end(tmp_path):
+    rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "adjust", "set": {"actor.lr": 1e-4}}]}]
+    cfg = policy_config(tmp_path, rules, every=2, steps=4)
+    run = tmp_path / "run"
+    r = run_cli("start", cfg, "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": "metric@4=actor/ppo_kl:5.0"})
+    assert r.returncode == 0, r.stderr
+    assert [e["step"] for e in kinds(run, "snapshot_committed")] == [2]
+    assert kinds(run, "adjust")[0]["changes"]["actor.lr"]["to"] == 1e-4

@@ -2,7 +2,6 @@
 real signals. Faults come from RLCTL_FAULTS (rlctl/faults.py)."""
 
 import json
-import os
 import signal
 import subprocess
 import time

@@ -8,7 +8,6 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -181,8 +180,8 @@ class Trainer:
         """Steps until total_steps; snapshots every `checkpoint.every` steps, at the end of a run that
         snapshots, and when a stop is requested (then raises Preempted once the snapshot is committed)."""
         total, every = self.cfg.trainer.total_steps, self.cfg.checkpoint.every
-        self.metrics = JsonlLog(self.run, "metrics.jsonl")
-        healthy = True
+        self.metrics = JsonlLog(self.run, METRICS)
+        healthy, passed = True, True  # the last step's metrics are finite; it passed the policies
         try:
             if self.guard is not None and self.guard.rolls_back and self._snapshotted < 0 and self.state.step == 0:
                 self.snapshot(good=True)  # step 0: a policy always has somewhere to roll back to
@@ -192,9 +191,10 @@ class Trainer:
                 self.metrics.write(row)
                 if self.on_step is not None:
                     self.on_step(row)
+                passed = verdict is None or verdict.good
                 if verdict is not None and verdict.firings:
                     self.act_on(verdict)  # may halt, roll back, adjust, skip
-                    if not verdict.good:
+                    if not passed:
                         continue  # a step that fails a policy is never snapshotted
                 healthy = is_healthy(row)
                 if self.snapshots is not None and every and self.state.step % every == 0:
@@ -202,7 +202,7 @@ class Trainer:
                 if (pause := faults.value("sleep", self.state.step)) is not None:
                     self._drill_sleep(float(pause or 1))
             # the last step is snapshotted by a run that snapshots at all (or was restored from one)
-            wanted = self.stop_signal is not None or every > 0 or self._snapshotted >= 0
+            wanted = passed and (self.stop_signal is not None or every > 0 or self._snapshotted >= 0)
             if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
                 self.snapshot(good=healthy)
             committed = self.snapshots.wait() if self.snapshots is not None else None

@@ -17,10 +17,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlctl.config import read_yaml
+from rlctl.config import read_yaml, yaml_lines
 from rlctl.errors import ConfigError
 from rlctl.policies.schema import PolicyFile, Rule
 
@@ -108,29 +107,7 @@ def _check_unique(located: list[tuple[Rule, str]], prefix: str) -> None:
 # Where each key was written
 
 
-def yaml_origins(text: str, source: str) -> Origins:
-    """Map each key path of a YAML document to 'FILE line N', list items included by index:
-    ``("rules", "0", "trigger")``. Empty when the text is not valid YAML."""
-    origins: Origins = {}
-
-    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            children = [(str(k.value), k, v) for k, v in node.value]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(str(i), v, v) for i, v in enumerate(node.value)]
-        else:
-            return
-        for name, marked, child in children:
-            origins[(*path, name)] = f"{source} line {marked.start_mark.line + 1}"
-            walk(child, (*path, name))
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return origins
-    if root is not None:
-        walk(root, ())
-    return origins
+yaml_origins = yaml_lines  # list items by index: ("rules", "0", "trigger")
 
 
 def _origin_for(key: tuple[str, ...], origins: Origins) -> str:
