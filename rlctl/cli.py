@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "checkpoints": ("rlctl.commands.checkpoints", "checkpoints", "List a run's snapshots and whether each is usable."),
     "export": ("rlctl.commands.export", "export", "Write a snapshot as a Hugging Face model directory."),
     "policy": ("rlctl.commands.policy", "policy", "Check and explain rollback policy files."),
+    "inspect": ("rlctl.commands.inspect", "inspect", "Show a run: summary, metric dumps, events, plots, --check."),
+    "runs": ("rlctl.commands.runs", "runs", "List the runs under a directory with their status."),
 }
 
 

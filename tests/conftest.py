@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +61,21 @@ def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
     from rlctl.metrics import read_rows
 
     return read_rows(Storage(str(run_dir)), rel)
+
+
+@pytest.fixture(scope="session")
+def s3_env():
+    """A real S3 endpoint on loopback (moto), and the fsspec config that points s3fs at it."""
+    import logging
+
+    moto_server = pytest.importorskip("moto.server")
+    import s3fs
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "test", "secret": "test"}
+    s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
+    yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
+    server.stop()

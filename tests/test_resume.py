@@ -15,7 +15,7 @@ from rlctl.errors import ExitCode
 pytestmark = pytest.mark.slow
 
 SMALL = ["--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=6"]
-VOLATILE = ("timing_s/", "perf/throughput")
+VOLATILE = ("timing_s/", "perf/throughput", "timestamp")
 
 
 def stable(rows):
@@ -208,24 +208,6 @@ def test_resume_set_only_safe_keys_and_lr_change_is_applied(tmp_path):
 def test_resume_of_something_that_is_not_a_run(tmp_path):
     r = run_cli("resume", str(tmp_path))
     assert r.returncode == ExitCode.CONFIG and "is not an rlctl run directory" in r.stderr
-
-
-@pytest.fixture(scope="module")
-def s3_env():
-    """A real S3 endpoint on loopback (moto), and the fsspec config that points s3fs at it."""
-    import logging
-
-    moto_server = pytest.importorskip("moto.server")
-    import s3fs
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "test", "secret": "test"}
-    s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
-    yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
-    server.stop()
 
 
 def test_run_and_snapshots_on_s3(tmp_path, s3_env):

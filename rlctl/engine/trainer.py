@@ -321,6 +321,7 @@ class Trainer:
         self.state.tokens_seen += tokens
         row = {
             "step": step,
+            "timestamp": round(time.time(), 3),
             **stats,
             **self.batch_metrics(seqs, scores, advantages, old, ref),
             **t,

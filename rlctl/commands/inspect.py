@@ -1,0 +1,163 @@
+"""rlctl inspect RUN_DIR [...]: summary, metric and event dumps, --follow, --plot, --check."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+import time
+from typing import Any
+
+import click
+import orjson
+
+from rlctl.errors import ConfigError
+
+FORMATS = ["table", "json", "jsonl", "csv"]
+
+
+@click.command("inspect")
+@click.argument("run_dir")
+@click.option("--metrics", "patterns", help="Comma-separated metric names or globs: 'actor/*,critic/score/mean'.")
+@click.option("--last", type=int, help="Only the last N rows.")
+@click.option("--since-step", "since", type=int, help="Rows from this step on.")
+@click.option("--until-step", "until", type=int, help="Rows up to this step.")
+@click.option("--every", type=click.IntRange(min=1), help="Every K-th step.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
+@click.option("--events", is_flag=True, help="List events: snapshots, resumes, policy firings, rollbacks ...")
+@click.option("--follow", is_flag=True, help="Stream new rows as the run writes them, until it ends.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw the metrics to FILE.png.")
+@click.option("--check", is_flag=True, help="One line and an exit code for cron (see the README).")
+@click.option("--window", type=click.IntRange(min=1), default=100, show_default=True,
+              help="--check: a policy firing within this many steps is a warning.")  # fmt: skip
+@click.option("--stale-after", default="30m", show_default=True,
+              help="--check: a running run with no new step for this long is stale.")  # fmt: skip
+@click.option("--policy", "policy_file", type=click.Path(dir_okay=False),
+              help="--check: also replay the last --window rows through this policy file.")  # fmt: skip
+def inspect(run_dir, patterns, last, since, until, every, fmt, events, follow, plot_path, check, window,
+            stale_after, policy_file):  # fmt: skip
+    """Show a run: a summary by default; metric rows with --metrics/--last/--since-step/--until-step/
+    --every; --events; --follow; --plot FILE.png; --check for cron. Data goes to stdout only."""
+    from rlctl import inspect as lib
+
+    view = lib.open_run(run_dir)
+    if view.bad_lines:
+        click.echo(f"warning: skipped unreadable line(s) {view.bad_lines} of metrics.jsonl "
+                   "(a crash mid-write?)", err=True)  # fmt: skip
+    globs = [p.strip() for p in (patterns or "").split(",") if p.strip()]
+    if check:
+        rules = None
+        if policy_file:
+            from rlctl.policies import load_policies
+
+            rules = load_policies([policy_file])
+        verdict, line = lib.check(view, window, lib.parse_duration(stale_after), rules)
+        click.echo(line)
+        sys.exit(lib.CHECK_CODES[verdict])
+    if plot_path:
+        drawn = lib.plot(view, globs and lib.select(view.rows, globs)[0][1:], plot_path)
+        click.echo(f"drew {', '.join(drawn)}", err=True)
+        click.echo(plot_path)
+        return
+    if events:
+        columns = ["time", "event", "step", "details"]
+        rows = [{"time": e.get("time"), "event": e.get("event"), "step": e.get("step"),
+                 "details": {k: v for k, v in e.items() if k not in ("time", "event", "step")}}
+                for e in view.events]  # fmt: skip
+        emit(columns, rows, fmt)
+        return
+    if follow:
+        follow_rows(run_dir, globs, fmt)
+        return
+    if globs or last is not None or since is not None or until is not None or every:
+        columns, rows = lib.select(view.rows, globs, last=last, since=since, until=until, every=every)
+        emit(columns, rows, fmt)
+        return
+    summary = lib.summary(view)
+    if fmt == "table":
+        print_summary(summary)
+    elif fmt in ("json", "jsonl"):
+        click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 if fmt == "json" else 0).decode())
+    else:
+        raise ConfigError("--format csv needs rows: add --metrics, --last or --events")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return ("NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity") if not math.isfinite(value) \
+            else f"{value:.6g}"  # fmt: skip
+    if isinstance(value, (dict, list)):
+        return orjson.dumps(value).decode()
+    return str(value)
+
+
+def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: _cell(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def emit(columns: list[str], rows: list[dict[str, Any]], fmt: str, header: bool = True) -> None:
+    out = sys.stdout
+    if fmt == "json":
+        out.write(orjson.dumps([_json_safe(r) for r in rows], option=orjson.OPT_INDENT_2).decode() + "\n")
+    elif fmt == "jsonl":
+        for r in rows:
+            out.write(orjson.dumps(_json_safe(r)).decode() + "\n")
+    elif fmt == "csv":
+        writer = csv.writer(out, lineterminator="\n")
+        if header:
+            writer.writerow(columns)
+        writer.writerows([[_cell(r.get(c)) for c in columns] for r in rows])
+    else:
+        cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+        widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+        if header:
+            out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip() + "\n")
+        for row in cells:
+            out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
+    out.flush()
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    lines = [
+        ("run", s["run"]),
+        ("status", s["status"]),
+        ("step", f"{s['step']} / {s['total_steps']}"),
+        ("snapshot", f"{_opt(s['last_snapshot'])} (last good: {_opt(s['last_good_snapshot'])})"),
+        ("rollbacks", f"{s['rollbacks']}   policy firings: {s['policy_firings']}   skipped batches: "
+                      f"{s['skipped_batches']}, prompts: {s['skipped_prompts']}"),  # fmt: skip
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        click.echo(f"{key.ljust(width)}  {value}")
+    if s["metrics"]:
+        click.echo("")
+        mw = max(len(k) for k in s["metrics"])
+        click.echo(f"{'metric'.ljust(mw)}  {'latest':>10}  trend")
+        for key, m in s["metrics"].items():
+            click.echo(f"{key.ljust(mw)}  {_cell(m['latest']):>10}  {m['trend']}")
+
+
+def _opt(step: int | None) -> str:
+    return "none" if step is None else f"step {step}"
+
+
+def follow_rows(run_dir: str, globs: list[str], fmt: str, interval: float = 1.0) -> None:
+    """Print rows as they arrive; return when the run is no longer running and nothing new came."""
+    from rlctl import inspect as lib
+
+    printed, header = 0, True
+    columns: list[str] | None = None
+    while True:
+        view = lib.open_run(run_dir)
+        fresh = [r for r in view.rows if r.get("step", 0) > printed]
+        if fresh:
+            cols, rows = lib.select(fresh, globs)
+            columns = columns or cols
+            emit(columns, rows, "jsonl" if fmt == "json" else fmt, header=header)
+            header = False
+            printed = fresh[-1]["step"]
+        elif lib.status(view) != "running":
+            return
+        time.sleep(interval)

@@ -1,0 +1,28 @@
+"""rlctl runs [ROOT] [--format table|json]"""
+
+from __future__ import annotations
+
+import time
+
+import click
+import orjson
+
+from rlctl.commands.options import format_option
+
+
+@click.command("runs")
+@click.argument("root", default="runs")
+@format_option
+def runs(root: str, fmt: str) -> None:
+    """List the runs under ROOT (a path or fsspec URL; default: runs) with their status."""
+    from rlctl.commands.inspect import emit
+    from rlctl.inspect import list_runs
+
+    rows = list_runs(root)
+    if fmt == "json":
+        click.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+        return
+    for r in rows:
+        r["step"] = f"{r['step']}/{r.pop('total_steps')}"
+        r["updated"] = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["updated"])) if r["updated"] else ""
+    emit(["run", "status", "step", "updated"], rows, "table")

@@ -1,0 +1,266 @@
+"""Reading a run without touching it: status, summary, metric selections, health checks, plots.
+
+Everything here reads files through fsspec (local, s3://, memory://) and never imports torch: cron and
+Slurm scripts call it every few minutes. A truncated last line of metrics.jsonl (a crash mid-write) is
+skipped and reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rlctl.checkpoint.lease import lease_state, read_lease
+from rlctl.checkpoint.storage import Storage
+from rlctl.errors import ConfigError
+from rlctl.layout import CONFIG, EVENTS, METRICS
+from rlctl.metrics import parse_rows
+
+KEY_METRICS = (
+    "critic/score/mean",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "response_length/mean",
+    "perf/throughput",
+)
+TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed")
+
+
+@dataclass
+class RunView:
+    url: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    events: list[dict[str, Any]]
+    lease: dict[str, Any] | None
+    bad_lines: list[int] = field(default_factory=list)
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.config.get("trainer", {}).get("total_steps", 0))
+
+    @property
+    def step(self) -> int:
+        return self.rows[-1]["step"] if self.rows else 0
+
+    def events_of(self, *kinds: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") in kinds]
+
+
+def open_run(url: str) -> RunView:
+    run = Storage(url)
+    try:
+        config = yaml.safe_load(run.read_bytes(CONFIG)) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{url} is not an rlctl run directory (it has no {CONFIG})") from None
+    bad: list[int] = []
+    rows = _read(run, METRICS, lambda lineno, _line: bad.append(lineno))
+    events = _read(run, EVENTS, None)
+    return RunView(url, config, rows, events, read_lease(run), bad)
+
+
+def _read(run: Storage, rel: str, on_bad) -> list[dict[str, Any]]:
+    try:
+        data = run.read_bytes(rel)
+    except FileNotFoundError:
+        return []
+    return list(parse_rows(data, on_bad))
+
+
+# -- status -----------------------------------------------------------------------------------------
+def status(view: RunView, lease_timeout: float | None = None) -> str:
+    """running (a live lease), completed, halted (by a policy), preempted (stopped by a signal with a
+    snapshot: resume it), or crashed (no live lease and none of the above: killed, or an error)."""
+    timeout = lease_timeout or float(view.config.get("trainer", {}).get("lease_timeout", 120))
+    if lease_state(view.lease, timeout) == "live":
+        return "running"
+    last = next((e["event"] for e in reversed(view.events) if e.get("event") in TERMINAL), None)
+    return {"completed": "completed", "halted": "halted", "preempted": "preempted"}.get(last, "crashed")
+
+
+def snapshots(view: RunView) -> list[Any]:
+    """The run's snapshots (needs the checkpoint storage, so it reads the validated config)."""
+    from rlctl.config import validate_config
+    from rlctl.run import snapshot_manager
+
+    return snapshot_manager(Storage(view.url), validate_config(view.config)).scan()
+
+
+def summary(view: RunView) -> dict[str, Any]:
+    snaps = [s for s in snapshots(view) if s.committed]
+    good = [s for s in snaps if s.good]
+    skips = view.events_of("skip")
+    return {
+        "run": view.url,
+        "status": status(view),
+        "step": view.step,
+        "total_steps": view.total_steps,
+        "last_snapshot": snaps[-1].step if snaps else None,
+        "last_good_snapshot": good[-1].step if good else None,
+        "rollbacks": len(view.events_of("rollback")),
+        "policy_firings": len(view.events_of("policy")),
+        "skipped_batches": sum(e.get("batches", 0) for e in skips),
+        "skipped_prompts": sum(len(e.get("prompts", [])) for e in skips),
+        "bad_lines": view.bad_lines,
+        "metrics": {
+            key: {"latest": series[-1], "trend": sparkline(series)}
+            for key in KEY_METRICS
+            if (series := [r[key] for r in view.rows if isinstance(r.get(key), (int, float))])
+        },
+    }
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 24) -> str:
+    """The trend of ``values`` in ``width`` characters (bucket means); '!' marks a non-finite bucket."""
+    if not values:
+        return ""
+    n = min(width, len(values))
+    buckets = [values[i * len(values) // n : (i + 1) * len(values) // n] for i in range(n)]
+    means = [sum(b) / len(b) for b in buckets]
+    finite = [m for m in means if math.isfinite(m)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
+    span = hi - lo or 1.0
+    return "".join(
+        SPARKS[round((m - lo) / span * 7)] if math.isfinite(m) else "!" for m in means
+    )
+
+
+# -- selections -------------------------------------------------------------------------------------
+def select(
+    rows: Iterable[dict[str, Any]], patterns: Sequence[str] = (), *, last: int | None = None,
+    since: int | None = None, until: int | None = None, every: int | None = None,
+) -> tuple[list[str], list[dict[str, Any]]]:  # fmt: skip
+    """Rows filtered by step and columns chosen by glob (``actor/*``); 'step' always comes first."""
+    picked = [
+        r for r in rows
+        if (since is None or r.get("step", 0) >= since) and (until is None or r.get("step", 0) <= until)
+        and (not every or r.get("step", 0) % every == 0)
+    ]  # fmt: skip
+    if last is not None:
+        picked = picked[-last:] if last else []
+    keys: list[str] = []
+    for r in picked:
+        keys += [k for k in r if k not in keys]
+    if patterns:
+        keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    columns = ["step", *[k for k in keys if k != "step"]]
+    return columns, [{c: r.get(c) for c in columns} for r in picked]
+
+
+# -- health check for cron ----------------------------------------------------------------------------
+CHECK_CODES = {"healthy": 0, "warning": 41, "halted": 42, "crashed": 43, "stale": 44, "preempted": 45}
+
+
+def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=None, now=None) -> tuple[str, str]:
+    """(verdict, one line). halted, crashed and preempted come from the run's state; stale is a run that
+    claims to be running (live lease) but wrote no step for ``stale_after`` seconds; warning is a policy
+    that fired within the last ``window`` steps, in the run or, with ``rules`` (a policy file), when
+    the last ``window`` rows are replayed through it."""
+    now = time.time() if now is None else now
+    state = status(view)
+    where = f"step {view.step}/{view.total_steps}"
+    if state == "halted":
+        halt = view.events_of("halted")[-1]
+        return "halted", f"HALTED {view.url} at step {halt.get('step')} by policy rule '{halt.get('rule')}'"
+    if state == "crashed":
+        return "crashed", f"CRASHED {view.url} at {where}: no live writer and no clean end"
+    if state == "preempted":
+        return "preempted", f"PREEMPTED {view.url} at {where}: resume it"
+    if state == "running":
+        last_time = _last_progress(view)
+        if last_time is not None and now - last_time > stale_after:
+            return "stale", f"STALE {view.url} at {where}: no new step for {_ago(now - last_time)}"
+    fired = [e for e in view.events_of("policy") if e.get("step", 0) > view.step - window]
+    if rules:
+        fired += _replay(view.rows[-window:], rules)
+    if fired:
+        f = fired[-1]
+        return "warning", f"WARNING {view.url} at {where}: rule '{f.get('rule')}' fired at step {f.get('step')}"
+    return "healthy", f"OK {view.url} {state} at {where}"
+
+
+def _last_progress(view: RunView) -> float | None:
+    if view.rows and "timestamp" in view.rows[-1]:
+        return float(view.rows[-1]["timestamp"])
+    return None
+
+
+def _replay(rows: list[dict[str, Any]], rules) -> list[dict[str, Any]]:
+    from rlctl.policies import PolicyEngine
+
+    engine = PolicyEngine(rules)
+    return [f.as_event() for r in rows for f in engine.evaluate(r["step"], r)]
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds / 3600:.1f}h" if seconds >= 3600 else f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
+
+
+def parse_duration(text: str) -> float:
+    """'30m', '2h', '90s', '45' (seconds) -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip()
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+    except (ValueError, IndexError):
+        raise ConfigError(f"--stale-after expects a duration like 30m, 2h or 90s; got {text!r}") from None
+
+
+# -- runs under a root --------------------------------------------------------------------------------
+def list_runs(root: str) -> list[dict[str, Any]]:
+    base = Storage(root)
+    out = []
+    for name in base.listdir():
+        if not base.exists(name, CONFIG):
+            continue
+        view = open_run(base.url_of(name))
+        out.append({"run": view.url, "status": status(view), "step": view.step, "total_steps": view.total_steps,
+                    "updated": _last_progress(view)})  # fmt: skip
+    return out
+
+
+# -- plot ---------------------------------------------------------------------------------------------
+def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
+    """Draw metrics over steps, rollbacks and snapshots marked, the abandoned rows of rolled-back
+    steps in grey so a spike and its recovery show at a glance. Returns the metrics drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    abandoned = _read(Storage(view.url), "metrics.abandoned.jsonl", None)
+    keys = [k for k in (metrics or KEY_METRICS[:4]) if any(isinstance(r.get(k), (int, float)) for r in view.rows)]
+    if not keys:
+        raise ConfigError(f"none of the metrics {', '.join(metrics)} is in {view.url}")
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True, squeeze=False)
+    commits = [e["step"] for e in view.events_of("snapshot_committed")]
+    for ax, key in zip(axes[:, 0], keys):
+        steps = [r["step"] for r in view.rows if isinstance(r.get(key), (int, float))]
+        ax.plot(steps, [r[key] for r in view.rows if isinstance(r.get(key), (int, float))], lw=1.2, label=key)
+        gone = [r for r in abandoned if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if gone:
+            ax.scatter([r["step"] for r in gone], [r[key] for r in gone], s=10, c="0.6", label="rolled back")
+        for e in view.events_of("rollback"):
+            ax.axvspan(e["to_step"], e["from_step"], color="tab:red", alpha=0.12)
+            ax.axvline(e["from_step"], color="tab:red", lw=0.8)
+        for s in commits:
+            ax.axvline(s, color="tab:green", lw=0.4, alpha=0.5)
+        ax.set_ylabel(key, fontsize=8)
+        ax.legend(loc="upper left", fontsize=7)
+    axes[-1, 0].set_xlabel("step (green: snapshots, red: rollbacks)")
+    fig.suptitle(view.url, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return keys
