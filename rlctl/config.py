@@ -119,18 +119,102 @@ class RewardConfig(Strict):
         return v
 
 
+AdvEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class KLControllerConfig(Strict):
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: kl_coef stays; adaptive: it moves toward target_kl (Ziegler et al.)."
+    )
+    target_kl: float = Field(0.1, gt=0, description="Adaptive controller: the KL it steers toward.")
+    horizon: int = Field(10000, ge=1, description="Adaptive controller: samples over which it adapts.")
+
+
+class DynamicSamplingConfig(Strict):
+    enabled: bool = Field(
+        False, description="DAPO: drop groups whose rewards all tie and sample more prompts to refill the batch."
+    )
+    max_gen_batches: int = Field(
+        4, ge=1, description="Most generation rounds per step when refilling (then train on what there is)."
+    )
+
+
+class OverlongConfig(Strict):
+    enabled: bool = Field(False, description="DAPO's soft overlong punishment added to the reward.")
+    buffer_len: int = Field(
+        4, ge=1, description="Tokens before rollout.max_new_tokens where the penalty ramps from 0 to -factor."
+    )
+    penalty_factor: float = Field(1.0, ge=0, description="The penalty at and beyond rollout.max_new_tokens.")
+
+
 class AlgorithmConfig(Strict):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
-    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (GRPO's G).")
+    name: Literal["grpo", "ppo"] = Field(
+        "grpo", description="grpo: critic-free (group baselines); ppo: a critic model and GAE."
+    )
+    adv_estimator: AdvEstimator | None = Field(
+        None,
+        description="Advantage estimator: grpo, drgrpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, gae. Empty: grpo for name grpo, gae for name ppo.",
+    )
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (GRPO's G).")
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the KL loss against the frozen reference model (0: no reference)."
+        0.0, ge=0, description="Weight of the KL against the frozen reference model (0: no reference)."
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="KL estimator: k1 (log-ratio), k2 (squared), k3 (verl's low_var_kl, clamped)."
     )
+    kl_in_reward: bool = Field(
+        False, description="Fold the KL penalty into the per-token reward instead of adding a KL loss."
+    )
+    kl_ctrl: KLControllerConfig = Field(default_factory=KLControllerConfig, description="The KL coefficient's controller.")
     clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon for the ratio.")
+    clip_ratio_low: float | None = Field(
+        None, gt=0, lt=1, description="Lower clip epsilon (empty: clip_ratio)."
+    )
+    clip_ratio_high: float | None = Field(
+        None, gt=0, description="Upper clip epsilon; above clip_ratio_low is DAPO's clip-higher (empty: clip_ratio)."
+    )
+    clip_ratio_c: float | None = Field(
+        3.0, gt=1, description="Dual-clip bound for negative advantages, as verl (empty: no dual clip)."
+    )
+    importance_ratio: Literal["token", "sequence"] = Field(
+        "token", description="token: PPO's per-token ratio; sequence: GSPO's sequence-level ratio."
+    )
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become one number.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (subtracted from the loss).")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount (GAE, REINFORCE++).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     ppo_epochs: int = Field(1, ge=1, description="Passes of updates over each rollout batch.")
     adv_eps: float = Field(1e-6, gt=0, description="Added to the group std when normalising advantages.")
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO's dynamic sampling."
+    )
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO's overlong penalty.")
+
+    @property
+    def estimator(self) -> str:
+        return self.adv_estimator or ("gae" if self.name == "ppo" else "grpo")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio_low if self.clip_ratio_low is not None else self.clip_ratio
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio_high if self.clip_ratio_high is not None else self.clip_ratio
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgorithmConfig:
+        est = self.estimator
+        if (est == "gae") != (self.name == "ppo"):
+            raise ValueError("adv_estimator gae needs a critic (name: ppo), and ppo uses gae")
+        if est in GROUP_ESTIMATORS and self.group_size < 2:
+            raise ValueError(f"adv_estimator {est} compares samples of a prompt: group_size must be at least 2")
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0")
+        return self
 
 
 class ActorConfig(Strict):
@@ -145,6 +229,20 @@ class ActorConfig(Strict):
         ge=1,
         description="Sequences per optimizer step; empty: the whole rollout batch (one step per epoch).",
     )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward/backward, accumulated to a mini-batch; empty: the mini-batch."
+    )
+
+
+class CriticConfig(Strict):
+    path: str | None = Field(
+        None, description="Value model initialisation (a causal-LM directory); empty: the actor's model."
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the critic.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm to this value.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
+    warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the actor starts.")
 
 
 class RolloutConfig(Strict):
@@ -191,6 +289,7 @@ class RunConfig(Strict):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward function.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="The RL algorithm.")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="The trained policy (DeepSpeed).")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model (algorithm.name: ppo).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of completions.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Snapshots.")
     policies: list[PolicySpec] = Field(
@@ -200,7 +299,7 @@ class RunConfig(Strict):
     )
 
     @model_validator(mode="after")
-    def _mini_batch_divides(self) -> RunConfig:
+    def _batches_divide(self) -> RunConfig:
         mb = self.actor.mini_batch_size
         batch = self.trainer.prompts_per_step * self.algorithm.group_size
         if mb is not None and batch % mb:
@@ -208,6 +307,11 @@ class RunConfig(Strict):
                 f"actor.mini_batch_size ({mb}) must divide the rollout batch "
                 f"(trainer.prompts_per_step x algorithm.group_size = {batch})"
             )
+        micro = self.actor.micro_batch_size
+        if micro is not None and (mb or batch) % micro:
+            raise ValueError(f"actor.micro_batch_size ({micro}) must divide the mini-batch ({mb or batch})")
+        if self.critic.path is not None and not Path(self.critic.path).expanduser().is_dir():
+            raise ValueError(f"critic.path: no such model directory: {self.critic.path}")
         return self
 
     def to_yaml(self) -> str:

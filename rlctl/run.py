@@ -206,6 +206,9 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
         if info is None:
             reporter.note("warning: no snapshot to resume from; starting again from step 0")
         tag = {"event": "resume", "from_step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if "algorithm.kl_coef" in changes:  # also for an adaptive controller: the user said so
+            trainer.kl_ctrl.value = cfg.algorithm.kl_coef
+            trainer.apply_knobs()
         run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
         moved = abandon_rows_after(run, step, tag)
         later = snapshots.abandon_after(step, tag["time"].replace(":", ""))

@@ -11,7 +11,9 @@ from rlctl.engine import algos
 def test_grpo_advantages_by_hand():
     # group 1: [1, 0, 0, 1] mean .5, unbiased std sqrt(1/3); group 2 all tie -> zero advantage
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 0.3, 0.3])
-    adv = algos.grpo_advantages(scores, group_size=4, eps=1e-6)
+    mask = torch.ones(8, 1)
+    inp = algos.AdvantageInputs(algos.scores_to_token_rewards(scores, mask), mask, group_size=4, eps=1e-6)
+    adv = algos.ADVANTAGES["grpo"](inp)[0][:, 0]
     s = math.sqrt(1 / 3)
     expected = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0]
     assert adv.tolist() == pytest.approx(expected, abs=1e-5)
@@ -56,8 +58,8 @@ def test_k3_is_clamped_and_cannot_overflow():
 def test_unknown_estimator_lists_valid_names():
     with pytest.raises(KeyError, match="valid: k1, k2, k3, low_var_kl"):
         algos.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
-    with pytest.raises(KeyError, match="valid: grpo"):
-        algos.ADV_ESTIMATORS["ppo2"]
+    with pytest.raises(KeyError, match="valid: drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
+        algos.ADVANTAGES["ppo2"]
 
 
 def test_policy_loss_by_hand():
@@ -69,7 +71,8 @@ def test_policy_loss_by_hand():
     old = torch.zeros(2, 2)
     adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    pg_loss, clipfrac, ppo_kl = algos.policy_loss(lp, old, adv, mask, clip_ratio=0.2)
+    out = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=None)
+    pg_loss, clipfrac, ppo_kl = out.pg_loss, out.pg_clipfrac, out.ppo_kl
     assert pg_loss.item() == pytest.approx((-1.2 - math.exp(-0.5) + 2.0) / 3, rel=1e-6)
     assert clipfrac.item() == pytest.approx(1 / 3)
     assert ppo_kl.item() == pytest.approx((-0.5 + 0.5 + 0.0) / 3, abs=1e-7)
@@ -78,7 +81,9 @@ def test_policy_loss_by_hand():
 def test_policy_loss_negative_advantage_clips_low():
     # ratio 0.5 with adv -1: unclipped 0.5, clipped -(-1)*0.8 = 0.8 -> loss 0.8, clipped
     lp = torch.tensor([[math.log(0.5)]])
-    pg_loss, clipfrac, _ = algos.policy_loss(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), 0.2)
+    out = algos.compute_policy_loss(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_low=0.2,
+                                    clip_high=0.2, clip_c=None)  # fmt: skip
+    pg_loss, clipfrac = out.pg_loss, out.pg_clipfrac
     assert pg_loss.item() == pytest.approx(0.8)
     assert clipfrac.item() == 1.0
 
@@ -86,7 +91,7 @@ def test_policy_loss_negative_advantage_clips_low():
 def test_policy_loss_gradient_on_policy_is_minus_advantage():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     adv = torch.tensor([[0.5, -1.5]])
-    loss, _, _ = algos.policy_loss(lp, lp.detach(), adv, torch.ones(1, 2), 0.2)
+    loss = algos.compute_policy_loss(lp, lp.detach(), adv, torch.ones(1, 2), clip_low=0.2, clip_high=0.2).pg_loss
     loss.backward()
     assert lp.grad[0].tolist() == pytest.approx([-0.25, 0.75])  # -adv / n_tokens
 
@@ -104,3 +109,353 @@ def test_fixed_kl_controller_round_trips():
     other = algos.FixedKLController(0.0)
     other.load_state_dict(ctrl.state_dict())
     assert other.value == 0.05
+
+
+# -- verl-style API ---------------------------------------------------------------------------------------
+# Shared tiny batch: B=4 sequences in G=2 groups, T=3, right padding. Padding holds junk (100, NaN) that
+# must never show up in any result.
+NAN = float("nan")
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]])
+TOKEN_REWARDS = torch.tensor(
+    [
+        [0.0, 0.0, 1.0],  # r = 1
+        [0.0, 0.0, 100.0],  # r = 0 (100 is padding)
+        [0.0, 2.0, NAN],  # r = 2
+        [1.0, 100.0, NAN],  # r = 1
+    ]
+)
+
+
+def outcome(name, token_rewards=TOKEN_REWARDS, mask=MASK, group_size=2, **kw):
+    return algos.ADVANTAGES[name](algos.AdvantageInputs(token_rewards, mask, group_size, **kw))
+
+
+def per_token(seq_adv, mask=MASK):
+    """Broadcast hand-computed sequence advantages over the real tokens, 0 on padding."""
+    return [[a if m else 0.0 for m in row] for a, row in zip(seq_adv, mask.tolist())]
+
+
+def assert_2d(actual, expected, abs=1e-6):
+    """A (B, T) tensor equals a nested list of hand-computed numbers (pytest.approx takes flat lists)."""
+    assert list(actual.shape) == [len(expected), len(expected[0])]
+    assert actual.flatten().tolist() == pytest.approx([x for row in expected for x in row], abs=abs)
+
+
+def test_masked_whiten_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0, NAN]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # mean 2, unbiased var ((1-2)^2 + 0 + (3-2)^2) / (3-1) = 1 -> (x - 2) / 1; padding 0 (its NaN ignored)
+    assert algos.masked_whiten(x, mask)[0].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-6)
+    # shift_mean=False adds the mean back: [1, 2, 3], padding still 0
+    kept_mean = algos.masked_whiten(x, mask, shift_mean=False)
+    assert kept_mean[0].tolist() == pytest.approx([1.0, 2.0, 3.0, 0.0], abs=1e-6)
+    # one real position: variance taken as 0 -> the centred value 0, not verl's 0/0 NaN
+    assert algos.masked_whiten(x, torch.tensor([[0, 1, 0, 0]]))[0].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert algos.masked_whiten(x, torch.zeros(1, 4)).tolist() == [[0.0] * 4]  # no real position: all 0
+
+
+def test_scores_to_token_rewards_places_score_on_last_real_token():
+    scores = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    # last real token: index 2, 1, 0; the fully padded row gets nothing
+    expected = [[0.0, 0.0, 1.0], [0.0, -2.0, 0.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert algos.scores_to_token_rewards(scores, mask).tolist() == expected
+    assert algos.scores_to_token_rewards(torch.tensor([1, 2]), mask[:2]).dtype == torch.get_default_dtype()
+
+
+def test_grpo_estimator_by_hand_with_padding():
+    adv, ret = outcome("grpo", eps=1e-6)
+    # r = [1, 0 | 2, 1]; each group: mean m, unbiased std sqrt(((.5)^2 + (.5)^2) / 1) = sqrt(.5)
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)  # = 0.7071058
+    assert_2d(adv, per_token([a, -a, a, -a]), abs=1e-6)
+    assert ret is adv  # outcome estimators: returns == advantages
+
+
+def test_grpo_estimator_tied_group_is_exactly_zero_and_group_of_one_as_verl():
+    tr = torch.tensor([[0.0, 1.0], [1.0, NAN], [0.7, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    adv, _ = outcome("grpo", tr, mask)
+    # group 1: r = [1, 1] (the second's NaN is padding) ties -> 0, no NaN; group 2: r = [.7, 0] ->
+    # (.7 - .35) / (sqrt(2 * .35^2) + 1e-6) = +-.7071048
+    a = 0.35 / (math.sqrt(2 * 0.35**2) + 1e-6)
+    assert_2d(adv, [[0.0, 0.0], [0.0, 0.0], [a, a], [-a, -a]])
+    # G = 1: verl uses mean 0, std 1 -> r / (1 + eps); drgrpo and rloo keep r itself
+    adv1, _ = outcome("grpo", tr[:1], mask[:1], group_size=1, eps=1e-6)
+    assert_2d(adv1, [[1 / (1 + 1e-6)] * 2])
+    for name in ("drgrpo", "rloo"):
+        assert_2d(outcome(name, tr[2:], mask[2:], group_size=1)[0], [[0.7, 0.7], [0.0, 0.0]])
+
+
+def test_drgrpo_estimator_by_hand():
+    adv, ret = outcome("drgrpo")
+    # r - group mean: [1 - .5, 0 - .5 | 2 - 1.5, 1 - 1.5], no std
+    assert_2d(adv, per_token([0.5, -0.5, 0.5, -0.5]))
+    assert ret is adv
+
+
+def test_rloo_estimator_by_hand():
+    adv, _ = outcome("rloo")
+    # G=2: A_i = r_i - r_other: [1 - 0, 0 - 1 | 2 - 1, 1 - 2]
+    assert_2d(adv, per_token([1.0, -1.0, 1.0, -1.0]))
+    # G=3, r = [1, 0, 0] (padding junk ignored): A_0 = 1 - mean(0, 0) = 1; A_1 = 0 - mean(1, 0) = -.5;
+    # A_2 = -.5. Same as (r - 1/3) * 3/2.
+    tr = torch.tensor([[0.0, 1.0], [0.0, 7.0], [0.0, NAN]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    adv3, _ = outcome("rloo", tr, mask, group_size=3)
+    assert_2d(adv3, per_token([1.0, -0.5, -0.5], mask))
+
+
+def test_reinforce_plus_plus_baseline_estimator_by_hand():
+    adv, ret = outcome("reinforce_plus_plus_baseline")
+    # r - group mean = [.5, -.5, .5, -.5] on 3, 2, 2, 1 real tokens: 5 tokens of +.5, 3 of -.5.
+    # whiten over the 8 real tokens: mean (5*.5 - 3*.5)/8 = .125; deviations .375 (x5), -.625 (x3);
+    # unbiased var (5*.140625 + 3*.390625)/7 = 1.875/7 = .2678571, std .5175492
+    hi, lo = 0.375 / math.sqrt(1.875 / 7), -0.625 / math.sqrt(1.875 / 7)  # 0.7245688, -1.2076147
+    assert_2d(adv, per_token([hi, lo, hi, lo]), abs=1e-5)
+    assert ret is adv
+
+
+def test_reinforce_plus_plus_estimator_by_hand():
+    adv, ret = outcome("reinforce_plus_plus", gamma=0.5)
+    # G_t = r_t + .5 G_{t+1} over real tokens:
+    # row 0 [0, 0, 1] -> [.25, .5, 1]; row 1 [0, 0] -> [0, 0]; row 2 [0, 2] -> [1, 2]; row 3 [1] -> [1]
+    expected_ret = [[0.25, 0.5, 1.0], [0.0, 0.0, 0.0], [1.0, 2.0, 0.0], [1.0, 0.0, 0.0]]
+    assert_2d(ret, expected_ret)
+    # whiten the 8 real returns: mean 5.75/8 = .71875; sum of squared deviations 3.1796875; var /7
+    mean, std = 0.71875, math.sqrt(3.1796875 / 7)  # std 0.6739741
+    expected_adv = [
+        [(g - mean) / std if m else 0.0 for g, m in zip(r, mk)] for r, mk in zip(expected_ret, MASK.tolist())
+    ]
+    assert_2d(adv, expected_adv, abs=1e-5)
+    assert adv[0, 0].item() == pytest.approx(-0.6955015, abs=1e-5)  # (.25 - .71875) / .6739741
+
+
+def test_gae_estimator_by_hand_with_right_padding():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 5.0]])  # 5.0 sits on padding
+    values = torch.tensor([[0.5, 0.4, 0.6], [0.2, 0.3, NAN]])  # NaN value on padding
+    adv, ret = algos.ADVANTAGES["gae"](algos.AdvantageInputs(rewards, mask, 1, values=values, gamma=0.9, lam=0.5))
+    # row 0: d2 = 1 - .6 = .4, A2 = .4; d1 = 0 + .9*.6 - .4 = .14, A1 = .14 + .45*.4 = .32;
+    #        d0 = .9*.4 - .5 = -.14, A0 = -.14 + .45*.32 = .004
+    # row 1 (last real token t=1, V beyond it 0): d1 = 1 - .3 = .7, A1 = .7; d0 = .9*.3 - .2 = .07,
+    #        A0 = .07 + .45*.7 = .385
+    # returns = A + V: [.504, .72, 1.0], [.585, 1.0, pad 0]
+    assert_2d(ret, [[0.504, 0.72, 1.0], [0.585, 1.0, 0.0]], abs=1e-6)
+    # whiten A over the 5 real tokens: mean 1.809/5 = .3618; squared deviations sum .2461448; var /4 = .0615362
+    std = math.sqrt(0.2461448 / 4)
+    expected = [
+        [(a - 0.3618) / std for a in (0.004, 0.32, 0.4)],
+        [(0.385 - 0.3618) / std, (0.7 - 0.3618) / std, 0.0],
+    ]
+    assert_2d(adv, expected, abs=1e-5)
+    assert adv[0, 0].item() == pytest.approx(-1.4423644, abs=1e-5)  # (.004 - .3618) / .2480649
+
+
+def test_gae_needs_values_and_groups_must_divide_batch():
+    with pytest.raises(ValueError, match="critic values"):
+        outcome("gae")
+    with pytest.raises(ValueError, match="does not split into groups of 3"):
+        outcome("grpo", group_size=3)
+
+
+def test_unknown_advantage_estimator_lists_valid_names():
+    valid = "drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+    with pytest.raises(KeyError, match=f"valid: {valid}"):
+        algos.ADVANTAGES["ppo2"]
+
+
+def test_policy_loss_clip_higher_is_asymmetric():
+    # ratios: row 0 (A=+1) 1.25, 1.3; row 1 (A=-1) .75, .85; the third column is NaN padding
+    lp = torch.tensor([[math.log(1.25), math.log(1.3), NAN], [math.log(0.75), math.log(0.85), NAN]])
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=None)
+    # clip range [.8, 1.28]: 1.25 stays (-1.25); 1.3 -> 1.28 (-1.28, clipped);
+    # A=-1: max(.75, .8) = .8 (clipped); max(.85, .85) = .85 -> mean (-1.25 - 1.28 + .8 + .85) / 4 = -.22
+    assert out.pg_loss.item() == pytest.approx(-0.22, abs=1e-6)
+    assert out.pg_clipfrac.item() == pytest.approx(0.5)
+    # ppo_kl = mean(old - new) = -(ln 1.25 + ln 1.3 + ln .75 + ln .85) / 4
+    kl = -(math.log(1.25) + math.log(1.3) + math.log(0.75) + math.log(0.85)) / 4
+    assert out.ppo_kl.item() == pytest.approx(kl, rel=1e-5)
+    assert out.pg_clipfrac_lower.item() == 0.0
+    # symmetric .2 for contrast: 1.25 now clips to 1.2 -> (-1.2 - 1.2 + .8 + .85) / 4 = -.1875, 3 of 4 clipped
+    sym = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=None)
+    assert sym.pg_loss.item() == pytest.approx(-0.1875, abs=1e-6)
+    assert sym.pg_clipfrac.item() == pytest.approx(0.75)
+
+
+def test_policy_loss_dual_clip_value_and_gradient():
+    # tokens: (ratio 5, A -1), (ratio 2, A -1), (ratio 5, A +1), (ratio 1, A -1); clip .2, clip_c 3
+    lp = torch.tensor([[math.log(5.0), math.log(2.0), math.log(5.0), 0.0, NAN]], requires_grad=True)
+    old = torch.zeros(1, 5)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    out = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0)
+    # t0: max(5, 1.2) = 5, dual-capped at -A*3 = 3 -> 3 (dual active)
+    # t1: max(2, 1.2) = 2 < 3 -> 2;  t2: max(-5, -1.2) = -1.2 (clipped, A>0 so no dual);  t3: max(1, 1) = 1
+    # -> (3 + 2 - 1.2 + 1) / 4 = 1.2
+    assert out.pg_loss.item() == pytest.approx(1.2, abs=1e-6)
+    assert out.pg_clipfrac.item() == pytest.approx(0.25)  # only t2's clipped term is larger
+    assert out.pg_clipfrac_lower.item() == pytest.approx(0.25)  # t0 of 4 real tokens
+    out.pg_loss.backward()
+    # d/dlp: t0 constant 3 -> 0; t1 loss = ratio -> ratio/4 = .5; t2 clipped -> 0; t3 ratio/4 = .25;
+    # padding (NaN) -> exactly 0, not NaN
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.5, 0.0, 0.25, 0.0], abs=1e-6)
+    # without dual clip t0 keeps 5: (5 + 2 - 1.2 + 1) / 4 = 1.7
+    plain = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=None)
+    assert plain.pg_loss.item() == pytest.approx(1.7, abs=1e-6)
+    with pytest.raises(ValueError, match="clip_c must be > 1"):
+        algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_c=1.0)
+
+
+def test_policy_loss_token_level_gradient_on_policy():
+    lp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    adv = torch.tensor([[0.5, -1.5, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    out = algos.compute_policy_loss(lp, lp.detach(), adv, mask, clip_low=0.2, clip_high=0.28)
+    out.pg_loss.backward()
+    # ratio 1, nothing clipped: loss = mean(-A ratio), d/dlp = -A / 2 real tokens; padding 0
+    assert lp.grad[0].tolist() == pytest.approx([-0.25, 0.75, 0.0])
+
+
+def test_policy_loss_gspo_sequence_ratio_value_and_gradient():
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    diff = torch.tensor([[0.1, 0.2, 0.3], [-0.1, 0.05, NAN]])  # log pi - log pi_old; NaN on padding
+    lp = (old + diff).detach().requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    out = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence")
+    # row 0: s = exp(mean(.1, .2, .3)) = e^.2 = 1.2214 > 1.2 -> every token clipped: loss -1.2 each
+    # row 1: s = exp(mean(-.1, .05)) = e^-.025 = .9753099, inside [.8, 1.2]: loss -2 * .9753099 each
+    # token-mean over 5 tokens: (3 * -1.2 + 2 * -1.9506198) / 5 = -1.5002479
+    assert out.pg_loss.item() == pytest.approx(-1.5002479, abs=1e-5)
+    assert out.pg_clipfrac.item() == pytest.approx(3 / 5)  # all of row 0 (token level would clip 1 of 3)
+    assert out.ppo_kl.item() == pytest.approx(-(0.1 + 0.2 + 0.3 - 0.1 + 0.05) / 5, abs=1e-6)  # -.11
+    assert out.pg_clipfrac_lower.item() == 0.0  # no dual clip for GSPO
+    out.pg_loss.backward()
+    # d/dlp_t: row 0 clipped -> 0; row 1 each token -A s / 5 = -2 * .9753099 / 5 = -.390124 (the same for
+    # both tokens although their own ratios differ: the sequence ratio, each token's own gradient path)
+    expected = [[0.0, 0.0, 0.0], [-0.3901240, -0.3901240, 0.0]]
+    assert_2d(lp.grad, expected, abs=1e-5)
+    # GSPO paper's aggregation: mean per sequence, then over sequences: (-1.2 + -1.9506198) / 2
+    paper = algos.compute_policy_loss(
+        lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence", agg_mode="seq-mean-token-mean"
+    )
+    assert paper.pg_loss.item() == pytest.approx(-1.5753099, abs=1e-5)
+    with pytest.raises(KeyError, match="valid: token, sequence"):
+        algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="chunk")
+
+
+def test_agg_loss_every_mode_with_padding():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN], [6.0, NAN, 100.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last row is all padding
+    # token-mean: (1 + 2 + 3 + 4 + 5 + 6) / 6 = 3.5 (also the default mode)
+    assert algos.agg_loss(loss, mask).item() == pytest.approx(3.5)
+    assert algos.agg_loss(loss, mask, "token-mean").item() == pytest.approx(3.5)
+    # seq-mean-token-sum: sums 6, 9, 6 over the 3 non-empty sequences -> 21 / 3 = 7
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(7.0)
+    # seq-mean-token-mean: means 2, 4.5, 6 -> 12.5 / 3
+    assert algos.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(12.5 / 3)
+    # seq-mean-token-sum-norm: sums / horizon (default T = 3) -> 2, 3, 2 -> mean 7/3 (verl <= 0.6: sum, 7)
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3)
+    # constant horizon 10: 6/10, 9/10, 6/10 -> mean .7
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(0.7)
+    valid = "valid: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
+    with pytest.raises(KeyError, match=valid):
+        algos.agg_loss(loss, mask, "sum")
+
+
+def test_value_loss_clipped_and_unclipped():
+    values = torch.tensor([[0.5, 0.5, 0.0, NAN]])  # V at rollout
+    vpreds = torch.tensor([[1.0, 0.6, -1.0, NAN]])
+    returns = torch.tensor([[1.0, 0.0, 0.0, NAN]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    vf_loss, clipfrac = algos.compute_value_loss(vpreds, values, returns, mask, clip_range_value=0.2)
+    # t0: clipped pred .5 + .2 = .7: (1 - 1)^2 = 0 vs (.7 - 1)^2 = .09 -> .09 (clipped term active)
+    # t1: .6 within .5 +- .2: (.6 - 0)^2 = .36 both -> .36
+    # t2: clipped pred -.2: (-1)^2 = 1 vs (-.2)^2 = .04 -> 1 (unclipped larger)
+    # vf_loss = .5 * (.09 + .36 + 1) / 3 = .2416667; clipfrac 1/3
+    assert vf_loss.item() == pytest.approx(0.5 * 1.45 / 3, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(1 / 3)
+
+
+def test_apply_kl_penalty_by_hand():
+    old = torch.tensor([[-1.0, -2.0, NAN], [-1.0, NAN, NAN]])
+    ref = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    out, kl = algos.apply_kl_penalty(rewards, old, ref, mask, beta=0.1, estimator="k1")
+    # k1 = old - ref: row 0 [.5, -1], row 1 [-.5]; rewards - .1 k1: [-.05, 1.1, 0], [2.05, 0, 0]
+    assert_2d(out, [[-0.05, 1.1, 0.0], [2.05, 0.0, 0.0]], abs=1e-6)
+    # per-sequence means (.5 - 1)/2 = -.25 and -.5 -> mean over sequences -.375
+    assert kl == pytest.approx(-0.375)
+    # k2 = .5 (old - ref)^2: [.125, .5] mean .3125, [.125] -> (.3125 + .125) / 2 = .21875
+    _, kl2 = algos.apply_kl_penalty(rewards, old, ref, mask, beta=0.1, estimator="k2")
+    assert kl2 == pytest.approx(0.21875)
+
+
+def test_adaptive_kl_controller_update_sequence():
+    ctrl = algos.AdaptiveKLController(kl_coef=0.05, target_kl=0.1, horizon=100)
+    ctrl.update(current_kl=0.3, n_steps=10)
+    # error = clip(.3/.1 - 1 = 2, -.2, .2) = .2 -> x (1 + .2 * 10/100) = x1.02 -> .051
+    assert ctrl.value == pytest.approx(0.051)
+    ctrl.update(current_kl=0.05, n_steps=10)
+    # error = clip(.5 - 1, ...) = -.2 -> x.98 -> .04998
+    assert ctrl.value == pytest.approx(0.04998)
+    ctrl.update(current_kl=0.11, n_steps=50)
+    # error = .1 (inside the clip) -> x(1 + .1 * 50/100) = x1.05 -> .052479
+    assert ctrl.value == pytest.approx(0.052479)
+
+
+def test_kl_controllers_round_trip_and_refuse_the_other_type():
+    ctrl = algos.AdaptiveKLController(0.05, 0.1, 100)
+    ctrl.update(0.3, 10)
+    state = ctrl.state_dict()
+    expected = {"version": 1, "type": "adaptive", "value": pytest.approx(0.051), "target_kl": 0.1, "horizon": 100}
+    assert state == expected
+    other = algos.AdaptiveKLController(0.05, 0.1, 100)
+    other.load_state_dict(state)
+    assert other.value == pytest.approx(0.051)
+    with pytest.raises(ValueError, match="type 'adaptive'.*'fixed'"):
+        algos.FixedKLController(0.05).load_state_dict(state)
+    with pytest.raises(ValueError, match="type 'fixed'.*'adaptive'"):
+        other.load_state_dict(algos.FixedKLController(0.05).state_dict())
+    with pytest.raises(ValueError, match="version 2"):
+        other.load_state_dict({**state, "version": 2})
+
+
+def test_make_kl_controller():
+    assert isinstance(algos.make_kl_controller("fixed", 0.05, None, None), algos.FixedKLController)
+    ada = algos.make_kl_controller("adaptive", 0.05, 0.1, 100)
+    assert isinstance(ada, algos.AdaptiveKLController)
+    assert (ada.value, ada.target_kl, ada.horizon) == (0.05, 0.1, 100)
+    with pytest.raises(ValueError, match="needs target_kl and horizon"):
+        algos.make_kl_controller("adaptive", 0.05, None, 100)
+    with pytest.raises(ValueError, match="horizon > 0"):
+        algos.make_kl_controller("adaptive", 0.05, 0.1, 0)
+    with pytest.raises(KeyError, match="valid: adaptive, fixed"):
+        algos.make_kl_controller("pid", 0.05, 0.1, 100)
+
+
+def test_tied_groups():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])
+    # groups of 2: (1, 1) tie, (0, 1) not, (.5, .5) tie
+    assert algos.tied_groups(scores, 2).tolist() == [True, False, True]
+    # groups of 3: (1, 1, 0) not, (1, .5, .5) not
+    assert algos.tied_groups(scores, 3).tolist() == [False, False]
+
+
+def test_overlong_penalty_three_zones():
+    lengths = torch.tensor([10, 16, 18, 20, 25])
+    # max_len 20, buffer 4 -> free up to 16; factor .5
+    # 10, 16 -> 0; 18 -> (16 - 18)/4 * .5 = -.25; 20 -> (16 - 20)/4 * .5 = -.5; 25 (beyond) -> -.5
+    out = algos.overlong_penalty(lengths, max_len=20, buffer_len=4, factor=0.5)
+    assert out.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -0.5])
+    with pytest.raises(ValueError, match="buffer_len"):
+        algos.overlong_penalty(lengths, max_len=20, buffer_len=0)
+
+
+def test_everything_exported():
+    for name in algos.__all__:
+        assert hasattr(algos, name), name

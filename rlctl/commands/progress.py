@@ -46,8 +46,9 @@ class StepProgress:
         self.task = self.progress.add_task("train", total=total, completed=step, info="")
 
     def step(self, row: dict[str, Any]) -> None:
+        kl = row.get("actor/ppo_kl")  # absent while a critic warms up and the actor does not step
         info = (
-            f"reward {row['critic/score/mean']:.3f}  kl {row['actor/ppo_kl']:+.2e}  "
+            f"reward {row['critic/score/mean']:.3f}  kl {'-' if kl is None else format(kl, '+.2e')}  "
             f"{row['timing_s/step']:.2f}s/step"
         )
         if self.task is not None:

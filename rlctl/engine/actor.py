@@ -37,8 +37,24 @@ class Sequences:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, idx: slice) -> Sequences:
+    def select(self, idx) -> Sequences:
         return Sequences(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.prompt_len)
+
+    @staticmethod
+    def concat(parts: list[Sequences], pad_id: int) -> Sequences:
+        """One batch from several (rounds of dynamic sampling): prompts re-padded on the left, responses
+        on the right, to the longest of each."""
+        if len(parts) == 1:
+            return parts[0]
+        P = max(p.prompt_len for p in parts)
+        T = max(p.responses.shape[1] for p in parts)
+        ids, attn, resp_mask = [], [], []
+        for p in parts:
+            left, right = P - p.prompt_len, T - p.responses.shape[1]
+            ids.append(torch.nn.functional.pad(p.input_ids, (left, right), value=pad_id))
+            attn.append(torch.nn.functional.pad(p.attention_mask, (left, right), value=0))
+            resp_mask.append(torch.nn.functional.pad(p.response_mask, (0, right), value=0))
+        return Sequences(torch.cat(ids), torch.cat(attn), torch.cat(resp_mask), P)
 
 
 def _deferring_engine_class():
@@ -99,12 +115,26 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def ds_config(cfg: RunConfig, micro_batch: int, dtype: torch.dtype) -> dict:
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a DeepSpeed engine of rlctl is built from (the actor's or the critic's settings)."""
+
+    lr: float
+    zero_stage: int
+    grad_clip: float
+    mini_batch: int
+    micro_batch: int
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+
+
+def ds_config(spec: EngineSpec, dtype: torch.dtype) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.actor.grad_clip,
-        "zero_optimization": {"stage": cfg.actor.zero_stage},
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.mini_batch // spec.micro_batch,
+        "gradient_clipping": spec.grad_clip,
+        "zero_optimization": {"stage": spec.zero_stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
@@ -112,31 +142,41 @@ def ds_config(cfg: RunConfig, micro_batch: int, dtype: torch.dtype) -> dict:
     }
 
 
-class Actor:
-    def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
+class DSModule:
+    """A model inside a DeepSpeed ZeRO engine with a torch AdamW (nothing to JIT-build) and a warm-up
+    LambdaLR, whose checkpoints the snapshot manager writes in the background. The actor and the
+    critic are both one."""
+
+    def __init__(self, model: torch.nn.Module, spec: EngineSpec, runtime: Runtime):
         import deepspeed
 
-        self.cfg = cfg
-        self.runtime = runtime
-        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
-        self.mini_batch = cfg.actor.mini_batch_size or batch
-        model = load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code).to(runtime.device)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.actor.lr, betas=cfg.actor.betas, weight_decay=cfg.actor.weight_decay
-        )
-        warmup = cfg.actor.warmup_steps
+        self.spec, self.runtime = spec, runtime
+        self.mini_batch, self.micro_batch = spec.mini_batch, spec.micro_batch
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+        warmup = spec.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0
         )
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=ds_config(cfg, self.mini_batch, runtime.dtype),
-        )
+            model=model.to(runtime.device), optimizer=optimizer, lr_scheduler=scheduler,
+            config=ds_config(spec, runtime.dtype),
+        )  # fmt: skip
         self._ckpt_engine = DeferringCheckpointEngine()
         self.engine.checkpoint_engine = self._ckpt_engine
         self.fence = None  # called before every optimizer step: waits for snapshot files still being written
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Backward and (at a mini-batch boundary, DeepSpeed decides) an optimizer step, behind the fence."""
+        self.engine.backward(loss)
+        if self.fence is not None:
+            self.fence()
+        self.engine.step()
+
+    def minibatches(self, n: int):
+        """(mini-batch index, slice of one micro-batch) over ``n`` sequences."""
+        for start in range(0, n, self.mini_batch):
+            for micro in range(start, min(start + self.mini_batch, n), self.micro_batch):
+                yield start // self.mini_batch, slice(micro, micro + self.micro_batch)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -193,6 +233,20 @@ class Actor:
                 h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
+class Actor(DSModule):
+    """The policy: a causal LM. ``log_probs`` and ``update`` are all the trainer asks of it."""
+
+    def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
+        self.cfg = cfg
+        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+        mini = cfg.actor.mini_batch_size or batch
+        spec = EngineSpec(
+            lr=cfg.actor.lr, zero_stage=cfg.actor.zero_stage, grad_clip=cfg.actor.grad_clip, mini_batch=mini,
+            micro_batch=cfg.actor.micro_batch_size or mini, betas=cfg.actor.betas,
+            weight_decay=cfg.actor.weight_decay, warmup_steps=cfg.actor.warmup_steps,
+        )  # fmt: skip
+        super().__init__(load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code), spec, runtime)
+
     def log_probs(
         self, seqs: Sequences, temperature: float, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,59 +264,76 @@ class Actor:
         kl_coef: float,
         poison: bool = False,
     ) -> dict[str, float]:
-        """PPO/GRPO updates over the batch: ``ppo_epochs`` passes of mini-batches, one optimizer step each.
+        """PPO-style updates over the batch: ``ppo_epochs`` passes of mini-batches (one optimizer step
+        each), every mini-batch run as micro-batches whose gradients DeepSpeed accumulates.
 
         (B, T) advantages; (B, T) old log-probs, or None when the update is exactly on-policy (one epoch,
         one mini-batch): then they come from the same forward as the gradient, without a second pass.
-        Returns the metrics averaged over the mini-batch steps. ``poison`` is the nan_log_prob fault drill.
+        (B, T) reference log-probs when a KL loss applies (not when the KL is folded into the reward).
+        Returns the metrics averaged over micro-batches (counts summed). ``poison`` is the nan_log_prob
+        fault drill.
         """
         a = self.cfg.algorithm
+        horizon = self.cfg.rollout.max_new_tokens
         totals: dict[str, float] = {}
-        n_updates = 0
+        n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(a.ppo_epochs):
-            for start in range(0, len(seqs), self.mini_batch):
-                idx = slice(start, start + self.mini_batch)
+            for _, idx in self.minibatches(len(seqs)):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
-                if poison and n_updates == 0:  # fault drill: one NaN log-prob, as a broken kernel would give
+                if poison and n_micro == 0:  # fault drill: one NaN log-prob, as a broken kernel would give
                     hit = torch.zeros_like(log_prob, dtype=torch.bool)
                     hit[0, 0] = True
                     log_prob = torch.where(hit, torch.full_like(log_prob, float("nan")), log_prob)
                 old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
-                pg_loss, clipfrac, ppo_kl = algos.policy_loss(log_prob, old, advantages[idx], mask, a.clip_ratio)
-                loss = pg_loss
+                pl = algos.compute_policy_loss(
+                    log_prob, old, advantages[idx], mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                    clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, level=a.importance_ratio,
+                )  # fmt: skip
+                loss = pl.pg_loss
+                entropy_term = algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * entropy_term
                 kl_loss = torch.zeros(())
-                if ref_log_prob is not None:
-                    kl_loss = algos.agg_loss(algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator), mask)
+                if ref_log_prob is not None and not a.kl_in_reward:
+                    kl = algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator)
+                    kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode, horizon)
                     loss = loss + kl_coef * kl_loss
                 stats = {
-                    "actor/pg_loss": pg_loss.item(),
+                    "actor/pg_loss": pl.pg_loss.item(),
                     "actor/kl_loss": kl_loss.item(),
-                    "actor/ppo_kl": ppo_kl.item(),
-                    "actor/pg_clipfrac": clipfrac.item(),
+                    "actor/ppo_kl": pl.ppo_kl.item(),
+                    "actor/pg_clipfrac": pl.pg_clipfrac.item(),
+                    "actor/pg_clipfrac_lower": pl.pg_clipfrac_lower.item(),
                     "actor/entropy": algos.masked_mean(entropy, mask).item(),
                     "actor/nonfinite/log_prob": algos.count_nonfinite(log_prob, mask),
                     "actor/nonfinite/loss": float(not torch.isfinite(loss).item()),
                 }
-                if torch.isfinite(loss):
-                    self.engine.backward(loss)
-                    if self.fence is not None:
-                        self.fence()
-                    self.engine.step()
-                    stats["actor/grad_norm"] = _as_float(self.engine.get_global_grad_norm())
-                else:
-                    # A non-finite loss is never applied: drop its gradients and count it.
-                    self.engine.zero_grad()
-                    stats["actor/grad_norm"] = float("nan")
-                    stats["actor/skipped_updates"] = 1.0
                 if old_log_prob is None:  # on-policy: the old log-probs are this forward's
                     stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
+                boundary = self.engine.is_gradient_accumulation_boundary()
+                if torch.isfinite(loss):
+                    self.step(loss)
+                else:
+                    # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.
+                    # DeepSpeed still counts the micro-step so accumulation boundaries stay aligned.
+                    stats["actor/skipped_updates"] = 1.0
+                    if self.micro_batch == self.mini_batch:
+                        self.engine.zero_grad()
+                    else:
+                        self.engine.step()
+                if boundary:
+                    totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + _as_float(
+                        self.engine.get_global_grad_norm() if "actor/skipped_updates" not in stats else float("nan")
+                    )
+                    totals["_boundaries"] = totals.get("_boundaries", 0.0) + 1
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-                n_updates += 1
-        # Counts (non-finite values, skipped updates) are summed over the updates; the rest averaged.
-        out = {k: v if _is_count(k) else v / n_updates for k, v in totals.items()}
+                n_micro += 1
+        boundaries = totals.pop("_boundaries", 1.0)
+        out = {k: v if _is_count(k) else v / n_micro for k, v in totals.items()}
+        out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries
         out.setdefault("actor/skipped_updates", 0.0)
         out["actor/lr"] = lr
         return out

@@ -22,6 +22,7 @@ from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine import algos
 from rlctl.engine.actor import Actor, Sequences, sequence_log_probs
+from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_rows
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.reward import load_reward_fn
@@ -105,13 +106,18 @@ class Trainer:
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             self.ensure_reference()
+        self.critic = Critic(cfg, self.model_dir, self.runtime) if cfg.algorithm.name == "ppo" else None
+        if snapshots is not None and self.critic is not None:
+            self.critic.fence = snapshots.wait_staged
         self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer)
-        self.kl_ctrl = algos.FixedKLController(cfg.algorithm.kl_coef)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
         self.state = TrainerState()
         self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
-        self.on_policy = cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch == batch
+        self.on_policy = (cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch == batch
+                          and not cfg.algorithm.kl_in_reward)  # fmt: skip
         self.stop_signal: str | None = None
         self.metrics: JsonlLog | None = None
         self._hf_files = hf_metadata_files(self.model_dir)
@@ -128,7 +134,8 @@ class Trainer:
         """Make the engine follow the config's knobs (after a restore, a resume --set or a policy's
         adjust): the config is where adjustments persist, the snapshot may predate them."""
         self.actor.set_lr(self.cfg.actor.lr)
-        self.kl_ctrl.value = self.cfg.algorithm.kl_coef
+        if self.cfg.algorithm.kl_ctrl.type == "fixed":  # an adaptive coefficient is state, restored as is
+            self.kl_ctrl.value = self.cfg.algorithm.kl_coef
         if self.kl_ctrl.value > 0:
             self.ensure_reference()
 
@@ -140,6 +147,10 @@ class Trainer:
             states["policy"] = self.guard
         return states
 
+    def dir_stateful(self) -> dict[str, Any]:
+        """The engines, saved in their own checkpoint format."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
     def restore(self, info, rollback: bool = False) -> None:
         """Load a snapshot into every Stateful and the engine, then re-apply the config's knobs and
         re-sync the rollout weights. A rollback keeps the live policy state (its trigger counts must
@@ -147,7 +158,7 @@ class Trainer:
         states = self.stateful()
         if rollback:
             states.pop("policy", None)
-        self.snapshots.restore(info, states, {"actor": self.actor})
+        self.snapshots.restore(info, states, self.dir_stateful())
         if self.guard is not None:
             if not rollback and self.run.exists(POLICY_STATE):
                 self.guard.load_state_dict(orjson.loads(self.run.read_bytes(POLICY_STATE)))
@@ -165,7 +176,7 @@ class Trainer:
             self.snapshots.retention.protected = set(needed[-1:])
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits
         self.snapshots.save(
-            self.state.step, self.stateful(), {"actor": self.actor}, good=good,
+            self.state.step, self.stateful(), self.dir_stateful(), good=good,
             extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
             meta={"metrics_offset": self.metrics.tell(), "tokens_seen": self.state.tokens_seen},
         )  # fmt: skip
@@ -262,6 +273,8 @@ class Trainer:
             before = getattr(model, name)
             setattr(model, name, value if op == "set" else before * value)
             changes[key] = {"from": before, "to": getattr(model, name)}
+        if "algorithm.kl_coef" in changes:
+            self.kl_ctrl.value = self.cfg.algorithm.kl_coef
         self.guard.adjustments.append({"step": verdict.step, "changes": changes})
         self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())  # adjustments persist across resumes
         self.apply_knobs()
@@ -295,35 +308,50 @@ class Trainer:
         )
 
     def train_step(self, step: int) -> dict[str, Any]:
-        cfg, t = self.cfg, {}
+        cfg, a, t = self.cfg, self.cfg.algorithm, {}
         with timed(t, "step"):
             with timed(t, "gen"):
-                keys, prompts, columns = self.draw_prompts()
-                seqs = self.rollout.generate(prompts, keys, step)
-            with timed(t, "reward"):
-                completions = self.rollout.decode(seqs)
-                scores = self.score(prompts, completions, columns)
-            advantages = algos.ADV_ESTIMATORS[cfg.algorithm.name](
-                scores, cfg.algorithm.group_size, cfg.algorithm.adv_eps
-            )
-            token_adv = advantages.unsqueeze(1) * seqs.response_mask  # (B, T)
+                seqs, scores, sampling = self.rollout_batch(step)
             with timed(t, "old_log_prob"), torch.no_grad():
                 old = None if self.on_policy else self.actor.log_probs(seqs, cfg.rollout.temperature)[0]
             with timed(t, "ref"), torch.no_grad():
                 ref = None if self.ref is None else sequence_log_probs(self.ref, seqs, cfg.rollout.temperature)[0]
-            with timed(t, "update_actor"):
-                poison = faults.once("nan_log_prob", step) is not None
-                stats = self.actor.update(seqs, token_adv, old, ref, self.kl_ctrl.value, poison=poison)
+            with timed(t, "values"), torch.no_grad():
+                values = self.critic.values(seqs) if self.critic is not None else None
+            mask = seqs.response_mask
+            rewards = algos.scores_to_token_rewards(scores, mask)  # (B, T): the score on the last token
+            current_kl = None
+            if a.kl_in_reward and ref is not None:
+                rewards, current_kl = algos.apply_kl_penalty(rewards, old, ref, mask, self.kl_ctrl.value, a.kl_estimator)
+            advantages, returns = algos.ADVANTAGES[a.estimator](algos.AdvantageInputs(
+                token_rewards=rewards, mask=mask, group_size=a.group_size, values=values, gamma=a.gamma,
+                lam=a.lam, eps=a.adv_eps,
+            ))  # fmt: skip
+            stats: dict[str, float] = {}
+            if self.critic is not None:
+                with timed(t, "update_critic"):
+                    stats.update(self.critic.update(seqs, values, returns))
+            if self.critic is None or step > cfg.critic.warmup_steps:
+                with timed(t, "update_actor"):
+                    poison = faults.once("nan_log_prob", step) is not None
+                    stats.update(self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison=poison))
+            kl_used = self.kl_ctrl.value
+            if ref is not None:
+                measured = current_kl if current_kl is not None else stats.get("actor/kl_loss")
+                if measured is not None and math.isfinite(measured):
+                    self.kl_ctrl.update(measured, n_steps=len(seqs))
             self.rollout.sync_weights()
         self.state.step = step
-        self.state.prompts_seen += cfg.trainer.prompts_per_step
+        self.state.prompts_seen += len(seqs) // a.group_size
         tokens = int(seqs.attention_mask.sum())
         self.state.tokens_seen += tokens
         row = {
             "step": step,
             "timestamp": round(time.time(), 3),
             **stats,
-            **self.batch_metrics(seqs, scores, advantages, old, ref),
+            **self.batch_metrics(seqs, scores, rewards, advantages, returns, values, old, ref),
+            **sampling,
+            "actor/kl_coef": kl_used,
             **t,
             "perf/throughput": tokens / t["timing_s/step"],
             "perf/tokens_seen": self.state.tokens_seen,
@@ -332,6 +360,45 @@ class Trainer:
             key, _, value = spec.rpartition(":")
             row[key] = float(value)
         return row
+
+    def rollout_batch(self, step: int):
+        """Generate and score one batch. With DAPO's dynamic sampling, groups whose rewards all tie (no
+        signal) are dropped and more prompts are sampled, up to ``max_gen_batches`` rounds; the batch is
+        then cut to ``prompts_per_step`` groups. The overlong penalty is added to the scores."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        G, want = a.group_size, cfg.trainer.prompts_per_step
+        parts, part_scores, drawn, rounds = [], [], [], 0
+        kept = 0
+        while True:
+            keys, prompts, columns = self.draw_prompts()
+            drawn += self._drawn
+            seqs = self.rollout.generate(prompts, keys, step)  # seeds differ by prompt index
+            scores = self.score(prompts, self.rollout.decode(seqs), columns)
+            if a.overlong.enabled:
+                lengths = seqs.response_mask.sum(-1)
+                scores = scores + algos.overlong_penalty(
+                    lengths, cfg.rollout.max_new_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
+                )
+            rounds += 1
+            if a.dynamic_sampling.enabled:
+                live = ~algos.tied_groups(scores, G)
+                rows = live.repeat_interleave(G)
+                if live.any():
+                    parts.append(seqs.select(rows))
+                    part_scores.append(scores[rows])
+                kept += int(live.sum())
+                if kept >= want or rounds >= a.dynamic_sampling.max_gen_batches:
+                    break
+            else:
+                parts, part_scores = [seqs], [scores]
+                break
+        self._drawn = drawn
+        if not parts:  # every group tied in every round: train on the last one (zero advantages)
+            parts, part_scores = [seqs], [scores]
+        seqs = Sequences.concat(parts, self.tokenizer.pad_token_id).select(slice(0, want * G))
+        scores = torch.cat(part_scores)[: want * G]
+        sampling = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": kept} if a.dynamic_sampling.enabled else {}
+        return seqs, scores, sampling
 
     def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
         """Each drawn prompt repeated group_size times, with (prompt index, sample index) keys and the
@@ -360,27 +427,32 @@ class Trainer:
         return torch.as_tensor([float(s) for s in scores], dtype=torch.float32)
 
     def batch_metrics(
-        self, seqs: Sequences, scores: torch.Tensor, adv: torch.Tensor, old: torch.Tensor | None,
-        ref: torch.Tensor | None,
+        self, seqs: Sequences, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor,
+        returns: torch.Tensor, values: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None,
     ) -> dict[str, float]:  # fmt: skip
+        """verl's batch metrics. (B,) scores; (B, T) token rewards, advantages, returns, values."""
         mask = seqs.response_mask
         lengths = mask.sum(-1).float()
         prompt_lengths = seqs.attention_mask[:, : seqs.prompt_len].sum(-1).float()
+        real = mask.bool()
         out = {
             "critic/score/mean": scores.mean().item(),
             "critic/score/max": scores.max().item(),
             "critic/score/min": scores.min().item(),
-            "critic/advantages/mean": algos.masked_mean(adv.unsqueeze(1).expand_as(mask), mask).item(),
-            "critic/advantages/max": adv.max().item(),
-            "critic/advantages/min": adv.min().item(),
+            "critic/rewards/mean": rewards.sum(-1).mean().item(),
+            "critic/advantages/mean": algos.masked_mean(adv, mask).item(),
+            "critic/advantages/max": adv[real].max().item() if real.any() else 0.0,
+            "critic/advantages/min": adv[real].min().item() if real.any() else 0.0,
+            "critic/returns/mean": algos.masked_mean(returns, mask).item(),
             "response_length/mean": lengths.mean().item(),
             "response_length/max": lengths.max().item(),
             "response_length/min": lengths.min().item(),
             "response_length/clip_ratio": (lengths >= self.cfg.rollout.max_new_tokens).float().mean().item(),
             "prompt_length/mean": prompt_lengths.mean().item(),
-            "actor/kl_coef": self.kl_ctrl.value,
             "actor/nonfinite/ref_log_prob": 0.0 if ref is None else algos.count_nonfinite(ref, mask),
         }
+        if values is not None:
+            out["critic/values/mean"] = algos.masked_mean(values, mask).item()
         if old is not None:  # else the update counted them on its own forward
             out["actor/nonfinite/old_log_prob"] = algos.count_nonfinite(old, mask)
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
@@ -33,7 +34,6 @@ class Registry(Generic[F]):
         return sorted(self._items)
 
 
-ADV_ESTIMATORS: Registry = Registry("advantage estimator")
 KL_ESTIMATORS: Registry = Registry("KL estimator")
 
 
@@ -50,24 +50,69 @@ def count_nonfinite(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((~torch.isfinite(x) & mask.bool()).sum().item())
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """(B, T) per-token loss -> scalar. token-mean: every response token of the batch weighs the same."""
+def _real(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``x`` on real tokens, 0 on padding (gradient 0 there too)."""
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """(B, T) values, (B, T) mask -> (B, T) values whitened over all masked-in positions of the batch.
+
+    (x - mean) / sqrt(var + eps) with the masked mean and the unbiased (Bessel-corrected) masked
+    variance, as verl's ``masked_whiten``; ``shift_mean=False`` adds the mean back (only the spread is
+    normalised). Padded positions of the output are 0 and never influence the statistics, NaN included.
+    With a single real position the variance is taken as 0 (verl would divide by zero), so that position
+    becomes 0 (its own value with ``shift_mean=False``); with none the output is all zeros.
+    """
+    keep = mask.bool()
+    mean = masked_mean(x, keep)
+    centered = _real(x - mean, keep)
+    var = centered.square().sum() / (keep.sum() - 1).clamp(min=1).to(x.dtype)
+    out = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return _real(out, keep)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None
+) -> torch.Tensor:
+    """(B, T) per-token loss, (B, T) mask -> scalar, by verl's ``loss_agg_mode`` (v0.9 semantics).
+
+    - ``token-mean``: masked mean over every response token of the batch (each token weighs the same).
+    - ``seq-mean-token-sum``: each sequence's token sum, then the mean over sequences.
+    - ``seq-mean-token-mean``: each sequence's token mean, then the mean over sequences.
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): each sequence's token sum divided by a constant ``horizon``
+      (default ``mask.shape[-1]``, verl's ``loss_scale_factor``), then the MEAN over sequences. verl up to
+      0.6 took the SUM over sequences here (B times larger); verl 0.9 and the Dr. GRPO paper take the mean.
+
+    "Mean over sequences" counts the sequences with at least one real token (a fully padded row adds
+    nothing), as verl 0.9. Padding never leaks in, NaN included: sums go through ``torch.where``.
+    ``horizon`` is only read by ``seq-mean-token-sum-norm``.
+    """
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
-    raise KeyError(f"unknown loss_agg_mode '{mode}'; valid: token-mean")
-
-
-@ADV_ESTIMATORS.register("grpo")
-def grpo_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """(B,) scores, consecutive groups of ``group_size`` -> (B,) advantages (r - mean_g) / (std_g + eps).
-
-    std is the unbiased sample std of the group, as in verl and TRL; a group whose scores all tie gets
-    zero advantage.
-    """
-    groups = scores.view(-1, group_size)
-    mean = groups.mean(dim=1, keepdim=True)
-    std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + eps)).view(-1)
+    if mode not in AGG_MODES:
+        raise KeyError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(AGG_MODES)}")
+    keep = mask.bool()
+    seq_sum = torch.where(keep, loss_mat, torch.zeros_like(loss_mat)).sum(dim=-1)
+    n_tokens = keep.sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = seq_sum / n_tokens.clamp(min=1).to(seq_sum.dtype)
+    elif mode == "seq-mean-token-sum-norm":
+        norm = mask.shape[-1] if horizon is None else horizon
+        if norm <= 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs a horizon > 0, got {norm}")
+        per_seq = seq_sum / norm
+    else:
+        per_seq = seq_sum
+    n_seqs = (n_tokens > 0).sum().clamp(min=1).to(per_seq.dtype)
+    return per_seq.sum() / n_seqs
 
 
 @KL_ESTIMATORS.register("k1")
@@ -93,33 +138,335 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
     return KL_ESTIMATORS[estimator](log_prob, ref_log_prob)
 
 
-def policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio: float,
-    agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate.
-
-    (B, T) log π, (B, T) log π_old, (B, T) advantages, (B, T) mask -> (pg_loss, pg_clipfrac, ppo_kl),
-    where ppo_kl is the token mean of log π_old - log π and pg_clipfrac the fraction of tokens whose
-    clipped term was the active one. The log-ratio is clamped to [-20, 20] before exp.
-    """
-    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    losses = torch.maximum(unclipped, clipped)
-    pg_loss = agg_loss(losses, mask, agg_mode)
-    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(log_prob.dtype), mask)
-    ppo_kl = masked_mean(-log_ratio, mask)
-    return pg_loss, pg_clipfrac, ppo_kl
-
-
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) entropy of softmax(logits), computed in fp32."""
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+# -- verl-style API: token-level rewards, one estimator signature, dataclass results --------------------
+
+
+def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores, (B, T) mask -> (B, T) token rewards: each score on its sequence's last real
+    response token, zeros elsewhere (a row with no real token gets no reward)."""
+    keep = mask.bool()
+    dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
+    pos = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    last = torch.where(keep, pos, torch.zeros_like(pos)).argmax(dim=-1)
+    at_last = torch.nn.functional.one_hot(last, mask.shape[-1]).bool() & keep.any(dim=-1, keepdim=True)
+    return _real(scores.to(dtype).unsqueeze(-1).expand(-1, mask.shape[-1]), at_last)
+
+
+@dataclass
+class AdvantageInputs:
+    """What every estimator of ``ADVANTAGES`` reads.
+
+    token_rewards: (B, T) per-token rewards: the score on the last real token (``scores_to_token_rewards``),
+        minus the per-token KL penalty when KL is folded into the reward (``apply_kl_penalty``).
+    mask: (B, T) 1 on real response tokens (right-padded).
+    group_size: G, completions per prompt; groups are consecutive rows. B must be a multiple of G.
+    values: (B, T) critic values V(s_t) (GAE only).
+    gamma, lam: discount and GAE lambda. eps: added to the group std (grpo).
+    """
+
+    token_rewards: torch.Tensor
+    mask: torch.Tensor
+    group_size: int
+    values: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    eps: float = 1e-6
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+
+
+def _sequence_rewards(inp: AdvantageInputs) -> torch.Tensor:
+    """(B,) outcome reward: the masked sum of the token rewards."""
+    r = inp.token_rewards
+    return torch.where(inp.mask.bool(), r, torch.zeros_like(r)).sum(dim=-1)
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) -> (B/G, G), consecutive rows forming a group."""
+    if group_size < 1 or x.shape[0] % group_size:
+        raise ValueError(f"a batch of {x.shape[0]} sequences does not split into groups of {group_size}")
+    return x.view(-1, group_size)
+
+
+def _ties(groups: torch.Tensor) -> torch.Tensor:
+    """(B/G, G) -> (B/G, 1) True where every reward of the group equals the first (exactly)."""
+    return (groups == groups[:, :1]).all(dim=1, keepdim=True)
+
+
+def _group_baseline(groups: torch.Tensor) -> torch.Tensor:
+    """(B/G, G) -> (B/G, 1) group mean; 0 for groups of one, as verl (the raw reward is kept)."""
+    if groups.shape[1] == 1:
+        return torch.zeros_like(groups)
+    return groups.mean(dim=1, keepdim=True)
+
+
+def _to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B/G, G) or (B,) sequence advantages -> (B, T), broadcast over real tokens, 0 on padding."""
+    adv = adv.reshape(-1, 1)
+    return _real(adv.expand(-1, mask.shape[-1]), mask.bool())
+
+
+@ADVANTAGES.register("grpo")
+@torch.no_grad()
+def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (r - group mean) / (group std + eps), std unbiased (torch.std) as verl. A group whose rewards
+    all tie gets exactly 0; a group of one keeps r / (1 + eps) (verl: mean 0, std 1).
+    returns == advantages."""
+    r = _grouped(_sequence_rewards(inp), inp.group_size)
+    if inp.group_size == 1:
+        adv = r / (1.0 + inp.eps)
+    else:
+        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps)
+        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
+    adv = _to_tokens(adv, inp.mask)
+    return adv, adv
+
+
+@ADVANTAGES.register("drgrpo")
+@torch.no_grad()
+def drgrpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO: r - group mean, no std normalisation (verl's ``norm_adv_by_std_in_grpo=False``). A tied
+    group gets exactly 0; a group of one keeps r (verl)."""
+    r = _grouped(_sequence_rewards(inp), inp.group_size)
+    adv = r - _group_baseline(r)
+    if inp.group_size > 1:
+        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
+    adv = _to_tokens(adv, inp.mask)
+    return adv, adv
+
+
+@ADVANTAGES.register("rloo")
+@torch.no_grad()
+def rloo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: r_i - mean_{j != i} r_j = (r_i - mean) * G / (G - 1). A group of one keeps r (verl)."""
+    r = _grouped(_sequence_rewards(inp), inp.group_size)
+    g = inp.group_size
+    if g == 1:
+        adv = r.clone()
+    else:
+        adv = (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))
+        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
+    adv = _to_tokens(adv, inp.mask)
+    return adv, adv
+
+
+@ADVANTAGES.register("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: r - group mean (sequence level), broadcast over real tokens, then whitened over
+    every real token of the batch (``masked_whiten``). returns == advantages, as verl."""
+    r = _grouped(_sequence_rewards(inp), inp.group_size)
+    adv = masked_whiten(_to_tokens(r - _group_baseline(r), inp.mask), inp.mask)
+    return adv, adv
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """(B, T) rewards -> (B, T) G_t = sum_{k>=t} gamma^(k-t) r_k over real tokens; 0 on padding (the sum
+    restarts at a masked position, as verl's reset "after EOS")."""
+    keep = mask.bool()
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, torch.zeros_like(running))
+        out[:, t] = running
+    return out
+
+
+@ADVANTAGES.register("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: token-level discounted returns of ``token_rewards`` (gamma), advantages = those returns
+    whitened over the batch; returns are the un-whitened returns. Groups play no part."""
+    returns = _discounted_returns(inp.token_rewards, inp.mask, inp.gamma)
+    return masked_whiten(returns, inp.mask), returns
+
+
+@ADVANTAGES.register("gae")
+@torch.no_grad()
+def gae_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al.): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, with V
+    and A beyond the last real token 0. returns = A + V (the critic's target, un-whitened); advantages are
+    then whitened over the batch, as verl. A masked position is skipped (V and A carry over it, verl's
+    rule for observation tokens); with right padding that means nothing after the last real token counts.
+    Padding of both outputs is 0.
+    """
+    if inp.values is None:
+        raise ValueError("the gae estimator needs critic values (AdvantageInputs.values)")
+    keep = inp.mask.bool()
+    rewards = torch.where(keep, inp.token_rewards, torch.zeros_like(inp.token_rewards))
+    values = torch.where(keep, inp.values, torch.zeros_like(inp.values))
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    adv = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + inp.gamma * next_value - values[:, t]
+        a_t = delta + inp.gamma * inp.lam * next_adv
+        next_value = torch.where(keep[:, t], values[:, t], next_value)
+        next_adv = torch.where(keep[:, t], a_t, next_adv)
+        adv[:, t] = torch.where(keep[:, t], a_t, torch.zeros_like(a_t))
+    returns = torch.where(keep, adv + values, torch.zeros_like(adv))
+    return masked_whiten(adv, inp.mask), returns
+
+
+@dataclass
+class PolicyLoss:
+    """``pg_loss`` carries the gradient; the rest are 0-dim metrics (detached).
+
+    pg_clipfrac: fraction of real tokens where the clipped term was the active one.
+    ppo_kl: masked mean of log pi_old - log pi (token log-ratios, clamped at the token level).
+    pg_clipfrac_lower: fraction of real tokens (all of them, as verl) that have A < 0 and where the dual
+        clip was active; 0 without dual clip and for GSPO.
+    """
+
+    pg_loss: torch.Tensor
+    pg_clipfrac: torch.Tensor
+    ppo_kl: torch.Tensor
+    pg_clipfrac_lower: torch.Tensor
+
+
+POLICY_LOSS_LEVELS = ("token", "sequence")
+
+
+def compute_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None = 3.0,
+    agg_mode: str = "token-mean",
+    level: str = "token",
+) -> PolicyLoss:
+    """PPO's clipped surrogate, verl's ``vanilla`` (level="token") and ``gspo`` (level="sequence") losses.
+
+    (B, T) log pi(a|s), (B, T) log pi_old(a|s), (B, T) advantages, (B, T) mask -> PolicyLoss.
+
+    token: ratio = exp(clamp(log pi - log pi_old, -20, 20)), clipped to [1 - clip_low, 1 + clip_high]
+        (DAPO's clip-higher when they differ); loss = max(-A ratio, -A clip(ratio)). With ``clip_c``
+        (dual-clip PPO, must be > 1) the loss of a token with A < 0 is further capped at -A clip_c.
+    sequence (GSPO): s_i = exp(mean over the real tokens of sequence i of the log-ratios), applied to each
+        token with that token's own gradient: log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t], clamped
+        at 10 before exp as verl; clipped with clip_low/clip_high; ``clip_c`` is ignored (no dual clip).
+        The GSPO paper aggregates with agg_mode="seq-mean-token-mean"; verl 0.9 leaves it to the caller.
+    The per-token losses are reduced by ``agg_loss(.., agg_mode)``; padding never influences anything.
+    """
+    if level not in POLICY_LOSS_LEVELS:
+        raise KeyError(f"unknown importance ratio level '{level}'; valid: {', '.join(POLICY_LOSS_LEVELS)}")
+    keep = mask.bool()
+    # Padding is zeroed up front, so it cannot reach the loss nor send a NaN gradient (0 * NaN) back.
+    log_prob, old_log_prob, advantages = (_real(x, keep) for x in (log_prob, old_log_prob, advantages))
+    log_ratio = log_prob - old_log_prob
+    if level == "token":
+        if clip_c is not None and clip_c <= 1.0:
+            raise ValueError(f"the dual-clip bound clip_c must be > 1, got {clip_c}")
+        log_ratio = log_ratio.clamp(-20.0, 20.0)
+        ratio = log_ratio.exp()
+    else:
+        seq_log_ratio = log_ratio.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
+        log_is = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+        ratio = log_is.clamp(max=10.0).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    dtype = losses.dtype
+    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(dtype), mask)
+    if level == "token" and clip_c is not None:
+        capped = -advantages * clip_c
+        negative = advantages < 0
+        pg_clipfrac_lower = masked_mean((torch.gt(losses, capped) & negative).to(dtype), mask)
+        losses = torch.where(negative, torch.minimum(losses, capped), losses)
+    else:
+        pg_clipfrac_lower = torch.zeros((), dtype=dtype, device=losses.device)
+    return PolicyLoss(
+        pg_loss=agg_loss(losses, mask, agg_mode),
+        pg_clipfrac=pg_clipfrac.detach(),
+        ppo_kl=masked_mean(-log_ratio, mask).detach(),
+        pg_clipfrac_lower=pg_clipfrac_lower.detach(),
+    )
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range_value: float,
+    agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss (verl's ``compute_value_loss``, whose argument order is vpreds, returns,
+    values).
+
+    (B, T) V_new(s), (B, T) V_old(s) (the values at rollout), (B, T) returns, (B, T) mask ->
+    (vf_loss, vf_clipfrac): vpred_clipped = values + clamp(vpreds - values, -c, c);
+    vf_loss = 0.5 agg(max((vpreds - R)^2, (vpred_clipped - R)^2)); vf_clipfrac = masked mean of
+    (clipped loss > unclipped loss) (detached).
+    """
+    keep = mask.bool()
+    vpreds, values, returns = (_real(x, keep) for x in (vpreds, values, returns))
+    vpred_clipped = values + (vpreds - values).clamp(-clip_range_value, clip_range_value)
+    unclipped = (vpreds - returns).square()
+    clipped = (vpred_clipped - returns).square()
+    vf_loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), mask, agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(unclipped.dtype), mask)
+    return vf_loss, vf_clipfrac.detach()
+
+
+@torch.no_grad()
+def apply_kl_penalty(
+    token_rewards: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    estimator: str,
+) -> tuple[torch.Tensor, float]:
+    """Fold the KL to the reference into the reward (verl's ``apply_kl_penalty``).
+
+    (B, T) token rewards, (B, T) log pi_old(a|s), (B, T) log pi_ref(a|s), (B, T) mask ->
+    ((B, T) token_rewards - beta kld, current_kl), kld = kl_penalty(old, ref, estimator) on real tokens
+    and 0 on padding; current_kl = the mean over sequences of each sequence's masked mean of kld (the
+    value to feed the KL controller; verl updates it with n_steps = B). Sequences with no real token
+    are left out of that mean.
+    """
+    keep = mask.bool()
+    kld = kl_penalty(old_log_prob, ref_log_prob, estimator)
+    kld = torch.where(keep, kld, torch.zeros_like(kld))
+    n_tokens = keep.sum(dim=-1)
+    per_seq = kld.sum(dim=-1) / n_tokens.clamp(min=1).to(kld.dtype)
+    current_kl = per_seq.sum() / (n_tokens > 0).sum().clamp(min=1).to(kld.dtype)
+    return token_rewards - beta * kld, float(current_kl.item())
+
+
+def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) scores, consecutive groups of ``group_size`` -> (B/G,) bool, True where every reward of the
+    group is the same: no learning signal, the groups DAPO's dynamic sampling drops. A group of one
+    always ties."""
+    return _ties(_grouped(scores, group_size)).squeeze(1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """(B,) response lengths -> (B,) DAPO's soft overlong punishment, added to the reward.
+
+    0 for L <= max_len - buffer_len; ((max_len - buffer_len) - L) / buffer_len * factor in the buffer zone
+    (reaching -factor at L = max_len); -factor beyond max_len. (verl's DAPO reward manager computes
+    min(-(L - (max_len - buffer_len)) / buffer_len * factor, 0) without the floor, since its responses
+    never exceed max_len; the DAPO paper floors at -1.)
+    """
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"overlong buffer_len must be in 1..max_len ({max_len}), got {buffer_len}")
+    if factor < 0:
+        raise ValueError(f"overlong penalty factor must be >= 0, got {factor}")
+    length = lengths.to(torch.get_default_dtype() if not lengths.is_floating_point() else lengths.dtype)
+    penalty = ((max_len - buffer_len) - length) / buffer_len * factor
+    return penalty.clamp(min=-factor, max=0.0)

@@ -1,0 +1,69 @@
+"""The value model of PPO: a causal LM's backbone with a one-output token head, in its own DeepSpeed
+engine (own lr and ZeRO stage), as verl builds it (``AutoModelForTokenClassification``, num_labels=1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.engine import algos
+from rlctl.engine.actor import DSModule, EngineSpec, Sequences, position_ids_for
+from rlctl.engine.runtime import Runtime
+from rlctl.errors import InputError
+
+
+def load_value_model(path: Path, dtype: torch.dtype, trust_remote_code: bool):
+    from transformers import AutoModelForTokenClassification
+
+    try:
+        return AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # transformers raises many types for an unsupported architecture
+        raise InputError(f"cannot build a value model from {path} ('critic.path'): {exc}") from None
+
+
+class Critic(DSModule):
+    def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
+        self.cfg = cfg
+        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+        mini = cfg.actor.mini_batch_size or batch
+        spec = EngineSpec(lr=cfg.critic.lr, zero_stage=cfg.critic.zero_stage, grad_clip=cfg.critic.grad_clip,
+                          mini_batch=mini, micro_batch=cfg.actor.micro_batch_size or mini)  # fmt: skip
+        path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
+        super().__init__(load_value_model(path, runtime.dtype, cfg.model.trust_remote_code), spec, runtime)
+
+    def values(self, seqs: Sequences) -> torch.Tensor:
+        """(B, T) V(s_t): the value of the state before each response token (the head's output at the
+        position that predicts it), 0 on padding."""
+        out = self.engine(
+            input_ids=seqs.input_ids, attention_mask=seqs.attention_mask,
+            position_ids=position_ids_for(seqs.attention_mask),
+        )  # fmt: skip
+        P = seqs.prompt_len
+        values = out.logits[:, P - 1 : -1, 0].float()
+        return values * seqs.response_mask
+
+    def update(self, seqs: Sequences, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        """Clipped value-loss updates over the batch, with the actor's epochs and (mini/micro) batches."""
+        a = self.cfg.algorithm
+        totals: dict[str, float] = {}
+        n = 0
+        for _ in range(a.ppo_epochs):
+            for _, idx in self.minibatches(len(seqs)):
+                mb, mask = seqs.select(idx), seqs.response_mask[idx]
+                vpreds = self.values(mb)
+                vf_loss, vf_clipfrac = algos.compute_value_loss(
+                    vpreds, old_values[idx], returns[idx], mask, self.cfg.critic.cliprange_value, a.loss_agg_mode
+                )
+                if torch.isfinite(vf_loss):
+                    self.step(vf_loss)
+                for key, value in (("critic/vf_loss", vf_loss.item()), ("critic/vf_clipfrac", vf_clipfrac.item())):
+                    totals[key] = totals.get(key, 0.0) + value
+                n += 1
+        out = {k: v / n for k, v in totals.items()}
+        out["critic/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        return out
