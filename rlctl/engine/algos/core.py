@@ -215,20 +215,25 @@ def _to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _real(adv.expand(-1, mask.shape[-1]), mask.bool())
 
 
-@ADVANTAGES.register("grpo")
-@torch.no_grad()
-def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: (r - group mean) / (group std + eps), std unbiased (torch.std) as verl. A group whose rewards
-    all tie gets exactly 0; a group of one keeps r / (1 + eps) (verl: mean 0, std 1).
-    returns == advantages."""
+def _outcome(inp: AdvantageInputs, centre: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shape every outcome estimator shares: (G groups of) sequence rewards -> ``centre`` -> a tied
+    group gets exactly 0 -> broadcast over real tokens. returns == advantages."""
     r = _grouped(_sequence_rewards(inp), inp.group_size)
-    if inp.group_size == 1:
-        adv = r / (1.0 + inp.eps)
-    else:
-        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps)
+    adv = centre(r)
+    if inp.group_size > 1:
         adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
     adv = _to_tokens(adv, inp.mask)
     return adv, adv
+
+
+@ADVANTAGES.register("grpo")
+@torch.no_grad()
+def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (r - group mean) / (group std + eps), unbiased std as verl and TRL. A group whose rewards
+    all tie gets exactly 0; a group of one keeps r / (1 + eps) (verl: mean 0, std 1)."""
+    if inp.group_size == 1:
+        return _outcome(inp, lambda r: r / (1.0 + inp.eps))
+    return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps))
 
 
 @ADVANTAGES.register("drgrpo")
@@ -236,27 +241,17 @@ def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
 def drgrpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO: r - group mean, no std normalisation (verl's ``norm_adv_by_std_in_grpo=False``). A tied
     group gets exactly 0; a group of one keeps r (verl)."""
-    r = _grouped(_sequence_rewards(inp), inp.group_size)
-    adv = r - _group_baseline(r)
-    if inp.group_size > 1:
-        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
-    adv = _to_tokens(adv, inp.mask)
-    return adv, adv
+    return _outcome(inp, lambda r: r - _group_baseline(r))
 
 
 @ADVANTAGES.register("rloo")
 @torch.no_grad()
 def rloo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: r_i - mean_{j != i} r_j = (r_i - mean) * G / (G - 1). A group of one keeps r (verl)."""
-    r = _grouped(_sequence_rewards(inp), inp.group_size)
     g = inp.group_size
     if g == 1:
-        adv = r.clone()
-    else:
-        adv = (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))
-        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
-    adv = _to_tokens(adv, inp.mask)
-    return adv, adv
+        return _outcome(inp, lambda r: r.clone())
+    return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
 
 
 @ADVANTAGES.register("reinforce_plus_plus_baseline")
