@@ -101,16 +101,23 @@ def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtim
 
     # Log-probs the actor computes (left padding, position ids from the mask) equal the ones generate
     # sampled from, token by token.
+    from transformers import GenerationConfig
+
     enc = rollout.encode(prompts)
     with torch.no_grad():
         out = actor.module.generate(
-            **enc, generation_config=rollout.gen_config, return_dict_in_generate=True, output_logits=True,
+            **enc, return_dict_in_generate=True, output_logits=True,
+            generation_config=GenerationConfig(do_sample=False, max_new_tokens=cfg.rollout.max_new_tokens,
+                                               eos_token_id=rollout.eos_ids, pad_token_id=rollout.tokenizer.pad_token_id),
             logits_processor=[SeededGumbelSampler([sample_seed(0, 3, p, s) for p, s in keys], 0.9)],
         )  # fmt: skip
         gen_lp = torch.stack(out.logits, 1).float().div(0.9).log_softmax(-1)
         gen_lp = gen_lp.gather(-1, a.responses[:, : gen_lp.shape[1]].unsqueeze(-1)).squeeze(-1)
         actor_lp, _ = sequence_log_probs(actor.engine, a, temperature=0.9)
+    # rlctl's lean decode loop samples exactly the tokens HF generate samples with the same noise
+    hf_tokens = out.sequences[:, enc["input_ids"].shape[1] :]
     mask = a.response_mask[:, : gen_lp.shape[1]].bool()
+    assert torch.equal(hf_tokens[:, : mask.shape[1]][mask], a.responses[:, : mask.shape[1]][mask])
     assert torch.allclose(actor_lp[:, : gen_lp.shape[1]][mask], gen_lp[mask], atol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""Rollouts with Hugging Face ``generate``: batched, KV cache, on the actor's own weights.
+"""Rollouts with a Hugging Face model: batched sampling with a KV cache, on the actor's own weights.
 
 Sampling is Gumbel-max: argmax(logits / T + g) with g drawn from one generator per sequence seeded by
 ``sample_seed``, which samples exactly softmax(logits / T) while making every sequence reproducible
@@ -9,7 +9,7 @@ nothing to copy after an update; under ZeRO-3 the parameters are gathered for th
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, Sequences
@@ -17,17 +17,60 @@ from rlctl.engine.rollout import sample_seed
 
 
 class SeededGumbelSampler(LogitsProcessor):
-    """Turns greedy decoding into sampling at ``temperature`` with per-sequence seeds."""
+    """Sampling at ``temperature`` as argmax(logits / T + Gumbel noise), one generator per sequence, so
+    every sequence is reproducible on its own. Noise is drawn ``chunk`` tokens at a time per sequence
+    (one call per sequence per chunk, not per token). Also usable as a transformers LogitsProcessor
+    turning greedy decoding into this sampling."""
 
-    def __init__(self, seeds: list[int], temperature: float):
+    def __init__(self, seeds: list[int], temperature: float, chunk: int = 16):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature = temperature
+        self.chunk = chunk
+        self._noise: torch.Tensor | None = None  # (B, chunk, V)
+        self._used = chunk
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        vocab = scores.shape[-1]
-        u = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
-        gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
-        return scores.float() / self.temperature + gumbel.to(scores.device)
+    def gumbel(self, vocab: int) -> torch.Tensor:
+        """(B, V) Gumbel noise for the next token of every sequence."""
+        if self._used >= self.chunk or self._noise is None or self._noise.shape[-1] != vocab:
+            u = torch.stack([torch.rand(self.chunk, vocab, generator=g) for g in self.generators])
+            self._noise = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
+            self._used = 0
+        noise = self._noise[:, self._used]
+        self._used += 1
+        return noise
+
+    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores.float() / self.temperature + self.gumbel(scores.shape[-1]).to(scores.device)
+
+
+@torch.no_grad()
+def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+           sampler: SeededGumbelSampler) -> torch.Tensor:  # fmt: skip
+    """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
+    pad after each sequence's eos. Position ids count real tokens only, as the actor's forward does.
+    A lean loop: one forward per token, no generation-config machinery."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(eos_ids, device=input_ids.device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                past_key_values=cache, use_cache=True)  # fmt: skip
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    tokens = []
+    position = positions[:, -1:]
+    for _ in range(max_new_tokens):
+        nxt = sampler(None, out.logits[:, -1, :]).argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        done |= torch.isin(nxt, eos)
+        if bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        position = position + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attention_mask, position_ids=position,
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+    return torch.stack(tokens, dim=1)
 
 
 def response_mask_for(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -45,12 +88,6 @@ class HFRollout:
         eos = actor.module.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_ids = sorted({tokenizer.eos_token_id, *eos})
-        self.gen_config = GenerationConfig(
-            do_sample=False,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=tokenizer.pad_token_id,
-        )
 
     def sync_weights(self) -> None:
         """The backend generates with the actor's own module: its weights are always current."""
@@ -92,13 +129,11 @@ class HFRollout:
         module.eval()
         try:
             with self.actor.full_parameters():
-                out = module.generate(
-                    **enc, generation_config=self.gen_config, logits_processor=LogitsProcessorList([sampler])
-                )
+                responses = decode(module, enc["input_ids"], enc["attention_mask"], self.cfg.rollout.max_new_tokens,
+                                   self.eos_ids, self.tokenizer.pad_token_id, sampler)  # fmt: skip
         finally:
             module.train(was_training)
         prompt_len = enc["input_ids"].shape[1]
-        responses = out[:, prompt_len:]
         response_mask = response_mask_for(responses, self.eos_ids)
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         input_ids = torch.cat([enc["input_ids"], responses], dim=1)
