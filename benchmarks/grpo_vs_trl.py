@@ -1,0 +1,574 @@
+"""rlctl against TRL's GRPOTrainer on identical GRPO work, measured in one run on the same machine.
+
+    .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--steps 15] [--big-steps 6] [--rounds 2]
+                                              [--models tiny,25M] [--kl no,k3] [--json FILE]
+
+Needs `pip install trl accelerate datasets` in the venv (they are not rlctl dependencies). This is a
+benchmark, not a test: it prints numbers and asserts nothing about them.
+
+How it runs. For each model and KL setting, rlctl (through its library API, `rlctl.run.start_run`, which
+is what `rlctl start` calls) and TRL (`trl.GRPOTrainer.train()`) each run N GRPO steps from the same
+initial weights, alternating rlctl, TRL, rlctl, TRL ... (`--rounds` runs of each), so that machine noise
+lands on both. Each side lives in its own long-lived worker process (this file with `--worker rlctl` or
+`--worker trl`), started once and warmed up by one short untimed run; the parent then sends it one job
+per run and waits, so only one side computes at a time. Two processes, because rlctl's runtime sets
+RANK/LOCAL_RANK/WORLD_SIZE and a gloo process group for its world of one, and with those in its process
+accelerate takes TRL for a multi-process CPU job and wraps the model in DDP (find_unused_parameters),
+which a single TRL process never does. Every run gets a fresh run directory / a fresh Trainer. Per side
+the table gives the median step time over the steps after the warm-up, pooled over the rounds, and the
+median of per-step generated tokens per second (tokens of each completion up to and including its eos).
+The random-weight models stop early at eos now and then, on either side and differently, so tokens/s
+is the figure to compare; the mean completion lengths of both sides are printed next to it.
+
+Identical on both sides:
+
+- model weights and tokenizer: one Hugging Face directory written with rlctl's own pieces (its
+  character tokenizer; (a) its built-in tiny Llama, `build_tiny_model(RunConfig().model.builtin, ...)`,
+  0.14M parameters; (b) a Llama of hidden 512, 8 layers, MLP 1408, head_dim 64, 25.8M parameters, where
+  compute dominates), loaded in fp32 with `from_pretrained` (same attention implementation, sdpa);
+- prompts: rlctl's built-in echo task (`make_prompts`), one JSONL file, read as `data.path` by rlctl and
+  as a `datasets.Dataset` of the same rows by TRL, shuffled by both; `echo_reward` is the reward of both
+  (`target` arrives as a keyword on both);
+- per step 8 prompts x 4 samples (TRL: per_device_train_batch_size 32 completions, num_generations 4,
+  one generation per optimizer step: steps_per_generation 1, num_iterations 1), at most 16 (tiny) or
+  32 (25M) new tokens, stopping at eos; sampling at temperature 1.0 with no top-k and no top-p;
+- one optimizer step per rollout batch over the whole batch (no micro-batches), AdamW
+  (`torch.optim.AdamW`, betas 0.9/0.999, eps 1e-8, no weight decay) at a constant lr of 1e-5, grad-norm
+  clip 1.0; the PPO-clip surrogate (epsilon 0.2) on group-normalised advantages, token-mean over the
+  batch (TRL's default loss_type "dapo" is exactly that);
+- no KL (TRL's default beta 0, rlctl's kl_coef 0: neither loads a reference model), then KL with the k3
+  estimator at beta = rlctl's algorithm.kl_coef (`--kl-coef`, 0.04): both then hold a frozen reference
+  model and run one extra no-grad forward of it per step;
+- one process computing, one intra-op thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`), CPU.
+
+What a step is:
+
+- rlctl: `timing_s/step` from RUN_DIR/metrics.jsonl: draw prompts, generate (HF `generate` with a KV
+  cache on the actor's own module), decode, score, reference log-probs (with KL), advantages, then the
+  update: one forward with grad (which also gives the old log-probs: the step is exactly on-policy, so
+  there is no separate old-log-prob pass), backward, grad clip and AdamW step inside DeepSpeed ZeRO-2
+  (world of one, gloo). Writing the metrics row is not in it.
+- TRL: wall time from `on_step_begin` to `on_step_end` of a `TrainerCallback`: `Trainer.training_step`
+  (`_prepare_inputs` -> `_generate_and_score_completions`: tokenize, HF `generate`, decode, reward,
+  reference log-probs with KL, advantages; then `compute_loss`: one forward with grad, which likewise
+  gives the old log-probs since num_iterations is 1, and backward), then grad clip, optimizer and lr
+  scheduler steps and zero_grad. Fetching the batch from the dataloader and logging are not in it.
+- Phases (printed per configuration): "gen" is rlctl's `timing_s/gen` (generate + decode + score) and
+  TRL's time in `GRPOTrainer._generate` (tokenize + generate + decode); "ref" is rlctl's `timing_s/ref`
+  and TRL's time in `_generate_and_score_completions` outside `_generate` (reward, reference forward,
+  advantages); "update" is the rest of the step.
+
+What differs, by design of each tool:
+
+- rlctl trains inside a DeepSpeed ZeRO-2 engine (its only mode); TRL here runs plain PyTorch through
+  accelerate (no DeepSpeed, no DDP), its default for one process;
+- rlctl samples with a per-sequence seeded Gumbel-max logits processor (reproducible per sequence);
+  TRL uses transformers' multinomial sampling from the global generator. Same distribution, different
+  draws, so the completions and their lengths differ;
+- TRL 1.x defaults to gradient checkpointing (an extra forward inside backward), bf16 and a
+  linear-decay lr schedule; this benchmark turns them off (`gradient_checkpointing=False`, `bf16=False`,
+  `lr_scheduler_type="constant"`) because rlctl does none of them. `--trl-gradient-checkpointing` puts
+  TRL's default checkpointing back. TRL's default optimizer "adamw_torch_fused" is set to "adamw_torch",
+  the same `torch.optim.AdamW` (foreach) that rlctl hands to DeepSpeed;
+- small terms inside the loss: rlctl has verl's dual clip (c = 3) and clamps k3; TRL multiplies the k3
+  term by the importance ratio (use_bias_correction_kl; exactly 1 on-policy); TRL divides rewards by the
+  group std + 1e-4, rlctl by std + 1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, here and in the workers
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed probes for one and warns
+
+import argparse
+import dataclasses
+import importlib.metadata as md
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+PROMPTS_PER_STEP = 8
+GROUP = 4
+LR = 1e-5
+SEED = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    model_dir: str
+    data: str  # the JSONL prompts file (both sides read it)
+    max_new_tokens: int
+    steps: int
+    kl_coef: float
+    out: str  # a fresh run directory (rlctl) / output_dir (TRL)
+    grad_ckpt: bool = False  # TRL only
+    describe: bool = False  # TRL only: return the settings the trainer ended up with
+
+
+@dataclasses.dataclass
+class RunResult:
+    side: str
+    step_s: list[float]  # per step, all steps
+    tokens: list[float]  # generated tokens per step (completions up to and including eos)
+    mean_len: list[float]  # mean completion length per step
+    gen_s: list[float]  # generation seconds per step
+    ref_s: list[float]  # scoring + reference forward (+ advantages) per step, outside generation
+    wall_s: float  # the whole run, setup included
+    threads: int  # torch intra-op threads seen during the run
+    describe: dict | None = None
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the shared inputs (parent) ---------------------------------------------------------------------
+def build_model_dir(key: str, out: Path) -> int:
+    """Write model + tokenizer with rlctl's own pieces; returns the parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlctl.config import RunConfig
+    from rlctl.engine.model import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    if key == "tiny":
+        model = build_tiny_model(RunConfig().model.builtin, tok, SEED)
+    else:
+        cfg = LlamaConfig(
+            vocab_size=len(tok), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=False, initializer_range=0.02,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- rlctl (worker) ---------------------------------------------------------------------------------
+def rlctl_overrides(job: Job) -> list[str]:
+    # load_config(None, ...) starts from the packaged demo config: every key relied on is set here.
+    return [
+        "name=bench", f"seed={SEED}", "device=cpu", "policies=[]",
+        f"model.path={job.model_dir}", "model.dtype=fp32",
+        f"data.path={job.data}", "data.prompt_key=prompt", "data.apply_chat_template=false",
+        "data.max_prompt_length=64", "data.shuffle=true",
+        "reward.function=rlctl.engine.reward.builtin:echo_reward", "reward.kwargs={}",
+        f"trainer.total_steps={job.steps}", f"trainer.prompts_per_step={PROMPTS_PER_STEP}",
+        "trainer.num_threads=1",
+        "algorithm.name=grpo", "algorithm.adv_estimator=grpo", f"algorithm.group_size={GROUP}",
+        f"algorithm.kl_coef={job.kl_coef}", "algorithm.kl_estimator=k3", "algorithm.kl_in_reward=false",
+        "algorithm.kl_ctrl.type=fixed", "algorithm.clip_ratio=0.2", "algorithm.loss_agg_mode=token-mean",
+        "algorithm.entropy_coef=0.0", "algorithm.ppo_epochs=1", "algorithm.importance_ratio=token",
+        "algorithm.dynamic_sampling.enabled=false", "algorithm.overlong.enabled=false",
+        f"actor.lr={LR}", "actor.zero_stage=2", "actor.grad_clip=1.0", "actor.weight_decay=0.0",
+        "actor.betas=[0.9, 0.999]", "actor.warmup_steps=0", "actor.mini_batch_size=null",
+        "actor.micro_batch_size=null",
+        "rollout.backend=hf", f"rollout.max_new_tokens={job.max_new_tokens}", "rollout.temperature=1.0",
+        "checkpoint.every=0",
+    ]  # fmt: skip
+
+
+def run_rlctl(job: Job) -> RunResult:
+    import torch
+
+    from rlctl.config import load_config
+    from rlctl.run import start_run
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, rlctl_overrides(job))
+    t0 = time.perf_counter()
+    start_run(cfg, job.out)
+    wall = time.perf_counter() - t0
+    text = (Path(job.out) / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if [r["step"] for r in rows] != list(range(1, job.steps + 1)):
+        raise RuntimeError(f"rlctl wrote steps {[r['step'] for r in rows]} in {job.out}; expected 1..{job.steps}")
+    batch = PROMPTS_PER_STEP * GROUP
+    return RunResult(
+        side="rlctl",
+        step_s=[r["timing_s/step"] for r in rows],
+        tokens=[r["response_length/mean"] * batch for r in rows],
+        mean_len=[r["response_length/mean"] for r in rows],
+        gen_s=[r["timing_s/gen"] for r in rows],
+        ref_s=[r["timing_s/ref"] for r in rows],
+        wall_s=wall,
+        threads=torch.get_num_threads(),
+    )
+
+
+# -- TRL (worker) -----------------------------------------------------------------------------------
+_NOTED: set[str] = set()
+
+
+def trl_config(job: Job):
+    from trl import GRPOConfig
+
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    kwargs = dict(  # noqa: C408 - keyword arguments of GRPOConfig
+        output_dir=job.out, use_cpu=True, seed=SEED,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,  # TRL's batch counts completions
+        gradient_accumulation_steps=1, num_generations=GROUP, num_iterations=1, steps_per_generation=1,
+        max_completion_length=job.max_new_tokens, max_prompt_length=64,
+        temperature=1.0, top_p=1.0,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        beta=job.kl_coef, epsilon=0.2,
+        max_steps=job.steps, logging_steps=1, report_to=[], save_strategy="no",
+        bf16=False, fp16=False, gradient_checkpointing=job.grad_ckpt,
+        dataloader_num_workers=0, use_vllm=False, disable_tqdm=True,
+    )  # fmt: skip
+    if "top_k" in fields:  # "no top-k" is None in older TRL, 0 in newer
+        kwargs["top_k"] = None if fields["top_k"].default is None else 0
+    for key in [k for k in kwargs if k not in fields]:  # names that changed across TRL versions
+        if key not in _NOTED:
+            _NOTED.add(key)
+            log(f"note: this TRL's GRPOConfig has no '{key}'; left out")
+        kwargs.pop(key)
+    return GRPOConfig(**kwargs)
+
+
+TRL_KEYS = (
+    "per_device_train_batch_size", "num_generations", "generation_batch_size", "steps_per_generation",
+    "num_iterations", "gradient_accumulation_steps", "max_completion_length", "max_prompt_length",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "learning_rate", "lr_scheduler_type",
+    "optim", "weight_decay", "max_grad_norm", "beta", "use_bias_correction_kl", "epsilon", "epsilon_high",
+    "loss_type", "scale_rewards", "importance_sampling_level", "mask_truncated_completions",
+    "gradient_checkpointing", "bf16", "fp16", "use_vllm", "use_transformers_paged",
+    "use_transformers_continuous_batching", "cache_implementation", "disable_dropout", "shuffle_dataset",
+)  # fmt: skip
+
+
+def run_trl(job: Job) -> RunResult:
+    import datasets
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PrinterCallback,
+        TrainerCallback,
+    )
+    from trl import GRPOTrainer
+
+    from rlctl.engine.reward.builtin import echo_reward
+
+    torch.set_num_threads(1)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.begin = 0.0
+            self.step_s: dict[int, float] = {}
+            self.logs: dict[int, dict] = {}
+            self.threads = 0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.threads = torch.get_num_threads()
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_s[state.global_step] = time.perf_counter() - self.begin
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.logs[state.global_step] = dict(logs)
+
+    t0 = time.perf_counter()
+    rows = [json.loads(line) for line in Path(job.data).read_text().splitlines() if line.strip()]
+    dataset = datasets.Dataset.from_list(rows)
+    model = AutoModelForCausalLM.from_pretrained(job.model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(job.model_dir)
+    tok.padding_side = "left"
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model, reward_funcs=echo_reward, args=trl_config(job), train_dataset=dataset,
+                          processing_class=tok, callbacks=[timer])  # fmt: skip
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
+
+    # Phase timers: wrap two methods of this trainer instance (one perf_counter pair each per step).
+    phases: dict[str, dict[int, float]] = {"gen": {}, "prepare": {}}
+
+    def timed(name, inner):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                step = trainer.state.global_step + 1
+                phases[name][step] = phases[name].get(step, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    trainer._generate = timed("gen", trainer._generate)
+    trainer._generate_and_score_completions = timed("prepare", trainer._generate_and_score_completions)
+    describe = None
+    if job.describe:
+        a = trainer.args
+        describe = {k: str(getattr(a, k)) for k in TRL_KEYS if hasattr(a, k)}
+        describe["accelerate distributed_type"] = str(trainer.accelerator.distributed_type)
+        describe["model wrapper"] = type(trainer.model_wrapped).__name__
+        describe["reference model"] = str(trainer.ref_model is not None)
+        describe["model dtype / attn"] = f"{trainer.model.dtype} / {trainer.model.config._attn_implementation}"
+    trainer.train()
+    wall = time.perf_counter() - t0
+    if describe is not None:
+        describe["optimizer"] = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
+                                     else trainer.optimizer).__name__  # fmt: skip
+        describe["model wrapper after prepare"] = type(trainer.model_wrapped).__name__
+    steps = sorted(timer.step_s)
+    if steps != list(range(1, job.steps + 1)) or sorted(timer.logs) != steps:
+        raise RuntimeError(f"TRL timed steps {steps} and logged {sorted(timer.logs)}; expected 1..{job.steps}")
+    batch = PROMPTS_PER_STEP * GROUP
+    mean_len = [float(timer.logs[s]["completions/mean_length"]) for s in steps]
+    nan = float("nan")
+    return RunResult(
+        side="TRL",
+        step_s=[timer.step_s[s] for s in steps],
+        tokens=[m * batch for m in mean_len],
+        mean_len=mean_len,
+        gen_s=[phases["gen"].get(s, nan) for s in steps],
+        ref_s=[phases["prepare"].get(s, nan) - phases["gen"].get(s, nan) for s in steps],
+        wall_s=wall,
+        threads=timer.threads,
+        describe=describe,
+    )
+
+
+def worker(side: str) -> None:
+    """Serve jobs: one JSON line in on stdin, one JSON line out on the original stdout. Everything the
+    libraries print goes to stderr."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    warnings.filterwarnings("ignore")
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if side == "trl":
+        import datasets
+
+        datasets.disable_progress_bars()
+    run = run_rlctl if side == "rlctl" else run_trl
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            result = run(Job(**json.loads(line)))
+            out = {"ok": True, "result": dataclasses.asdict(result)}
+        except Exception:  # noqa: BLE001 - reported to the parent, which stops the benchmark
+            out = {"ok": False, "error": traceback.format_exc()}
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
+
+
+class Worker:
+    def __init__(self, side: str):
+        self.side = side
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", side],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+
+    def run(self, job: Job) -> RunResult:
+        self.proc.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {self.side} worker died (exit {self.proc.wait()}); see its stderr above")
+        out = json.loads(line)
+        if not out["ok"]:
+            log(f"{self.side} failed:\n{out['error']}")
+            raise SystemExit(1)
+        return RunResult(**out["result"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# -- summary (parent) -------------------------------------------------------------------------------
+def summarize(results: list[RunResult], warmup: int) -> dict:
+    def pooled(attr: str) -> list[float]:
+        return [x for r in results for x in getattr(r, attr)[warmup:]]
+
+    step_s = pooled("step_s")
+    tok_s = [t / s for r in results for t, s in zip(r.tokens[warmup:], r.step_s[warmup:])]
+    gen, ref = statistics.median(pooled("gen_s")), statistics.median(pooled("ref_s"))
+    return {
+        "s_per_step": statistics.median(step_s),
+        "tok_per_s": statistics.median(tok_s),
+        "mean_len": statistics.fmean(pooled("mean_len")),
+        "gen_s": gen,
+        "ref_s": ref,
+        "update_s": statistics.median([s - g - f for s, g, f in zip(step_s, pooled("gen_s"), pooled("ref_s"))]),
+        "run_medians": [statistics.median(r.step_s[warmup:]) for r in results],
+        "wall_s": [round(r.wall_s, 1) for r in results],
+        "threads": sorted({r.threads for r in results}),
+        "n_steps": len(step_s),
+    }
+
+
+def versions() -> str:
+    out = []
+    for name in ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "rlctl"):
+        try:
+            out.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 6 tiny / 4 big steps, warm-up 2")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run, tiny model (default 15)")
+    ap.add_argument("--big-steps", type=int, default=None, help="steps per run, 25M model (default 6)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs of each side per configuration (default 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="leading steps of each run left out (default 3 tiny, "
+                    "2 for 25M; --quick: 2)")  # fmt: skip
+    ap.add_argument("--models", default="tiny,25M", help="comma list of: tiny, 25M")
+    ap.add_argument("--kl", default="no,k3", help="comma list of: no, k3")
+    ap.add_argument("--kl-coef", type=float, default=0.04, help="rlctl algorithm.kl_coef = TRL beta for k3")
+    ap.add_argument("--prompts", type=int, default=256, help="rows of the echo task")
+    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
+                    help="keep TRL's default gradient checkpointing (rlctl does not checkpoint)")  # fmt: skip
+    ap.add_argument("--json", default=None, help="also write every per-step number to this file")
+    ap.add_argument("--worker", choices=["rlctl", "trl"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker)
+
+    rounds = args.rounds or (1 if args.quick else 2)
+    tiny_warm = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    big_warm = args.warmup if args.warmup is not None else 2
+    specs = {
+        "tiny": (16, args.steps or (6 if args.quick else 15), tiny_warm),
+        "25M": (32, args.big_steps or (4 if args.quick else 6), big_warm),
+    }  # max new tokens, steps, warm-up
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    kls = [k.strip() for k in args.kl.split(",") if k.strip()]
+    if bad := [m for m in models if m not in specs] + [k for k in kls if k not in ("no", "k3")]:
+        ap.error(f"unknown model or kl: {bad}")
+    for m in models:
+        if specs[m][1] <= specs[m][2]:
+            ap.error(f"{m}: {specs[m][1]} steps leave nothing after a warm-up of {specs[m][2]}")
+
+    print("command: " + shlex.join([sys.executable, *sys.argv]))
+    print(f"versions: python {platform.python_version()}, {versions()}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; OMP_NUM_THREADS=1 and torch.set_num_threads(1) "
+          "in both workers")  # fmt: skip
+    print(f"work: {PROMPTS_PER_STEP} prompts x {GROUP} samples per step, lr {LR}, temperature 1.0; "
+          + "; ".join(f"{m}: {specs[m][0]} new tokens, {specs[m][1]} steps per run, warm-up {specs[m][2]}"
+                      for m in models)
+          + f"; {rounds} run(s) per side per configuration, alternating rlctl, TRL; k3 coefficient {args.kl_coef}; "
+          f"TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}", flush=True)  # fmt: skip
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    from rlctl.engine.reward.builtin import make_prompts
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+    table, raw, described = [], {}, []
+    t_all = time.perf_counter()
+    workers = {"rlctl": Worker("rlctl"), "TRL": Worker("trl")}
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlctl-vs-trl-") as tmp:
+            work = Path(tmp)
+            data = work / "prompts.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in make_prompts(args.prompts, SEED)))
+            # One short untimed run per worker first: first-in-process costs (lazy imports, DeepSpeed and
+            # accelerate set-up, first calls into kernels) are then in no measured run.
+            warm_dir = work / "model-warmup"
+            build_model_dir("tiny", warm_dir)
+            for side, w in workers.items():
+                w.run(Job(str(warm_dir), str(data), 4, 2, 0.0, str(work / f"warmup-{side}")))
+            n = 0
+            for m in models:
+                max_new, steps, warm = specs[m]
+                model_dir = work / f"model-{m}"
+                params = build_model_dir(m, model_dir)
+                label = f"{m} ({params / 1e6:.2g}M)" if m == "tiny" else f"{m} ({params / 1e6:.1f}M)"
+                for kl in kls:
+                    coef = 0.0 if kl == "no" else args.kl_coef
+                    runs: dict[str, list[RunResult]] = {"rlctl": [], "TRL": []}
+                    for r in range(rounds):
+                        for side in ("rlctl", "TRL"):
+                            n += 1
+                            describe = side == "TRL" and r == 0 and len(described) < (1 if kl == "no" else 2)
+                            job = Job(str(model_dir), str(data), max_new, steps, coef, str(work / f"run-{n}"),
+                                      args.trl_gradient_checkpointing, describe)  # fmt: skip
+                            res = workers[side].run(job)
+                            if res.describe:
+                                described.append((f"{m} kl={kl}", res.describe))
+                            runs[side].append(res)
+                            log(f"[{m} kl={kl} round {r + 1}] {side:5s}: median "
+                                f"{statistics.median(res.step_s[warm:]):.4f} s/step, mean length "
+                                f"{statistics.fmean(res.mean_len[warm:]):.1f}, run {res.wall_s:.1f} s, "
+                                f"threads {res.threads}")  # fmt: skip
+                    table.append((label, kl, summarize(runs["rlctl"], warm), summarize(runs["TRL"], warm)))
+                    raw[f"{m}/{kl}"] = {side: [dataclasses.asdict(x) for x in xs] for side, xs in runs.items()}
+                    label = m
+    finally:
+        for w in workers.values():
+            w.close()
+    total = time.perf_counter() - t_all
+
+    print()
+    head = (f"{'model':13s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
+            f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for label, kl, r, t in table:
+        print(f"{label:13s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} {r['tok_per_s']:11.0f} "
+              f"{t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
+              f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}")  # fmt: skip
+    print()
+    print("ratio(tok/s) = rlctl tok/s / TRL tok/s (above 1: rlctl is faster). s/step: median step time; tok/s: "
+          "median of per-step generated tokens / step time; both over the steps after the warm-up, pooled over "
+          "the runs.")  # fmt: skip
+    print()
+    print("phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "
+          "per-run median s/step, and run wall times including setup:")  # fmt: skip
+    for label, kl, r, t in table:
+        for side, s in (("rlctl", r), ("TRL", t)):
+            print(f"  {label.split()[0]:5s} {kl:3s} {side:5s} gen {s['gen_s']:.4f}  ref {s['ref_s']:.4f}  "
+                  f"update {s['update_s']:.4f} | runs {[round(x, 4) for x in s['run_medians']]} | "
+                  f"wall {s['wall_s']} s | threads {s['threads']}")  # fmt: skip
+    for where, d in described:
+        print(f"TRL settings as its trainer saw them ({where}):")
+        print("  " + ", ".join(f"{k}={v}" for k, v in d.items()))
+    print("Not identical by design: rlctl trains in DeepSpeed ZeRO-2 (world of one), TRL in plain PyTorch via "
+          "accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
+          "distribution, different draws and lengths); see the module docstring.")  # fmt: skip
+    print(f"total {total:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "command": sys.argv, "table": [{"model": lb, "kl": kl, "rlctl": r, "trl": t} for lb, kl, r, t in table],
+            "runs": raw, "trl_settings": dict(described)}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
