@@ -71,3 +71,17 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
     events = metrics_of(run, "events.jsonl")
     hashes = [e["weights_sha256"] for e in events if e["event"] == "completed"]
     assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
+def test_dynamic_sampling_short_batch_is_topped_up(tmp_path):
+    """One generation round and micro-batches: the random model ties many groups, so fewer than
+    prompts_per_step informative groups exist; the batch is topped up with tied ones and every update
+    completes its gradient accumulation (finite grad norm each step)."""
+    sets = ["trainer.total_steps=4", "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_gen_batches=1", "actor.micro_batch_size=32"]  # fmt: skip
+    r = run_cli("start", "--run-dir", str(tmp_path / "r"), *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(tmp_path / "r")
+    assert any(row["dynamic_sampling/kept_groups"] < 16 for row in rows)  # the short case happened
+    assert all(math.isfinite(row["actor/grad_norm"]) for row in rows)
+    assert all(row["dynamic_sampling/rounds"] == 1 for row in rows)

@@ -369,6 +369,7 @@ class Trainer:
         G, want = a.group_size, cfg.trainer.prompts_per_step
         parts, part_scores, drawn, rounds = [], [], [], 0
         kept = 0
+        filler: list[tuple[Sequences, torch.Tensor]] = []  # tied groups, to top up a short batch
         while True:
             keys, prompts, columns = self.draw_prompts()
             drawn += self._drawn
@@ -386,6 +387,8 @@ class Trainer:
                 if live.any():
                     parts.append(seqs.select(rows))
                     part_scores.append(scores[rows])
+                if (~live).any():
+                    filler.append((seqs.select(~rows), scores[~rows]))
                 kept += int(live.sum())
                 if kept >= want or rounds >= a.dynamic_sampling.max_gen_batches:
                     break
@@ -393,11 +396,19 @@ class Trainer:
                 parts, part_scores = [seqs], [scores]
                 break
         self._drawn = drawn
-        if not parts:  # every group tied in every round: train on the last one (zero advantages)
-            parts, part_scores = [seqs], [scores]
+        # Too few informative groups after the last round: top up with tied ones (zero advantage, no
+        # gradient), so every step trains on a full batch and gradient accumulation stays aligned.
+        for seqs_tied, scores_tied in filler:
+            if kept >= want:
+                break
+            parts.append(seqs_tied)
+            part_scores.append(scores_tied)
+            kept += len(seqs_tied) // G
         seqs = Sequences.concat(parts, self.tokenizer.pad_token_id).select(slice(0, want * G))
         scores = torch.cat(part_scores)[: want * G]
-        sampling = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": kept} if a.dynamic_sampling.enabled else {}
+        informative = int((~algos.tied_groups(scores, G)).sum()) if a.dynamic_sampling.enabled else 0
+        sampling = ({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": informative}
+                    if a.dynamic_sampling.enabled else {})  # fmt: skip
         return seqs, scores, sampling
 
     def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
