@@ -37,6 +37,14 @@ class TrainerConfig(Strict):
         "over with --force."
     )
     lease_heartbeat: float = Field(15.0, gt=0, description="Seconds between lease heartbeats.")
+    nproc: int = Field(
+        1, ge=1, description="DeepSpeed ranks (data parallel) per node; `rlctl start --nproc N` sets it. "
+        "Each rank generates and trains on its share of every step's prompts."
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes to place ranks on (cluster.backend: ray only).")
+    n_devices_per_node: int | None = Field(
+        None, ge=1, description="Ranks per node under Ray (empty: trainer.nproc); one device each."
+    )
 
 
 class BuiltinModelConfig(Strict):
@@ -63,7 +71,7 @@ class ModelConfig(Strict):
         default_factory=BuiltinModelConfig, description="Shape of the built-in tiny model."
     )
     dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Training precision: auto is bf16 on CUDA and fp32 on CPU."
+        "auto", description="Training precision: auto is bf16 on CUDA and NPU, fp32 on CPU."
     )
     trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
 
@@ -227,10 +235,12 @@ class ActorConfig(Strict):
     mini_batch_size: int | None = Field(
         None,
         ge=1,
-        description="Sequences per optimizer step; empty: the whole rollout batch (one step per epoch).",
+        description="Sequences per optimizer step, over all ranks; empty: the whole rollout batch (one step "
+        "per epoch).",
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Sequences per forward/backward, accumulated to a mini-batch; empty: the mini-batch."
+        None, ge=1, description="Sequences per forward/backward on each rank, accumulated to the rank's share "
+        "of a mini-batch; empty: that whole share."
     )
 
 
@@ -246,7 +256,16 @@ class CriticConfig(Strict):
 
 
 class RolloutConfig(Strict):
-    backend: Literal["hf"] = Field("hf", description="Generation backend (hf: batched generate with KV cache).")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation backend: hf (a lean KV-cache decode loop on the actor's own weights, "
+        "no extra dependency) or vllm (vLLM's offline engine; weights pushed into it after every update)."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vllm: fraction of device memory the engine may take (weights + KV cache)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: tensor-parallel ranks of each engine.")
+    max_num_seqs: int = Field(256, ge=1, description="vllm: sequences batched together at most.")
+    enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (always eager on CPU).")
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
 
@@ -276,13 +295,27 @@ class CheckpointConfig(Strict):
     )
 
 
+class ClusterConfig(Strict):
+    backend: Literal["local", "ray"] = Field(
+        "local", description="local: ranks are processes on this machine; ray: ranks (and their process "
+        "group) are Ray actors placed by a placement group over trainer.nnodes x trainer.n_devices_per_node."
+    )
+    address: str | None = Field(
+        None, description="ray: address of a running cluster (`--ray-address`); empty: start a local Ray."
+    )
+    cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs reserved for each rank's actor.")
+
+
 PolicySpec = Union[str, dict[str, Any]]
 
 
 class RunConfig(Strict):
     name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
     seed: int = Field(0, description="Seed of everything: model init, data order, sampling.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when present, else CPU.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="auto: CUDA when present, else an Ascend NPU (torch_npu) when present, else CPU."
+    )
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Where the ranks run.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="The prompts.")
@@ -298,18 +331,39 @@ class RunConfig(Strict):
         "inline policies. The resolved config holds them inline.",
     )
 
+    @property
+    def world_size(self) -> int:
+        """DeepSpeed ranks: trainer.nproc locally; nnodes x n_devices_per_node under Ray."""
+        t = self.trainer
+        if self.cluster.backend == "ray":
+            return t.nnodes * (t.n_devices_per_node or t.nproc)
+        return t.nproc
+
     @model_validator(mode="after")
     def _batches_divide(self) -> RunConfig:
         mb = self.actor.mini_batch_size
         batch = self.trainer.prompts_per_step * self.algorithm.group_size
+        world = self.world_size
+        if self.cluster.backend == "local" and self.trainer.nnodes != 1:
+            raise ValueError("trainer.nnodes > 1 needs cluster.backend: ray (local ranks share one machine)")
+        if self.trainer.prompts_per_step % world:
+            raise ValueError(
+                f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of the "
+                f"number of ranks ({world}): every rank takes an equal share of the prompts"
+            )
+        if (mb or batch) % world:
+            raise ValueError(f"actor.mini_batch_size ({mb or batch}) must be a multiple of the number of ranks ({world})")
         if mb is not None and batch % mb:
             raise ValueError(
                 f"actor.mini_batch_size ({mb}) must divide the rollout batch "
                 f"(trainer.prompts_per_step x algorithm.group_size = {batch})"
             )
         micro = self.actor.micro_batch_size
-        if micro is not None and (mb or batch) % micro:
-            raise ValueError(f"actor.micro_batch_size ({micro}) must divide the mini-batch ({mb or batch})")
+        if micro is not None and (mb or batch) // world % micro:
+            raise ValueError(
+                f"actor.micro_batch_size ({micro}) must divide each rank's share of the mini-batch "
+                f"({mb or batch} / {world} ranks)"
+            )
         if self.critic.path is not None and not Path(self.critic.path).expanduser().is_dir():
             raise ValueError(f"critic.path: no such model directory: {self.critic.path}")
         return self

@@ -55,3 +55,11 @@ class Preempted(RlctlError):
 
 class Halted(RlctlError):
     exit_code = ExitCode.HALTED
+
+
+class RankFailed(RlctlError):
+    """A rank of a multi-rank run ended with an error; carries that rank's exit code and message."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.exit_code = ExitCode(code) if code in ExitCode._value2member_map_ else ExitCode.INTERNAL

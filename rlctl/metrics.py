@@ -127,6 +127,24 @@ class JsonlLog:
                 self._fh.close()
                 self._fh = None
 
+    def reopen(self) -> None:
+        """Open again after ``close`` (another process appended in between: the offset is re-read)."""
+        self.close()
+        JsonlLog.__init__(self, self.storage, self.rel, self.flush_interval)
+
+
+class NullLog:
+    """The metrics log of a rank other than 0: rank 0 writes the run's rows."""
+
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def tell(self) -> int:
+        return 0
+
+    def close(self) -> None: ...
+
 
 class EventLog(JsonlLog):
     """``events.jsonl``: snapshot commits, resumes, preemptions, completions. Each event is flushed at

@@ -22,7 +22,7 @@ from rlctl.checkpoint.lease import Lease
 from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig, parse_set, validate_config
-from rlctl.errors import ConfigError, Halted, Preempted, SnapshotError
+from rlctl.errors import ConfigError, ExitCode, Halted, Preempted, RankFailed, SnapshotError
 from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS
 from rlctl.metrics import EventLog, abandon_rows_after, read_rows
 
@@ -77,11 +77,12 @@ def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
     return Storage(run.url_of(CHECKPOINTS), c.storage_options) if c.storage_options else run.child(CHECKPOINTS)
 
 
-def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None) -> SnapshotManager:
+def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None, rank: int = 0) -> SnapshotManager:
     c = cfg.checkpoint
     return SnapshotManager(
         checkpoint_storage(run, cfg),
-        world_size=1,
+        world_size=cfg.world_size,
+        rank=rank,
         zero_stage=cfg.actor.zero_stage,
         retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every),
         on_event=events.emit if events is not None else None,
@@ -196,9 +197,35 @@ def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], re
 
 
 def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
+    """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
+    actors; rank 0 then writes the events and metrics while this process keeps the lease)."""
+    if cfg.world_size == 1:
+        return train_rank(run, cfg, events, snapshots, reporter, restore)
+    from rlctl.launch import launch_ranks
+
+    if restore is not None:
+        usable, wanted, changes = restore
+        restore = {"names": [i.name for i in usable], "wanted": wanted, "changes": changes}
+    events.close()  # rank 0 appends to it now: one writer at a time
+    try:
+        return launch_ranks(run, cfg, restore, reporter)
+    except RankFailed as exc:
+        if exc.exit_code == ExitCode.INTERNAL:  # a rank died: rank 0 may not have lived to say so
+            events.reopen()
+            events.emit({"event": "crashed", "error": exc.message})
+        raise
+    finally:
+        events.reopen()
+
+
+def train_rank(run, cfg, events, snapshots, reporter, restore, rank: int = 0) -> dict[str, Any]:
+    """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files)."""
+    import threading
+
     from rlctl.engine.trainer import Trainer  # heavy: torch, DeepSpeed, transformers
 
-    trainer = Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step, on_event=events.emit)
+    main = rank == 0
+    trainer = Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step, on_event=events.emit if main else None)
     if restore is not None:
         usable, wanted, changes = restore
         info = _restore(trainer, snapshots, usable, reporter)
@@ -209,34 +236,53 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
         if "algorithm.kl_coef" in changes:  # also for an adaptive controller: the user said so
             trainer.kl_ctrl.value = cfg.algorithm.kl_coef
             trainer.apply_knobs()
-        run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
-        moved = abandon_rows_after(run, step, tag)
-        later = snapshots.abandon_after(step, tag["time"].replace(":", ""))
-        events.emit({
+        trainer.dist.barrier()  # every rank has restored before rank 0 moves later snapshots away
+        if main:
+            run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
+            moved = abandon_rows_after(run, step, tag)
+            later = snapshots.abandon_after(step, tag["time"].replace(":", ""))
+            events.emit({
             "event": "resume", "from": wanted, "step": step, "snapshot": info.name if info else None,
             "location": snapshots.storage.url_of(info.name) if info else None, "changes": changes,
-            "abandoned_metric_rows": moved, "abandoned_snapshots": later,
-        })  # fmt: skip
+                "abandoned_metric_rows": moved, "abandoned_snapshots": later,
+            })  # fmt: skip
+        trainer.dist.barrier()
     reporter.ready(trainer.state.step, cfg.trainer.total_steps)
+    emit = events.emit if main else (lambda event: None)
 
     def on_signal(signum, _frame):
         trainer.request_stop(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    # (a rank inside a threaded Ray actor is not on the main thread: its driver forwards stops instead)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    signals = (signal.SIGTERM, signal.SIGUSR1) if on_main_thread else ()
+    previous = {s: signal.signal(s, on_signal) for s in signals}
+    _RUNNING[0] = trainer
     try:
         trainer.train()
     except Preempted as exc:
-        events.emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
-                     "snapshot": snapshots.last_committed})  # fmt: skip
+        emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
+              "snapshot": snapshots.last_committed})  # fmt: skip
         raise exc
     except Halted:
         raise  # the trainer logged why
     except BaseException as exc:
-        events.emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}"})
+        emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}",
+              **({"rank": rank} if cfg.world_size > 1 else {})})  # fmt: skip
         raise
     finally:
+        _RUNNING[0] = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         snapshots.close()
-    events.emit({"event": "completed", "step": trainer.state.step, "weights_sha256": trainer.actor.weights_sha256()})
-    return run_summary(run)
+    sha = trainer.actor.weights_sha256()  # (a collective under ZeRO-3: every rank computes it)
+    emit({"event": "completed", "step": trainer.state.step, "weights_sha256": sha})
+    return run_summary(run) if main else {}
+
+
+_RUNNING: list = [None]  # the trainer of this process, for a stop request that is not a signal (Ray)
+
+
+def request_stop(reason: str) -> None:
+    if _RUNNING[0] is not None:
+        _RUNNING[0].request_stop(reason)

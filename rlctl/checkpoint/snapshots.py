@@ -12,6 +12,11 @@ Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.d
 The manifest lists every file with its size and sha256, the rlctl version, world size and ZeRO stage.
 A directory without a manifest is not a snapshot: discovery ignores it and start-up removes it.
 "latest" is found by listing, never from a pointer file.
+
+With several ranks every rank writes its own files into the same step directory (its DeepSpeed shards
+and ``state.rank-N.pt``, its own RNG and counters), then ``ranks/rank-N.json`` listing them with size
+and sha256. Rank 0 commits: it waits for every rank's list, checks each listed file is on storage with
+the listed size, and only then creates the manifest covering all of them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ from rlctl.errors import SnapshotError
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+RANKS_DIR = "ranks"
+
+
+def state_file(rank: int) -> str:
+    return STATE_FILE if rank == 0 else f"state.rank-{rank}.pt"
+
+
+def rank_list(rank: int) -> str:
+    return f"{RANKS_DIR}/rank-{rank}.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -116,15 +130,15 @@ def sha256_file(path: str, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _local_files(root: str, known: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _local_files(root: str, known: dict[str, dict[str, Any]], skip: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``root``, each fsynced; ``known`` ones (written by a
-    DurableFile, already hashed and synced) are taken as they are."""
+    DurableFile, already hashed and synced) are taken as they are; ``skip`` ones (other ranks') left out."""
     files = {}
     for dirpath, _, names in os.walk(root):
         for name in names:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
-            if rel == MANIFEST:
+            if rel == MANIFEST or rel in skip:
                 continue
             if rel in known:
                 files[rel] = known[rel]
@@ -161,9 +175,15 @@ class SnapshotManager:
         staging_dir: str | None = None,
         asynchronous: bool = True,
         retry_delay: float = 0.5,
+        rank: int = 0,
+        barrier: Callable[[], None] | None = None,
+        rank_timeout: float = 1800.0,
     ):
         self.storage = storage
         self.world_size = world_size
+        self.rank = rank
+        self.barrier = barrier or (lambda: None)  # all ranks meet here (torch.distributed.barrier)
+        self.rank_timeout = rank_timeout  # how long rank 0 waits for the other ranks' files
         self.zero_stage = zero_stage
         self.retention = retention or Retention()
         self.on_event = on_event or (lambda event: None)
@@ -262,9 +282,15 @@ class SnapshotManager:
         t0 = time.perf_counter()
         self.wait()
         name = step_name(step)
-        if self.storage.exists(name, MANIFEST):
-            raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
-        self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
+        problem = None
+        if self.rank == 0:
+            if self.storage.exists(name, MANIFEST):
+                problem = f"a committed snapshot of step {step} already exists in {self.storage.url}"
+            else:
+                self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
+        self.barrier()  # no rank writes before the leftover is gone
+        if problem:
+            raise SnapshotError(problem)
         if self.storage.is_local:
             stage = self.storage.path(name)  # stage in place: the manifest still commits it
         else:
@@ -275,8 +301,9 @@ class SnapshotManager:
             obj.save_to_dir(os.path.join(stage, key), lambda path, write: deferred.append((path, write)))
         buf = io.BytesIO()
         torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
-        _write(os.path.join(stage, STATE_FILE), buf.getvalue())
-        for rel, data in (extra_files or {}).items():
+        own = [state_file(self.rank)]  # what this rank wrote besides the deferred files
+        _write(os.path.join(stage, own[0]), buf.getvalue())
+        for rel, data in (extra_files or {}).items() if self.rank == 0 else ():
             _write(os.path.join(stage, *rel.split("/")), data)
         manifest = {
             "format": FORMAT,
@@ -292,12 +319,14 @@ class SnapshotManager:
         staged = threading.Event()
         with self._lock:
             self._staged = staged
-            self._pending = self._pool.submit(self._commit, step, stage, manifest, stall, deferred, staged)
+            self._pending = self._pool.submit(self._commit, step, stage, manifest, stall, deferred, staged, own)
         if not self.asynchronous:
             self.wait()
         return stall
 
-    def _commit(self, step: int, stage: str, manifest: dict[str, Any], stall: float, deferred, staged) -> bool:
+    def _commit(self, step, stage, manifest, stall, deferred, staged, own) -> bool:
+        if self.rank != 0:
+            return self._write_rank_files(step, stage, deferred, staged, own)
         name = step_name(step)
         t0 = time.perf_counter()
         try:
@@ -313,7 +342,8 @@ class SnapshotManager:
             finally:
                 staged.set()  # the live state is no longer read: training may step again
             manifest["write_s"] = round(time.perf_counter() - t0, 4)
-            manifest["files"] = _local_files(stage, known)
+            others = self._other_ranks_files(name) if self.world_size > 1 else {}
+            manifest["files"] = dict(sorted({**_local_files(stage, known, skip=set(others)), **others}.items()))
             manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
             if not self.storage.is_local:
                 with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay,
@@ -340,6 +370,62 @@ class SnapshotManager:
         })  # fmt: skip
         self.purge()
         return True
+
+    def _write_rank_files(self, step, stage, deferred, staged, own) -> bool:
+        """A rank other than 0: write, hash and upload this rank's files, then list them in
+        ranks/rank-N.json for rank 0 to verify and commit. Rank 0 reports the outcome."""
+        name = step_name(step)
+        try:
+            known = {}
+            try:
+                for path, write in deferred:
+                    with DurableFile(path) as fh:
+                        write(fh)
+                    size, digest = fh.close()
+                    known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
+            finally:
+                staged.set()
+            for rel in own:
+                full = os.path.join(stage, rel)
+                known[rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
+                _fsync(full)
+            if not self.storage.is_local:
+                with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay)
+            data = orjson.dumps({"rank": self.rank, "files": known})
+            with_retries(lambda: self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data),
+                         base_delay=self.retry_delay)  # fmt: skip
+            return True
+        except Exception as exc:  # rank 0 reads the error from the list and reports the snapshot failed
+            error = orjson.dumps({"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"})
+            try:
+                self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", error)
+            except Exception:
+                pass  # then rank 0 times out waiting for the list
+            return False
+        finally:
+            if not self.storage.is_local:
+                shutil.rmtree(stage, ignore_errors=True)
+
+    def _other_ranks_files(self, name: str) -> dict[str, dict[str, Any]]:
+        """Wait for every other rank's file list, then check each listed file is on storage with its
+        listed size. Raises when a rank's list does not come within ``rank_timeout`` or a file is off."""
+        files: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.rank_timeout
+        for rank in range(1, self.world_size):
+            while not self.storage.exists(name, rank_list(rank)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {rank} did not list its snapshot files within {self.rank_timeout:.0f} s")
+                time.sleep(0.05)
+            listed = orjson.loads(self.storage.read_bytes(name, rank_list(rank)))
+            if "error" in listed:
+                raise RuntimeError(f"rank {rank} could not write its files: {listed['error']}")
+            for rel, meta in listed["files"].items():
+                size = self.storage.size(name, rel) if self.storage.exists(name, rel) else None
+                if size != meta["size"]:
+                    raise RuntimeError(f"rank {rank}'s file {rel} is {'missing' if size is None else f'{size} bytes'}; "
+                                       f"its list says {meta['size']} bytes")  # fmt: skip
+                files[rel] = meta
+        return files
 
     def _retry_event(self, step: int, attempt: int, exc: Exception) -> None:
         self.on_event({"event": "snapshot_retry", "step": step, "attempt": attempt, "error": str(exc)})
@@ -409,7 +495,7 @@ class SnapshotManager:
             if problem:
                 info.problem = problem
                 raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
-            saved = torch.load(os.path.join(local, STATE_FILE), weights_only=False)
+            saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False)
             missing = sorted(set(states) - set(saved))
             if missing:
                 raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")

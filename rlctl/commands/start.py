@@ -17,8 +17,15 @@ from rlctl.commands.progress import StepProgress
     help="Where the run lives: a path or any fsspec URL (default: runs/<name>-<timestamp>). "
     "Must not hold a run already.",
 )
+@click.option("--nproc", type=click.IntRange(min=1), help="DeepSpeed ranks to run (sets trainer.nproc).")
+@click.option(
+    "--ray-address",
+    help="Run the ranks as Ray actors on this cluster (sets cluster.backend=ray and cluster.address; "
+    "'local' starts a Ray instance here).",
+)
 @set_option
-def start(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
+def start(config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None,
+          overrides: tuple[str, ...]) -> None:  # fmt: skip
     """Start a new run from CONFIG (a YAML file holding what differs from the defaults), or from the
     built-in demo when CONFIG is omitted.
 
@@ -27,7 +34,12 @@ def start(config: str | None, run_dir: str | None, overrides: tuple[str, ...]) -
     from rlctl.config import load_config
     from rlctl.run import start_run
 
-    cfg = load_config(config, list(overrides))
+    flags = [f"trainer.nproc={nproc}"] if nproc else []
+    if ray_address:
+        flags.append("cluster.backend=ray")
+        if ray_address != "local":
+            flags.append(f"cluster.address={ray_address}")
+    cfg = load_config(config, flags + list(overrides))
     run_dir = run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     with StepProgress(run_dir) as progress:
         summary = start_run(cfg, run_dir, reporter=progress)

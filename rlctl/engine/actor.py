@@ -29,6 +29,9 @@ class Sequences:
     attention_mask: torch.Tensor  # (B, P+T) 1 on real prompt tokens and real response tokens
     response_mask: torch.Tensor  # (B, T) 1 on response tokens up to and including the first eos
     prompt_len: int  # P
+    # (B, T) fp32 log-probs of the sampled tokens as the rollout engine computed them (0 past the
+    # response), or None: compared with the actor's for `rollout/logprob_diff`
+    rollout_log_probs: torch.Tensor | None = None
 
     @property
     def responses(self) -> torch.Tensor:  # (B, T)
@@ -38,7 +41,8 @@ class Sequences:
         return self.input_ids.shape[0]
 
     def select(self, idx) -> Sequences:
-        return Sequences(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.prompt_len)
+        lp = None if self.rollout_log_probs is None else self.rollout_log_probs[idx]
+        return Sequences(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.prompt_len, lp)
 
     @staticmethod
     def concat(parts: list[Sequences], pad_id: int) -> Sequences:
@@ -48,13 +52,16 @@ class Sequences:
             return parts[0]
         P = max(p.prompt_len for p in parts)
         T = max(p.responses.shape[1] for p in parts)
-        ids, attn, resp_mask = [], [], []
+        ids, attn, resp_mask, lps = [], [], [], []
+        with_lp = all(p.rollout_log_probs is not None for p in parts)
         for p in parts:
             left, right = P - p.prompt_len, T - p.responses.shape[1]
             ids.append(torch.nn.functional.pad(p.input_ids, (left, right), value=pad_id))
             attn.append(torch.nn.functional.pad(p.attention_mask, (left, right), value=0))
             resp_mask.append(torch.nn.functional.pad(p.response_mask, (0, right), value=0))
-        return Sequences(torch.cat(ids), torch.cat(attn), torch.cat(resp_mask), P)
+            if with_lp:
+                lps.append(torch.nn.functional.pad(p.rollout_log_probs, (0, right), value=0.0))
+        return Sequences(torch.cat(ids), torch.cat(attn), torch.cat(resp_mask), P, torch.cat(lps) if with_lp else None)
 
 
 def _deferring_engine_class():
@@ -108,6 +115,12 @@ def _save_without_crc(obj, fh) -> None:
 
 def DeferringCheckpointEngine():  # noqa: N802 - a factory: DeepSpeed is imported lazily
     return _deferring_engine_class()()
+
+
+def rank_mini_batch(cfg: RunConfig) -> int:
+    """Each rank's share of a mini-batch (the config's mini-batch counts sequences over all ranks)."""
+    batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+    return (cfg.actor.mini_batch_size or batch) // cfg.world_size
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -238,8 +251,7 @@ class Actor(DSModule):
 
     def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
         self.cfg = cfg
-        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
-        mini = cfg.actor.mini_batch_size or batch
+        mini = rank_mini_batch(cfg)
         spec = EngineSpec(
             lr=cfg.actor.lr, zero_stage=cfg.actor.zero_stage, grad_clip=cfg.actor.grad_clip, mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini, betas=cfg.actor.betas,
@@ -263,6 +275,7 @@ class Actor(DSModule):
         ref_log_prob: torch.Tensor | None,
         kl_coef: float,
         poison: bool = False,
+        rollout_log_prob: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """PPO-style updates over the batch: ``ppo_epochs`` passes of mini-batches (one optimizer step
         each), every mini-batch run as micro-batches whose gradients DeepSpeed accumulates.
@@ -271,7 +284,8 @@ class Actor(DSModule):
         one mini-batch): then they come from the same forward as the gradient, without a second pass.
         (B, T) reference log-probs when a KL loss applies (not when the KL is folded into the reward).
         Returns the metrics averaged over micro-batches (counts summed). ``poison`` is the nan_log_prob
-        fault drill.
+        fault drill. ``rollout_log_prob``: the rollout engine's (B, T) log-probs, compared on-policy with
+        this forward's (before any optimizer step) for `rollout/logprob_diff`.
         """
         a = self.cfg.algorithm
         horizon = self.cfg.rollout.max_new_tokens
@@ -312,6 +326,9 @@ class Actor(DSModule):
                 }
                 if old_log_prob is None:  # on-policy: the old log-probs are this forward's
                     stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
+                if rollout_log_prob is not None:
+                    diff = (log_prob.detach() - rollout_log_prob[idx]).abs()
+                    stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item()
                 boundary = self.engine.is_gradient_accumulation_boundary()
                 if torch.isfinite(loss):
                     self.step(loss)

@@ -9,7 +9,7 @@ import torch
 
 from rlctl.config import RunConfig
 from rlctl.engine import algos
-from rlctl.engine.actor import DSModule, EngineSpec, Sequences, position_ids_for
+from rlctl.engine.actor import DSModule, EngineSpec, Sequences, position_ids_for, rank_mini_batch
 from rlctl.engine.runtime import Runtime
 from rlctl.errors import InputError
 
@@ -28,8 +28,7 @@ def load_value_model(path: Path, dtype: torch.dtype, trust_remote_code: bool):
 class Critic(DSModule):
     def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
         self.cfg = cfg
-        batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
-        mini = cfg.actor.mini_batch_size or batch
+        mini = rank_mini_batch(cfg)
         spec = EngineSpec(lr=cfg.critic.lr, zero_stage=cfg.critic.zero_stage, grad_clip=cfg.critic.grad_clip,
                           mini_batch=mini, micro_batch=cfg.actor.micro_batch_size or mini)  # fmt: skip
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir

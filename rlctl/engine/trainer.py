@@ -24,6 +24,7 @@ from rlctl.engine import algos
 from rlctl.engine.actor import Actor, Sequences, sequence_log_probs
 from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_rows
+from rlctl.engine.dist import Dist
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
@@ -32,7 +33,7 @@ from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.errors import ConfigError, Halted, InputError, Preempted, SnapshotError
 from rlctl.layout import CONFIG, METRICS, POLICY_STATE
-from rlctl.metrics import JsonlLog, abandon_rows_after
+from rlctl.metrics import JsonlLog, NullLog, abandon_rows_after
 
 StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]
@@ -100,6 +101,9 @@ class Trainer:
         self.model_dir = prepare_model_dir(cfg, run)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         init_distributed(self.runtime.backend)
+        self.dist = Dist(self.runtime.device)  # every rank runs this loop on its share of the prompts
+        if snapshots is not None:
+            snapshots.barrier = self.dist.barrier
         self.actor = Actor(cfg, self.model_dir, self.runtime)
         if snapshots is not None:
             self.actor.fence = snapshots.wait_staged  # no optimizer step while a snapshot reads the weights
@@ -174,7 +178,7 @@ class Trainer:
             horizon = self.state.step - self.guard.max_steps_back
             needed = [i.step for i in self.snapshots.scan() if i.good and i.step <= horizon]
             self.snapshots.retention.protected = set(needed[-1:])
-        self.metrics.flush()  # the rows the snapshot claims are on storage before it commits
+        self.metrics.flush()  # the rows the snapshot claims are on storage before it commits (rank 0)
         self.snapshots.save(
             self.state.step, self.stateful(), self.dir_stateful(), good=good,
             extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
@@ -191,12 +195,12 @@ class Trainer:
         """Steps until total_steps; snapshots every `checkpoint.every` steps, at the end of a run that
         snapshots, and when a stop is requested (then raises Preempted once the snapshot is committed)."""
         total, every = self.cfg.trainer.total_steps, self.cfg.checkpoint.every
-        self.metrics = JsonlLog(self.run, METRICS)
+        self.metrics = self._metrics_log()
         healthy, passed = True, True  # the last step's metrics are finite; it passed the policies
         try:
             if self.guard is not None and self.guard.rolls_back and self._snapshotted < 0 and self.state.step == 0:
                 self.snapshot(good=True)  # step 0: a policy always has somewhere to roll back to
-            while self.state.step < total and self.stop_signal is None:
+            while self.state.step < total and not self._stopping():
                 row = self.train_step(self.state.step + 1)
                 verdict = self.guard.check(row["step"], row) if self.guard is not None else None
                 self.metrics.write(row)
@@ -224,6 +228,16 @@ class Trainer:
                      else "no new snapshot was committed; the previous one stands")  # fmt: skip
             raise Preempted(f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
                             f"Resume with: rlctl resume {self.run.url} --from latest")  # fmt: skip
+
+    def _metrics_log(self):
+        return JsonlLog(self.run, METRICS) if self.dist.is_main else NullLog()
+
+    def _stopping(self) -> bool:
+        """A stop requested on any rank stops every rank after the same step."""
+        stop = self.dist.any(self.stop_signal is not None)
+        if stop and self.stop_signal is None:
+            self.stop_signal = "a stop on another rank"
+        return stop
 
     def _drill_sleep(self, seconds: float) -> None:
         """A fault drill's pause, cut short by a stop request (signal handlers do not end time.sleep)."""
@@ -254,7 +268,8 @@ class Trainer:
         self._persist_policy_state()
 
     def _persist_policy_state(self) -> None:
-        self.run.write_bytes(POLICY_STATE, orjson.dumps(self.guard.state_dict()))
+        if self.dist.is_main:
+            self.run.write_bytes(POLICY_STATE, orjson.dumps(self.guard.state_dict()))
 
     def _halt(self, firing) -> None:
         good = [i.step for i in self.snapshots.scan() if i.usable and i.good] if self.snapshots else []
@@ -276,13 +291,16 @@ class Trainer:
         if "algorithm.kl_coef" in changes:
             self.kl_ctrl.value = self.cfg.algorithm.kl_coef
         self.guard.adjustments.append({"step": verdict.step, "changes": changes})
-        self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())  # adjustments persist across resumes
+        if self.dist.is_main:
+            self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())  # adjustments persist across resumes
         self.apply_knobs()
         self.emit({"event": "adjust", "step": verdict.step, "changes": changes})
 
     def _rollback(self, verdict) -> None:
         action, step = verdict.rollback, verdict.step
         horizon = step - (action.min_steps_back or 0)
+        self.snapshots.wait()  # rank 0's commit (and its retention) done before any rank looks
+        self.dist.barrier()
         candidates = [i for i in reversed(self.snapshots.scan()) if i.usable and i.good and i.step <= horizon]
         for info in candidates:
             try:
@@ -295,9 +313,12 @@ class Trainer:
         tag = {"event": "rollback", "rule": verdict.rollback_rule, "from_step": step, "to_step": self.state.step,
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         self.metrics.close()
-        moved = abandon_rows_after(self.run, self.state.step, tag)
-        self.metrics = JsonlLog(self.run, METRICS)
-        later = self.snapshots.abandon_after(self.state.step, tag["time"].replace(":", ""))
+        moved, later = [], []
+        if self.dist.is_main:
+            moved = abandon_rows_after(self.run, self.state.step, tag)
+            later = self.snapshots.abandon_after(self.state.step, tag["time"].replace(":", ""))
+        self.dist.barrier()
+        self.metrics = self._metrics_log()
         self.emit({**tag, "abandoned_metric_rows": moved, "abandoned_snapshots": later})
 
     def _halt_no_target(self, verdict) -> None:
@@ -314,6 +335,9 @@ class Trainer:
                 seqs, scores, sampling = self.rollout_batch(step)
             with timed(t, "old_log_prob"), torch.no_grad():
                 old = None if self.on_policy else self.actor.log_probs(seqs, cfg.rollout.temperature)[0]
+            drift = {}
+            if seqs.rollout_log_probs is not None and old is not None:
+                drift["rollout/logprob_diff"] = algos.masked_mean((old - seqs.rollout_log_probs).abs(), seqs.response_mask).item()
             with timed(t, "ref"), torch.no_grad():
                 ref = None if self.ref is None else sequence_log_probs(self.ref, seqs, cfg.rollout.temperature)[0]
             with timed(t, "values"), torch.no_grad():
@@ -334,28 +358,33 @@ class Trainer:
             if self.critic is None or step > cfg.critic.warmup_steps:
                 with timed(t, "update_actor"):
                     poison = faults.once("nan_log_prob", step) is not None
-                    stats.update(self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison=poison))
+                    stats.update(self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison=poison,
+                                                   rollout_log_prob=seqs.rollout_log_probs if old is None else None))  # fmt: skip
             kl_used = self.kl_ctrl.value
+            if current_kl is not None:
+                stats["actor/reward_kl_penalty"] = current_kl
+            stats = self.dist.reduce_row(stats)  # every rank's KL controller sees the same measurement
             if ref is not None:
-                measured = current_kl if current_kl is not None else stats.get("actor/kl_loss")
+                measured = stats.get("actor/reward_kl_penalty", stats.get("actor/kl_loss"))
                 if measured is not None and math.isfinite(measured):
-                    self.kl_ctrl.update(measured, n_steps=len(seqs))
+                    self.kl_ctrl.update(measured, n_steps=len(seqs) * self.dist.world)
             self.rollout.sync_weights()
-        self.state.step = step
-        self.state.prompts_seen += len(seqs) // a.group_size
         tokens = int(seqs.attention_mask.sum())
-        self.state.tokens_seen += tokens
-        row = {
-            "step": step,
-            "timestamp": round(time.time(), 3),
-            **stats,
+        rest = {  # stats are reduced already
+            **drift,
             **self.batch_metrics(seqs, scores, rewards, advantages, returns, values, old, ref),
             **sampling,
             "actor/kl_coef": kl_used,
             **t,
+            "perf/tokens": float(tokens),
             "perf/throughput": tokens / t["timing_s/step"],
-            "perf/tokens_seen": self.state.tokens_seen,
         }
+        # identical on every rank: the policies decide the same everywhere
+        row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.dist.reduce_row(rest)}
+        self.state.step = step
+        self.state.prompts_seen += cfg.trainer.prompts_per_step
+        self.state.tokens_seen += int(row.pop("perf/tokens"))
+        row["perf/tokens_seen"] = self.state.tokens_seen
         if (spec := faults.once("metric", step)) is not None:
             key, _, value = spec.rpartition(":")
             row[key] = float(value)
@@ -366,7 +395,7 @@ class Trainer:
         signal) are dropped and more prompts are sampled, up to ``max_gen_batches`` rounds; the batch is
         then cut to ``prompts_per_step`` groups. The overlong penalty is added to the scores."""
         cfg, a = self.cfg, self.cfg.algorithm
-        G, want = a.group_size, cfg.trainer.prompts_per_step
+        G, want = a.group_size, cfg.trainer.prompts_per_step // self.dist.world
         parts, part_scores, drawn, rounds = [], [], [], 0
         kept = 0
         filler: list[tuple[Sequences, torch.Tensor]] = []  # tied groups, to top up a short batch
@@ -390,7 +419,8 @@ class Trainer:
                 if (~live).any():
                     filler.append((seqs.select(~rows), scores[~rows]))
                 kept += int(live.sum())
-                if kept >= want or rounds >= a.dynamic_sampling.max_gen_batches:
+                # every rank draws the same prompts each round, so all stop after the same round
+                if self.dist.all(kept >= want or rounds >= a.dynamic_sampling.max_gen_batches):
                     break
             else:
                 parts, part_scores = [seqs], [scores]
@@ -416,7 +446,8 @@ class Trainer:
         dataset's other columns aligned for the reward function."""
         g, key = self.cfg.algorithm.group_size, self.cfg.data.prompt_key
         rows = self.data.next_batch(self.cfg.trainer.prompts_per_step)
-        self._drawn = [idx for idx, _ in rows]
+        self._drawn = [idx for idx, _ in rows]  # every rank draws the whole batch and keeps its share
+        rows = rows[self.dist.shard(len(rows))]
         keys = [(idx, s) for idx, _ in rows for s in range(g)]
         expanded = [row for _, row in rows for _ in range(g)]
         columns = {c: [r.get(c) for r in expanded] for c in expanded[0] if c != key}

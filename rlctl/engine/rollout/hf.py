@@ -45,10 +45,11 @@ class SeededGumbelSampler(LogitsProcessor):
 
 @torch.no_grad()
 def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-           sampler: SeededGumbelSampler) -> torch.Tensor:  # fmt: skip
+           sampler: SeededGumbelSampler) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
-    pad after each sequence's eos. Position ids count real tokens only, as the actor's forward does.
-    A lean loop: one forward per token, no generation-config machinery."""
+    pad after each sequence's eos, and the (B, R) fp32 log-probs of the sampled tokens (of logits / T).
+    Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
+    token, no generation-config machinery."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -57,12 +58,15 @@ def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                 past_key_values=cache, use_cache=True)  # fmt: skip
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    tokens = []
+    tokens, log_probs = [], []
     position = positions[:, -1:]
     for _ in range(max_new_tokens):
-        nxt = sampler(None, out.logits[:, -1, :]).argmax(-1)
+        logits = out.logits[:, -1, :]
+        nxt = sampler(None, logits).argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
+        lp = torch.log_softmax(logits.float() / sampler.temperature, -1).gather(-1, nxt[:, None])[:, 0]
+        log_probs.append(lp)
         done |= torch.isin(nxt, eos)
         if bool(done.all()):
             break
@@ -70,7 +74,7 @@ def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[
         position = position + 1
         out = model(input_ids=nxt[:, None], attention_mask=attention_mask, position_ids=position,
                     past_key_values=cache, use_cache=True)  # fmt: skip
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
 
 
 def response_mask_for(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -129,7 +133,7 @@ class HFRollout:
         module.eval()
         try:
             with self.actor.full_parameters():
-                responses = decode(module, enc["input_ids"], enc["attention_mask"], self.cfg.rollout.max_new_tokens,
+                responses, log_probs = decode(module, enc["input_ids"], enc["attention_mask"], self.cfg.rollout.max_new_tokens,
                                    self.eos_ids, self.tokenizer.pad_token_id, sampler)  # fmt: skip
         finally:
             module.train(was_training)
@@ -138,4 +142,5 @@ class HFRollout:
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         input_ids = torch.cat([enc["input_ids"], responses], dim=1)
         attention_mask = torch.cat([enc["attention_mask"], response_mask], dim=1)
-        return Sequences(input_ids, attention_mask, response_mask, prompt_len)
+        log_probs = log_probs.masked_fill(response_mask == 0, 0.0)
+        return Sequences(input_ids, attention_mask, response_mask, prompt_len, log_probs)
