@@ -1,26 +1,73 @@
 """Process setup before torch or DeepSpeed does any work: device, threads, the distributed env.
 
-DeepSpeed reads ``DS_ACCELERATOR`` when its accelerator is first asked for, and
-``deepspeed.init_distributed`` looks for MPI unless RANK/WORLD_SIZE/MASTER_* are set; a single
-``rlctl start`` process sets them for a world of one. On CPU every process runs one intra-op thread.
+``device`` is ``auto``, ``cuda``, ``npu`` or ``cpu``. ``auto`` takes CUDA when torch sees it, else an
+Ascend NPU when ``torch_npu`` is installed and sees one, else the CPU. ``torch_npu`` is imported only to
+answer that question (and only where it is installed: ``importlib.util.find_spec`` is asked first) or
+because ``device: npu`` asked for it; under ``auto`` a broken install falls back to the CPU quietly,
+under ``device: npu`` it is a ConfigError. (torch 2.5+ also *autoloads* an installed ``torch_npu`` at
+``import torch`` unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` is set before that import; an autoloaded
+``torch_npu`` is used as it is.)
+
+One resolved device decides everything else, so they cannot disagree:
+
+=======  ==============  =================  ===============  ===========================
+device   DS_ACCELERATOR  torch.distributed  torch.device     ``model.dtype: auto``
+=======  ==============  =================  ===============  ===========================
+cuda     cuda            nccl               cuda:LOCAL_RANK  bf16 (fp32 without native bf16)
+npu      npu             hccl               npu:LOCAL_RANK   bf16 (fp32 without native bf16)
+cpu      cpu             gloo               cpu              fp32
+=======  ==============  =================  ===============  ===========================
+
+An explicit ``fp32`` or ``bf16`` is honoured everywhere (bf16 on the CPU works, slowly).
+
+DeepSpeed reads ``DS_ACCELERATOR`` when its accelerator is first asked for (``import deepspeed`` asks).
+The resolved device wins over a value already in the environment, with a warning on stderr: an
+accelerator that is not the training device fails later and less clearly. ``deepspeed.init_distributed``
+looks for MPI unless RANK/WORLD_SIZE/MASTER_* are set; a single ``rlctl start`` process sets them for a
+world of one, and only where a launcher (torchrun, the deepspeed launcher, Ray) has not set them first.
+
+On the CPU every process runs ``trainer.num_threads`` intra-op threads (one by default: more ranks than
+cores otherwise oversubscribe them, 10-100x slower); on a GPU or NPU thread settings are left alone.
+
+vLLM rollouts on an NPU need the vllm-ascend platform plugin (``pip install vllm-ascend``, matching
+the vllm version); vLLM discovers it by itself, nothing here imports it. ``check_rollout_device`` turns
+its absence into a ConfigError before any model is loaded.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import socket
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+
+from rlctl.errors import ConfigError
+
+DEVICES = ("cuda", "npu", "cpu")
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}  # torch.distributed backend of each device
 
 
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
     dtype: torch.dtype
-    backend: str  # torch.distributed backend
+    backend: str  # torch.distributed backend: nccl, hccl or gloo
+    kind: str = "cpu"  # the resolved device: cuda, npu or cpu (also DeepSpeed's accelerator name)
+
+    @property
+    def accelerator(self) -> ModuleType | None:
+        """``torch.cuda`` or ``torch.npu`` (synchronize, empty_cache, memory stats), None on the CPU."""
+        return device_module(self.kind)
+
+
+def device_module(kind: str) -> ModuleType | None:
+    return None if kind == "cpu" else getattr(torch, kind)
 
 
 def _free_port() -> int:
@@ -29,25 +76,119 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_device(pref: str) -> str:
-    if pref == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if pref == "cuda" and not torch.cuda.is_available():
-        from rlctl.errors import ConfigError
+def _import_torch_npu() -> str | None:
+    """Import torch_npu if it is installed; None when it worked, else why not (a sentence fragment)."""
+    if "torch_npu" not in sys.modules:  # not already imported (or autoloaded by torch)
+        try:
+            found = importlib.util.find_spec("torch_npu") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return "torch_npu is not installed"
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as exc:  # a broken install fails in many ways: missing CANN libraries, ABI, ...
+            return f"torch_npu does not import ({type(exc).__name__}: {exc})"
+    if getattr(torch, "npu", None) is None:
+        return "torch_npu imported but registered no torch.npu"
+    return None
 
+
+def _npu_problem() -> str | None:
+    """None when an NPU is usable, else why not."""
+    problem = _import_torch_npu()
+    if problem is not None:
+        return problem
+    try:
+        if torch.npu.is_available():
+            return None
+    except Exception as exc:
+        return f"torch.npu.is_available() failed ({type(exc).__name__}: {exc})"
+    return "torch_npu sees no NPU (check the Ascend driver and ASCEND_RT_VISIBLE_DEVICES)"
+
+
+def resolve_device(pref: str) -> str:
+    """``cuda``, ``npu`` or ``cpu`` for ``device: pref``; a ConfigError naming 'device' when the device
+    asked for explicitly is not there."""
+    if pref not in ("auto", *DEVICES):
+        raise ConfigError(f"'device' is {pref!r}; valid: auto, {', '.join(DEVICES)}")
+    if pref == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "npu" if _npu_problem() is None else "cpu"
+    if pref == "cuda" and not torch.cuda.is_available():
         raise ConfigError("'device' is cuda but torch sees no CUDA device; use device: cpu or auto")
+    if pref == "npu":
+        problem = _npu_problem()
+        if problem is not None:
+            raise ConfigError(
+                f"'device' is npu but {problem}; install torch_npu matching torch {torch.__version__} "
+                "(and the Ascend CANN toolkit), or use device: cpu or auto"
+            )
     return pref
 
 
+def _native_bf16(kind: str) -> bool:
+    """Whether the device computes in bf16 natively (not by emulation); assumed so when it cannot say."""
+    if kind == "cuda":
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except Exception:
+            return True
+    check = getattr(device_module(kind), "is_bf16_supported", None)
+    try:
+        return True if check is None else bool(check())
+    except Exception:
+        return True
+
+
 def resolve_dtype(pref: str, device: str) -> torch.dtype:
+    """``model.dtype``: auto is bf16 on CUDA and NPU (fp32 on one without native bf16, e.g. a V100 or
+    an Ascend 910A), fp32 on the CPU; an explicit fp32 or bf16 is honoured on every device."""
     if pref == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if device != "cpu" and _native_bf16(device) else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[pref]
 
 
+def _local_index(kind: str, local_rank: int) -> int:
+    """The device this rank takes: number LOCAL_RANK, or the only one a launcher (Ray) made visible."""
+    count = device_module(kind).device_count()
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    raise ConfigError(
+        f"'device' is {kind} but local rank {local_rank} has no {kind} device of its own ({count} visible); "
+        f"run at most {count} ranks per node (trainer.nproc, trainer.n_devices_per_node)"
+    )
+
+
+def bind_device(kind: str) -> torch.device:
+    """This process's torch.device, made current (``torch.cuda.set_device`` / ``torch.npu.set_device``)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    index = _local_index(kind, int(os.environ.get("LOCAL_RANK", "0")))
+    device_module(kind).set_device(index)
+    return torch.device(kind, index)
+
+
+def set_accelerator(kind: str) -> None:
+    """DS_ACCELERATOR for DeepSpeed: the resolved device wins over a different value already set."""
+    before = os.environ.get("DS_ACCELERATOR")
+    if before is not None and before != kind:
+        print(f"warning: DS_ACCELERATOR={before} is replaced by {kind}, the resolved 'device'", file=sys.stderr)
+    os.environ["DS_ACCELERATOR"] = kind
+    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    chosen = getattr(getattr(real, "ds_accelerator", None), "_name", None)
+    if chosen is not None and chosen != kind:
+        print(f"warning: DeepSpeed already chose the {chosen} accelerator; this process trains on {kind}",
+              file=sys.stderr)  # fmt: skip
+
+
 def setup_runtime(device_pref: str, dtype_pref: str, num_threads: int) -> Runtime:
-    device = resolve_device(device_pref)
-    os.environ.setdefault("DS_ACCELERATOR", device)
+    kind = resolve_device(device_pref)
+    dtype = resolve_dtype(dtype_pref, kind)
+    set_accelerator(kind)
     for key, value in {
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -57,17 +198,31 @@ def setup_runtime(device_pref: str, dtype_pref: str, num_threads: int) -> Runtim
     }.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if device == "cpu":
+    if kind == "cpu":
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         torch.set_num_threads(num_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_libraries()
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        torch_device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    else:
-        torch_device = torch.device("cpu")
-    return Runtime(torch_device, resolve_dtype(dtype_pref, device), "nccl" if device == "cuda" else "gloo")
+    return Runtime(bind_device(kind), dtype, BACKENDS[kind], kind)
+
+
+def check_rollout_device(device: str, backend: str) -> None:
+    """A ConfigError when the rollout backend cannot run on the device: vLLM on an Ascend NPU needs the
+    vllm-ascend plugin. ``device`` is the resolved one (``Runtime.kind``); ``auto`` is resolved here."""
+    if backend != "vllm":
+        return
+    if device == "auto":
+        device = resolve_device("auto")
+    if device == "npu":
+        try:
+            found = importlib.util.find_spec("vllm_ascend") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(
+                "'rollout.backend' is vllm on an Ascend NPU ('device': npu), which needs the vllm-ascend "
+                "plugin: pip install vllm-ascend (matching your vllm), or use rollout.backend: hf"
+            )
 
 
 def quiet_libraries() -> None:
