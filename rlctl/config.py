@@ -71,7 +71,8 @@ class ModelConfig(Strict):
         default_factory=BuiltinModelConfig, description="Shape of the built-in tiny model."
     )
     dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Training precision: auto is bf16 on CUDA and NPU, fp32 on CPU."
+        "auto", description="Training precision: auto is bf16 on CUDA and NPU devices with native bf16 "
+        "(else fp32), fp32 on CPU."
     )
     trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
 

@@ -45,6 +45,8 @@ def free_port() -> int:
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
     """Run rank ``rank`` to its end in this process; returns {"code", "message", "summary"}. A domain
     error is a result (with its exit code); a bug propagates."""
+    import warnings
+
     import yaml
 
     from rlctl.config import validate_config
@@ -55,6 +57,8 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
         "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec["world"]),
         "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
     })  # fmt: skip
+    # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     cfg: RunConfig = validate_config(yaml.safe_load(spec["config"]), {})
     run = Storage(spec["run_url"])
     events = EventLog(run) if rank == 0 else None

@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 REPO = Path(__file__).resolve().parents[1]
 RLCTL = [str(Path(sys.executable).parent / "rlctl")]  # the installed console script

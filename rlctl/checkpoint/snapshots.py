@@ -495,7 +495,7 @@ class SnapshotManager:
             if problem:
                 info.problem = problem
                 raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
-            saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False)
+            saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False, map_location="cpu")
             missing = sorted(set(states) - set(saved))
             if missing:
                 raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")

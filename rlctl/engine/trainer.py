@@ -28,7 +28,7 @@ from rlctl.engine.dist import Dist
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
-from rlctl.engine.runtime import init_distributed, setup_runtime
+from rlctl.engine.runtime import check_rollout_device, init_distributed, setup_runtime
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.errors import ConfigError, Halted, InputError, Preempted, SnapshotError
@@ -95,6 +95,7 @@ class Trainer:
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
         self.runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
+        check_rollout_device(self.runtime.kind, cfg.rollout.backend)
         seed_everything(cfg.seed)
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)

@@ -1,0 +1,129 @@
+"""Several DeepSpeed ranks: local processes (`--nproc 2`) and Ray actors (`--ray-address local`), real
+gloo process groups, real signals. A 2-rank run samples exactly what a 1-rank run samples (seeds depend
+on the prompt and sample, not on the rank) and differs from it only through the loss aggregation
+(token-mean per rank, then averaged by DeepSpeed); it snapshots every rank's files under one manifest
+and resumes bit-exactly after SIGKILL or SIGTERM."""
+
+import os
+import signal
+
+import orjson
+import pytest
+
+from conftest import run_cli, metrics_of
+from rlctl.errors import ExitCode
+from test_resume import completed_hash, events_of, has_step, spawn, stable, wait_for
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set",
+          "rollout.max_new_tokens=12", "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2"]  # fmt: skip
+RAY = ["--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
+
+
+def close_to_one_rank(rows2, rows1):
+    """Same samples at step 1 (same weights, same seeds); later steps within tolerance."""
+    assert len(rows2) == len(rows1) == 6
+    assert rows2[0]["critic/score/mean"] == rows1[0]["critic/score/mean"]
+    assert rows2[0]["perf/tokens_seen"] == rows1[0]["perf/tokens_seen"]
+    for a, b in zip(rows2, rows1):
+        assert a["step"] == b["step"]
+        assert abs(a["critic/score/mean"] - b["critic/score/mean"]) < 0.05
+        assert abs(a["actor/entropy"] - b["actor/entropy"]) < 0.05
+        assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 0.1 * b["actor/grad_norm"] + 0.05
+        assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) < 0.02
+
+
+def manifest(run, step):
+    return orjson.loads((run / "checkpoints" / f"step-{step:06d}" / "manifest.json").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """1-rank reference runs, ZeRO-2 and ZeRO-3."""
+    out = {}
+    for stage in (2, 3):
+        run = tmp_path_factory.mktemp("one") / f"z{stage}"
+        r = run_cli("start", "--run-dir", str(run), *COMMON, "--set", f"actor.zero_stage={stage}")
+        assert r.returncode == 0, r.stderr
+        out[stage] = run
+    return out
+
+
+def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_path, one_rank):
+    ref = tmp_path / "two"
+    r = run_cli("start", "--run-dir", str(ref), "--nproc", "2", *COMMON)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{ref}\n"  # data only: the ranks' chatter stays on stderr
+    close_to_one_rank(metrics_of(ref), metrics_of(one_rank[2]))
+    m = manifest(ref, 6)
+    assert m["world_size"] == 2
+    for f in ("state.pt", "state.rank-1.pt", "ranks/rank-1.json",
+              "actor/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+              "actor/zero_pp_rank_1_mp_rank_00_optim_states.pt"):  # fmt: skip
+        assert f in m["files"], sorted(m["files"])
+
+    # SIGKILL the driver after step 5 (last snapshot: 4): its ranks die with it, resume is exact
+    run = tmp_path / "killed"
+    proc = spawn("start", "--run-dir", str(run), "--nproc", "2", *COMMON, faults="sleep@5=120")
+    wait_for(has_step(run, 5), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not _ranks_alive(run), "rank processes outlived their driver"
+    r = run_cli("resume", str(run), "--from", "latest")
+    assert r.returncode == 0, r.stderr
+    assert "continuing from step 4" in r.stderr
+    assert completed_hash(run) == completed_hash(ref)
+    assert stable(metrics_of(run)) == stable(metrics_of(ref))
+    assert [row["step"] for row in metrics_of(run, "metrics.abandoned.jsonl")] == [5]
+
+    # a world size the snapshots were not written with is refused, with the reason
+    cfg = (run / "config.yaml").read_text().replace("nproc: 2", "nproc: 1")
+    (run / "config.yaml").write_text(cfg)
+    r = run_cli("resume", str(run), "--from", "step-4")
+    assert r.returncode == ExitCode.SNAPSHOT, r.stderr
+    assert "written by 2 rank(s); this run has 1" in r.stderr
+
+
+def _ranks_alive(run) -> bool:
+    import time
+
+    time.sleep(1.0)  # PDEATHSIG is delivered at once; give the kernel a moment to reap
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue
+        if b"rlctl.launch" in cmd and "State:\tZ" not in status:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank, stage):
+    pytest.importorskip("ray")
+    common = [*COMMON, *RAY, "--set", f"actor.zero_stage={stage}"]
+    ref = tmp_path / "ray"
+    r = run_cli("start", "--run-dir", str(ref), *common)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{ref}\n"
+    close_to_one_rank(metrics_of(ref), metrics_of(one_rank[stage]))
+    assert manifest(ref, 6)["world_size"] == 2
+
+    # SIGTERM (a preemption) after step 3: the driver forwards it, every rank stops after the same
+    # step, rank 0 commits that step's snapshot, exit 75; resume under Ray ends bit-identical
+    run = tmp_path / "preempted"
+    proc = spawn("start", "--run-dir", str(run), *common, faults="sleep@3=120")
+    wait_for(has_step(run, 3), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == ExitCode.PREEMPTED, err
+    assert "snapshot of step 3 committed" in err
+    assert [e["event"] for e in events_of(run)][-2:] == ["snapshot_committed", "preempted"]
+    r = run_cli("resume", str(run), "--from", "latest")
+    assert r.returncode == 0, r.stderr
+    assert completed_hash(run) == completed_hash(ref)
+    assert stable(metrics_of(run)) == stable(metrics_of(ref))
