@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set",
           "rollout.max_new_tokens=12", "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2"]  # fmt: skip
-RAY = ["--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
+RAY = ["--nproc", "2", "--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
 
 
 def close_to_one_rank(rows2, rows1):
