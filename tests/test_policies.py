@@ -473,7 +473,7 @@ def test_policy_check_explains_in_plain_words():
     result = CliRunner().invoke(policy, ["check", "policies/default.yaml"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].startswith("policies/default.yaml: valid, 3 rules. Roll back on NaN/Inf")
+    assert lines[0].startswith("policies/default.yaml: valid, 4 rules. Roll back on NaN/Inf")
     assert (
         "  rule kl-drift: when actor/ppo_kl > 0.1 for 2 consecutive steps: roll back to the last good snapshot, "
         "multiply actor.lr by 0.5; at most 3 times, then halt; cooldown 10 steps." in lines
@@ -483,7 +483,7 @@ def test_policy_check_explains_in_plain_words():
         "are known (armed after step 20): roll back to the last good snapshot, skip the offending step's prompts "
         "and the next batch; at most 5 times, then halt; cooldown 5 steps." in lines
     )
-    assert sum(line.startswith("  rule ") for line in lines) == 3
+    assert sum(line.startswith("  rule ") for line in lines) == 4
 
 
 def test_policy_check_several_files_and_json():
