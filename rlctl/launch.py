@@ -29,7 +29,7 @@ from rlctl.errors import RankFailed, RlctlError
 from rlctl.layout import METRICS
 from rlctl.metrics import parse_rows
 
-GRACE_S = 20.0  # how long the other ranks get to notice a failed rank before they are stopped
+GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped
 # what a rank's process must not inherit from a launcher around the driver
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip

@@ -127,3 +127,20 @@ def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank
     assert r.returncode == 0, r.stderr
     assert completed_hash(run) == completed_hash(ref)
     assert stable(metrics_of(run)) == stable(metrics_of(ref))
+
+
+def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
+    """Rank 1 dies after step 3: rank 0 would wait in a collective forever, so the driver stops it,
+    records the crash and exits 1 with rank 1's error; nothing is left running; inspect says crashed."""
+    run = tmp_path / "run"
+    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, env={"RLCTL_FAULTS": "crash@3=1"})
+    assert r.returncode == ExitCode.INTERNAL, r.stderr
+    assert "rank 1 crashed after step 3" in r.stderr
+    assert r.stdout == ""
+    assert not _ranks_alive(run)
+    assert [e["event"] for e in events_of(run)][-1] == "crashed"
+    assert (run / "checkpoints" / "step-000002" / "manifest.json").exists()  # the last snapshot stands
+    assert run_cli("inspect", str(run), "--check").returncode == 43
+    r = run_cli("resume", str(run), "--from", "latest")  # the same drill is off now: the run completes
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, 7))

@@ -217,6 +217,8 @@ class Trainer:
                     self.snapshot(good=healthy)
                 if (pause := faults.value("sleep", self.state.step)) is not None:
                     self._drill_sleep(float(pause or 1))
+                if (rank := faults.value("crash", self.state.step)) is not None and int(rank or 0) == self.dist.rank:
+                    raise RuntimeError(f"fault drill: rank {self.dist.rank} crashed after step {self.state.step}")
             # the last step is snapshotted by a run that snapshots at all (or was restored from one)
             wanted = passed and (self.stop_signal is not None or every > 0 or self._snapshotted >= 0)
             if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
