@@ -33,5 +33,10 @@ def make_backend(name: str, **kwargs) -> RolloutBackend:
     if name == "hf":
         from rlctl.engine.rollout.hf import HFRollout
 
+        kwargs.pop("model_dir", None)  # generates with the actor's own module
         return HFRollout(**kwargs)
-    raise KeyError(f"unknown rollout backend '{name}'; valid: hf")
+    if name == "vllm":
+        from rlctl.engine.rollout.vllm import VLLMRollout
+
+        return VLLMRollout(**kwargs)
+    raise KeyError(f"unknown rollout backend '{name}'; valid: hf, vllm")

