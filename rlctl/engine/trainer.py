@@ -114,7 +114,8 @@ class Trainer:
         self.critic = Critic(cfg, self.model_dir, self.runtime) if cfg.algorithm.name == "ppo" else None
         if snapshots is not None and self.critic is not None:
             self.critic.fence = snapshots.wait_staged
-        self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer)
+        self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer,
+                                    model_dir=self.model_dir)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
         self.state = TrainerState()
