@@ -11,6 +11,8 @@ A comma-separated list of ``name[@step][=value]``:
 - ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
                         next optimizer step, never change the state being written)
+- ``stale_rollout``     never push the actor's weights into the rollout engine after an update (vllm): a
+                        broken weight sync, which rollout/logprob_diff shows
 - ``crash@3=1``         rank 1 dies with an exception after step 3 (rank 0 without a value): a lost rank
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
 
-KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric", "crash"}
+KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric", "crash", "stale_rollout"}
 _fired: set[tuple[str, int | None]] = set()
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 

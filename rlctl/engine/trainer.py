@@ -372,7 +372,8 @@ class Trainer:
                 measured = stats.get("actor/reward_kl_penalty", stats.get("actor/kl_loss"))
                 if measured is not None and math.isfinite(measured):
                     self.kl_ctrl.update(measured, n_steps=len(seqs) * self.dist.world)
-            self.rollout.sync_weights()
+            if faults.value("stale_rollout") is None:
+                self.rollout.sync_weights()
         tokens = int(seqs.attention_mask.sum())
         rest = {  # stats are reduced already
             **drift,
