@@ -66,17 +66,36 @@ def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
 
 @pytest.fixture(scope="session")
 def s3_env():
-    """A real S3 endpoint on loopback (moto), and the fsspec config that points s3fs at it."""
-    import logging
+    """A real S3 endpoint on loopback (moto's server in its own process, so Flask never enters this
+    one: vLLM's CPU platform walks every loaded module at engine start and trips over Flask's context
+    proxies), and the fsspec config that points s3fs at it."""
+    import socket
+    import time
+    import urllib.request
 
-    moto_server = pytest.importorskip("moto.server")
+    server_bin = Path(sys.executable).parent / "moto_server"
+    if not server_bin.exists():
+        pytest.skip("moto[server] is not installed")
     import s3fs
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}, "key": "test", "secret": "test"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([str(server_bin), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+    opts = {"client_kwargs": {"endpoint_url": url}, "key": "test", "secret": "test"}
     s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
     yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
-    server.stop()
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -416,7 +416,9 @@ class SnapshotManager:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"rank {rank} did not list its snapshot files within {self.rank_timeout:.0f} s")
                 time.sleep(0.05)
-            listed = orjson.loads(self.storage.read_bytes(name, rank_list(rank)))
+            raw = self.storage.read_bytes(name, rank_list(rank))
+            files[rank_list(rank)] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+            listed = orjson.loads(raw)
             if "error" in listed:
                 raise RuntimeError(f"rank {rank} could not write its files: {listed['error']}")
             for rel, meta in listed["files"].items():
