@@ -68,8 +68,8 @@ What differs, by design of each tool:
 - TRL 1.x defaults to gradient checkpointing (an extra forward inside backward), bf16 and a
   linear-decay lr schedule; this benchmark turns them off (`gradient_checkpointing=False`, `bf16=False`,
   `lr_scheduler_type="constant"`) because rlctl does none of them. `--trl-gradient-checkpointing` puts
-  TRL's default checkpointing back. TRL's default optimizer "adamw_torch_fused" is set to "adamw_torch",
-  the same `torch.optim.AdamW` (foreach) that rlctl hands to DeepSpeed;
+  TRL's default checkpointing back. TRL's default optimizer "adamw_torch_fused" is kept: the same
+  `torch.optim.AdamW(fused=True)` that rlctl hands to DeepSpeed;
 - small terms inside the loss: rlctl has verl's dual clip (c = 3) and clamps k3; TRL multiplies the k3
   term by the importance ratio (use_bias_correction_kl; exactly 1 on-policy); TRL divides rewards by the
   group std + 1e-4, rlctl by std + 1e-6.
@@ -226,7 +226,7 @@ def trl_config(job: Job):
         gradient_accumulation_steps=1, num_generations=GROUP, num_iterations=1, steps_per_generation=1,
         max_completion_length=job.max_new_tokens, max_prompt_length=64,
         temperature=1.0, top_p=1.0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         beta=job.kl_coef, epsilon=0.2,
         max_steps=job.steps, logging_steps=1, report_to=[], save_strategy="no",

