@@ -2,7 +2,8 @@
 
 The optimizer is a ``torch.optim.AdamW`` instance (ZeRO accepts it and nothing needs a JIT build),
 torch's fused kernel on CPU and CUDA: ZeRO steps one flat fp32 partition, where the unfused update
-allocates several temporaries of its full size (a 25M-parameter step: 250 -> 110 ms on one CPU thread). The engine owns the weights, optimizer and lr scheduler; ``log_probs`` and
+allocates several temporaries of its full size (a 25M-parameter ZeRO-2 step: 148 -> 67 ms on one CPU
+thread, benchmarks/zero_overhead.py). The engine owns the weights, optimizer and lr scheduler; ``log_probs`` and
 ``update`` are the only two things the trainer asks of it.
 """
 
