@@ -74,7 +74,7 @@ def main() -> None:
         print(json.dumps(worker(stage, args.batch, args.seq, args.steps, fused)))
         return
     print(f"25.8M Llama, batch {args.batch}x{args.seq}, one thread, median of {args.steps - 2} steps")
-    print(f"{"setup":24} {'fwd+bwd s':>10} {'opt step ms':>12}")
+    print(f"{'setup':24} {'fwd+bwd s':>10} {'opt step ms':>12}")
     for fused in (True, False) if args.unfused else (True,):
         for stage, name in ((-1, "plain PyTorch"), (1, "ZeRO-1"), (2, "ZeRO-2")):
             cmd = [sys.executable, __file__, "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
