@@ -7,7 +7,8 @@ A comma-separated list of ``name[@step][=value]``:
 - ``commit_delay@6=30`` wait 30 s in the background before writing the manifest of the step-6
                         snapshot (of every snapshot without @step): a window to kill the run mid-commit
 - ``nan_log_prob@5``    make one log-prob of step 5 NaN, as a broken kernel or a degenerate sample
-                        would (once per process: a step replayed after a rollback is clean)
+                        would (once per process: a step replayed after a rollback is clean);
+                        ``nan_log_prob@5=1``: in rank 1's share of the batch only
 - ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
                         next optimizer step, never change the state being written)

@@ -25,11 +25,14 @@ import orjson
 
 from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig
-from rlctl.errors import RankFailed, RlctlError
+from rlctl.errors import ExitCode, RankFailed, RlctlError
 from rlctl.layout import METRICS
 from rlctl.metrics import parse_rows
 
 GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped
+# exits every rank takes together after the same step (rank 0 may still be committing a snapshot):
+# they never start the grace clock
+COORDINATED = {ExitCode.OK, ExitCode.HALTED, ExitCode.PREEMPTED}
 # what a rank's process must not inherit from a launcher around the driver
 _DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -90,10 +93,21 @@ def _die_with_parent() -> None:
 
 def _rank_process() -> None:
     """``python -m rlctl.launch SPEC RANK``: a local rank; writes its result next to the spec."""
+    from rlctl.run import request_stop
+
     spec_path, rank = sys.argv[1], int(sys.argv[2])
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # a stop while the rank still loads is kept for later
+        signal.signal(sig, lambda signum, _frame: request_stop(signal.Signals(signum).name))
     with open(spec_path, "rb") as fh:
         spec = orjson.loads(fh.read())
-    result = rank_main(spec, rank, rank, spec["world"], "127.0.0.1", spec["port"])
+    try:
+        result = rank_main(spec, rank, rank, spec["world"], "127.0.0.1", spec["port"])
+    except BaseException as exc:  # a bug: say so, and skip a teardown that may hang on live threads
+        import traceback
+
+        traceback.print_exc()
+        result = {"code": int(ExitCode.INTERNAL), "message": f"rank {rank} crashed: {type(exc).__name__}: {exc}",
+                  "summary": None}  # fmt: skip
     with open(os.path.join(os.path.dirname(spec_path), f"result-{rank}.json"), "wb") as fh:
         fh.write(orjson.dumps(result))
     sys.stdout.flush()
@@ -118,6 +132,8 @@ class _Follower:
             data = self.run.read_bytes(METRICS)
         except FileNotFoundError:
             data = b""
+        except Exception:  # a flaky read of remote storage: progress waits for the next poll
+            return
         if self.offset is None:  # rows from before this launch are history
             self.offset = len(data)
             return
@@ -133,7 +149,8 @@ class _Follower:
 
 
 def _spec(run: Storage, cfg: RunConfig, restore: dict | None) -> dict[str, Any]:
-    return {"run_url": run.url, "config": cfg.to_yaml(), "restore": restore, "world": cfg.world_size}
+    url = run.url if "://" in run.url else os.path.abspath(run.url)  # ranks may not share our cwd
+    return {"run_url": url, "config": cfg.to_yaml(), "restore": restore, "world": cfg.world_size}
 
 
 def _start_step(restore: dict | None) -> int:
@@ -150,9 +167,19 @@ def launch_ranks(run: Storage, cfg: RunConfig, restore: dict | None, reporter) -
     return _launch_local(run, cfg, restore, reporter)
 
 
+def starts_grace(code: int | None) -> bool:
+    """Whether a rank ending with ``code`` has left the others stuck (a crash, or an error on that rank
+    alone), rather than taking a coordinated exit every rank takes after the same step."""
+    return code is not None and code not in COORDINATED
+
+
 def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, Any]:
     """The run's result from the ranks' results: rank 0's, unless another rank failed first."""
     first = results[0]
+    # a rank that ended with its own error (not a crash) says why the others went down
+    own = [r for r, res in enumerate(results) if res and starts_grace(res["code"]) and res["code"] != 1]
+    if own and (first is None or first["code"] in (0, 1)):
+        failed_first = own[0]
     if failed_first is not None and failed_first != 0:
         r = results[failed_first] or {"code": 1, "message": None}
         if first is None or first["code"] in (0, 1):
@@ -190,10 +217,13 @@ def _launch_local(run: Storage, cfg: RunConfig, restore: dict | None, reporter) 
     reporter.ready(_start_step(restore), cfg.trainer.total_steps)
     failed_first, failed_at = None, None
     try:
-        while any(p.poll() is None for p in procs):
+        while True:
+            codes = [p.poll() for p in procs]  # every rank, every time
+            if all(c is not None for c in codes):
+                break
             follower.poll()
-            for rank, p in enumerate(procs):
-                if p.returncode not in (None, 0) and failed_first is None:
+            for rank, code in enumerate(codes):
+                if failed_first is None and starts_grace(code):
                     failed_first, failed_at = rank, time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
                 for p in procs:  # a rank left the group: the others would wait in a collective forever
@@ -201,9 +231,6 @@ def _launch_local(run: Storage, cfg: RunConfig, restore: dict | None, reporter) 
                         p.kill()
             time.sleep(0.1)
         follower.poll(force=True)
-        for rank, p in enumerate(procs):
-            if p.returncode and failed_first is None:
-                failed_first = rank
         results = []
         for rank in range(world):
             try:

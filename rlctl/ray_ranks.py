@@ -18,10 +18,11 @@ from typing import Any
 from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
-from rlctl.launch import GRACE_S, _Follower, _spec, _start_step, free_port, outcome, rank_main
+from rlctl.launch import GRACE_S, _Follower, _spec, _start_step, free_port, outcome, rank_main, starts_grace
 
 READY_TIMEOUT_S = 120.0
-_PASS_ENV = ("RLCTL_", "HF_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+_PASS_ENV = ("RLCTL_", "HF_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_", "TORCH_DEVICE_BACKEND_AUTOLOAD",
+             "FSSPEC_", "AWS_", "GOOGLE_", "GCSFS_")  # fmt: skip
 
 
 class RankActor:
@@ -119,7 +120,7 @@ def launch_ray(run: Storage, cfg: RunConfig, restore: dict | None, reporter) -> 
                 except Exception as exc:  # the rank crashed: a bug, or its process died
                     results[rank] = {"code": 1, "message": f"rank {rank} crashed: {type(exc).__name__}: "
                                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}", "summary": None}  # fmt: skip
-                if results[rank]["code"] and failed_first is None:
+                if failed_first is None and starts_grace(results[rank]["code"]):
                     failed_first, failed_at = rank, time.monotonic()
             if failed_at is not None and pending and time.monotonic() - failed_at > GRACE_S:
                 for rank in list(pending):  # the others would wait in a collective forever

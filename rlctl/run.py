@@ -24,7 +24,7 @@ from rlctl.checkpoint.storage import Storage
 from rlctl.config import RunConfig, parse_set, validate_config
 from rlctl.errors import ConfigError, ExitCode, Halted, Preempted, RankFailed, SnapshotError
 from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS
-from rlctl.metrics import EventLog, abandon_rows_after, read_rows
+from rlctl.metrics import EventLog, abandon_rows_after, parse_rows, read_rows
 
 
 # What `rlctl resume --set` may change: knobs of the optimisation, not the identity of the run.
@@ -32,7 +32,7 @@ SAFE_ON_RESUME = frozenset({
     "trainer.total_steps", "trainer.num_threads", "trainer.lease_timeout", "trainer.lease_heartbeat",
     "actor.lr", "actor.grad_clip", "algorithm.kl_coef", "algorithm.clip_ratio", "rollout.temperature",
     "rollout.max_new_tokens", "checkpoint.every", "checkpoint.keep_last", "checkpoint.keep_every",
-    "checkpoint.asynchronous", "checkpoint.staging_dir",
+    "checkpoint.asynchronous", "checkpoint.staging_dir", "cluster.address",
 })  # fmt: skip
 
 
@@ -206,13 +206,18 @@ def _train(run, cfg, events, snapshots, reporter, restore) -> dict[str, Any]:
     if restore is not None:
         usable, wanted, changes = restore
         restore = {"names": [i.name for i in usable], "wanted": wanted, "changes": changes}
+    offset = events.tell()
     events.close()  # rank 0 appends to it now: one writer at a time
     try:
         return launch_ranks(run, cfg, restore, reporter)
     except RankFailed as exc:
-        if exc.exit_code == ExitCode.INTERNAL:  # a rank died: rank 0 may not have lived to say so
+        # rank 0 may not have lived to record how the run ended: then the driver does
+        ended = {"completed", "preempted", "halted", "crashed"}
+        since = run.read_bytes(EVENTS)[offset:] if run.exists(EVENTS) else b""
+        if not any(e.get("event") in ended for e in parse_rows(since)):
             events.reopen()
-            events.emit({"event": "crashed", "error": exc.message})
+            kind = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "crashed"
+            events.emit({"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
         raise
     finally:
         events.reopen()
@@ -258,6 +263,9 @@ def train_rank(run, cfg, events, snapshots, reporter, restore, rank: int = 0) ->
     signals = (signal.SIGTERM, signal.SIGUSR1) if on_main_thread else ()
     previous = {s: signal.signal(s, on_signal) for s in signals}
     _RUNNING[0] = trainer
+    if _PENDING_STOP[0] is not None:  # stopped while loading: snapshot where we are and stop
+        trainer.request_stop(_PENDING_STOP[0])
+        _PENDING_STOP[0] = None
     try:
         trainer.train()
     except Preempted as exc:
@@ -281,8 +289,11 @@ def train_rank(run, cfg, events, snapshots, reporter, restore, rank: int = 0) ->
 
 
 _RUNNING: list = [None]  # the trainer of this process, for a stop request that is not a signal (Ray)
+_PENDING_STOP: list = [None]  # a stop that came before the trainer was ready
 
 
 def request_stop(reason: str) -> None:
     if _RUNNING[0] is not None:
         _RUNNING[0].request_stop(reason)
+    else:
+        _PENDING_STOP[0] = reason

@@ -176,3 +176,16 @@ def test_two_ranks_snapshot_to_s3_and_resume_exactly(tmp_path, s3_env):
     assert r.returncode == 0, r.stderr
     hashes = [e["weights_sha256"] for e in events_of(run) if e["event"] == "completed"]
     assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
+def test_a_nan_on_one_rank_is_rolled_back_by_every_rank(tmp_path):
+    """Only rank 1's batch gets a NaN log-prob: the ranks agree to drop the update (backward and step
+    are collectives), the reduced row shows the NaN to both, and default.yaml rolls both back."""
+    run = tmp_path / "run"
+    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, "--set", "policies=[policies/default.yaml]",
+                env={"RLCTL_FAULTS": "nan_log_prob@3=1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rollbacks = [e for e in events_of(run) if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["from_step"] == 3 and rollbacks[0]["to_step"] == 2
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, 7))
+    assert metrics_of(run, "metrics.abandoned.jsonl")[0]["actor/skipped_updates"] >= 1

@@ -282,15 +282,11 @@ class SnapshotManager:
         t0 = time.perf_counter()
         self.wait()
         name = step_name(step)
-        problem = None
-        if self.rank == 0:
-            if self.storage.exists(name, MANIFEST):
-                problem = f"a committed snapshot of step {step} already exists in {self.storage.url}"
-            else:
-                self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
+        if self.rank == 0 and not self.storage.exists(name, MANIFEST):
+            self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
         self.barrier()  # no rank writes before the leftover is gone
-        if problem:
-            raise SnapshotError(problem)
+        if self.storage.exists(name, MANIFEST):  # (rank 0 left it alone: every rank sees it and stops)
+            raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
         if self.storage.is_local:
             stage = self.storage.path(name)  # stage in place: the manifest still commits it
         else:

@@ -48,20 +48,28 @@ class Storage:
         return self.path(*parts) if self.is_local else None
 
     # -- reading ----------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> str:
+        """Drop what an object-store client cached about ``path`` and its parents: other processes (the
+        other ranks, a resume on another host) write here too, and a stale listing would say that a
+        file written since is missing, or that a file moved away is still there."""
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+        return path
+
     def exists(self, *parts: str) -> bool:
-        return self.fs.exists(self.path(*parts))
+        return self.fs.exists(self._fresh(self.path(*parts)))
 
     def read_bytes(self, *parts: str) -> bytes:
         return self.fs.cat_file(self.path(*parts))
 
     def size(self, *parts: str) -> int:
-        return int(self.fs.size(self.path(*parts)))
+        return int(self.fs.size(self._fresh(self.path(*parts))))
 
     def listdir(self, *parts: str) -> list[str]:
         """Names (not paths) directly under a directory; [] when it does not exist."""
         base = self.path(*parts)
         try:
-            entries = self.fs.ls(base, detail=False)
+            entries = self.fs.ls(self._fresh(base), detail=False)
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries if e.rstrip("/") != base.rstrip("/"))
@@ -69,7 +77,7 @@ class Storage:
     def walk_files(self, *parts: str) -> list[str]:
         """Paths of every file under a directory, relative to it."""
         base = self.path(*parts).rstrip("/")
-        found = self.fs.find(base)
+        found = self.fs.find(self._fresh(base))
         return sorted(posixpath.relpath(f, base) for f in found)
 
     # -- writing ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ thread, benchmarks/zero_overhead.py). The engine owns the weights, optimizer and
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import hashlib
 import os
 from dataclasses import dataclass
@@ -181,6 +182,8 @@ class DSModule:
         self._ckpt_engine = DeferringCheckpointEngine()
         self.engine.checkpoint_engine = self._ckpt_engine
         self.fence = None  # called before every optimizer step: waits for snapshot files still being written
+        # a decision every rank must take the same way (with several ranks: true only if true on all)
+        self.agree: Callable[[bool], bool] = lambda flag: flag
 
     def step(self, loss: torch.Tensor) -> None:
         """Backward and (at a mini-batch boundary, DeepSpeed decides) an optimizer step, behind the fence."""
@@ -334,7 +337,8 @@ class Actor(DSModule):
                     diff = (log_prob.detach() - rollout_log_prob[idx]).abs()
                     stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item()
                 boundary = self.engine.is_gradient_accumulation_boundary()
-                if torch.isfinite(loss):
+                # every rank applies its micro-batch, or none does: backward and step are collectives
+                if self.agree(bool(torch.isfinite(loss))):
                     self.step(loss)
                 else:
                     # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.

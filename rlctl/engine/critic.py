@@ -57,7 +57,7 @@ class Critic(DSModule):
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
                     vpreds, old_values[idx], returns[idx], mask, self.cfg.critic.cliprange_value, a.loss_agg_mode
                 )
-                if torch.isfinite(vf_loss):
+                if self.agree(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
                     self.step(vf_loss)
                 for key, value in (("critic/vf_loss", vf_loss.item()), ("critic/vf_clipfrac", vf_clipfrac.item())):
                     totals[key] = totals.get(key, 0.0) + value

@@ -24,7 +24,7 @@ def _reduction(key: str) -> str:
     if key.endswith("/min"):
         return "min"
     if key.startswith("actor/nonfinite/") or key.startswith("critic/nonfinite/") or key.endswith(
-        ("skipped_updates", "/tokens", "perf/throughput", "perf/tokens_seen")
+        ("skipped_updates", "/tokens", "perf/throughput", "perf/tokens_seen", "kept_groups")
     ):
         return "sum"
     return "mean"

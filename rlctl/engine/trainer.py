@@ -106,12 +106,15 @@ class Trainer:
         if snapshots is not None:
             snapshots.barrier = self.dist.barrier
         self.actor = Actor(cfg, self.model_dir, self.runtime)
+        self.actor.agree = self.dist.all
         if snapshots is not None:
             self.actor.fence = snapshots.wait_staged  # no optimizer step while a snapshot reads the weights
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             self.ensure_reference()
         self.critic = Critic(cfg, self.model_dir, self.runtime) if cfg.algorithm.name == "ppo" else None
+        if self.critic is not None:
+            self.critic.agree = self.dist.all
         if snapshots is not None and self.critic is not None:
             self.critic.fence = snapshots.wait_staged
         self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer,
@@ -122,7 +125,7 @@ class Trainer:
         self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
-        self.on_policy = (cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch == batch
+        self.on_policy = (cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch * self.dist.world == batch
                           and not cfg.algorithm.kl_in_reward)  # fmt: skip
         self.stop_signal: str | None = None
         self.metrics: JsonlLog | None = None
@@ -220,6 +223,7 @@ class Trainer:
                     self._drill_sleep(float(pause or 1))
                 if (rank := faults.value("crash", self.state.step)) is not None and int(rank or 0) == self.dist.rank:
                     raise RuntimeError(f"fault drill: rank {self.dist.rank} crashed after step {self.state.step}")
+            self._stopping()  # a stop that came during the last step: every rank takes it, or none
             # the last step is snapshotted by a run that snapshots at all (or was restored from one)
             wanted = passed and (self.stop_signal is not None or every > 0 or self._snapshotted >= 0)
             if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
@@ -361,7 +365,8 @@ class Trainer:
                     stats.update(self.critic.update(seqs, values, returns))
             if self.critic is None or step > cfg.critic.warmup_steps:
                 with timed(t, "update_actor"):
-                    poison = faults.once("nan_log_prob", step) is not None
+                    drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
+                    poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
                     stats.update(self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison=poison,
                                                    rollout_log_prob=seqs.rollout_log_probs if old is None else None))  # fmt: skip
             kl_used = self.kl_ctrl.value
