@@ -183,6 +183,7 @@ class SnapshotManager:
         self.world_size = world_size
         self.rank = rank
         self.barrier = barrier or (lambda: None)  # all ranks meet here (torch.distributed.barrier)
+        self.agree: Callable[[bool], bool] = lambda flag: flag  # true on every rank iff true on all
         self.rank_timeout = rank_timeout  # how long rank 0 waits for the other ranks' files
         self.zero_stage = zero_stage
         self.retention = retention or Retention()
@@ -481,18 +482,19 @@ class SnapshotManager:
     # -- restoring ---------------------------------------------------------------------------------
     def restore(self, info: SnapshotInfo, states: dict[str, Stateful], dirs: dict[str, DirStateful]) -> None:
         """Verify every checksum, then load every Stateful. Raises SnapshotError when the snapshot is not
-        usable; nothing is loaded then."""
+        usable; nothing is loaded then. With several ranks, every rank checks and they agree before any
+        loads: a snapshot one rank finds broken is skipped by all of them."""
         import torch
 
         self.wait()  # a snapshot still in flight is finished first
-        if info.problem is not None:
-            raise SnapshotError(f"snapshot {info.name} is not usable: {info.problem}")
-        local, cleanup = self.storage.local_copy(info.name)
+        problem, local, cleanup = info.problem, None, (lambda: None)
         try:
-            problem = checksum_problem(local, info.manifest or {})
-            if problem:
-                info.problem = problem
-                raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
+            if problem is None:
+                local, cleanup = self.storage.local_copy(info.name)
+                problem = info.problem = checksum_problem(local, info.manifest or {})
+            if not self.agree(problem is None):
+                raise SnapshotError(f"snapshot {info.name} is not usable: "
+                                    f"{problem or 'another rank found it broken (see its error)'}")  # fmt: skip
             saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False, map_location="cpu")
             missing = sorted(set(states) - set(saved))
             if missing:

@@ -104,7 +104,7 @@ class Trainer:
         init_distributed(self.runtime.backend)
         self.dist = Dist(self.runtime.device)  # every rank runs this loop on its share of the prompts
         if snapshots is not None:
-            snapshots.barrier = self.dist.barrier
+            snapshots.barrier, snapshots.agree = self.dist.barrier, self.dist.all
         self.actor = Actor(cfg, self.model_dir, self.runtime)
         self.actor.agree = self.dist.all
         if snapshots is not None:
