@@ -129,23 +129,30 @@ class _Follower:
             return
         self._last = now
         try:
-            data = self.run.read_bytes(METRICS)
+            size, tail = self._read_from(self.offset or 0)
         except FileNotFoundError:
-            data = b""
+            size, tail = 0, b""
         except Exception:  # a flaky read of remote storage: progress waits for the next poll
             return
-        if self.offset is None:  # rows from before this launch are history
-            self.offset = len(data)
+        if self.offset is None or size < self.offset:  # rows from before this launch are history;
+            self.offset = size  # a rollback moved rows away
             return
-        if len(data) < self.offset:  # a rollback moved rows away
-            self.offset = data.rfind(b"\n") + 1
-            return
-        end = data.rfind(b"\n") + 1  # whole lines only
-        if end <= self.offset:
-            return
-        new, self.offset = data[self.offset : end], end
-        for row in parse_rows(new):
-            self.reporter.step(row)
+        end = tail.rfind(b"\n") + 1  # whole lines only
+        if end:
+            self.offset += end
+            for row in parse_rows(tail[:end]):
+                self.reporter.step(row)
+
+    def _read_from(self, offset: int) -> tuple[int, bytes]:
+        """The metrics file's size and its bytes from ``offset``: a local file is read from there only,
+        an object (no ranged append semantics to rely on) whole."""
+        if self.run.is_local:
+            with open(self.run.path(METRICS), "rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(min(offset, size))
+                return size, fh.read()
+        data = self.run.read_bytes(METRICS)
+        return len(data), data[offset:]
 
 
 def _spec(run: Storage, cfg: RunConfig, restore: dict | None) -> dict[str, Any]:

@@ -140,12 +140,34 @@ def _local_files(root: str, known: dict[str, dict[str, Any]], skip: set[str] = f
             rel = os.path.relpath(full, root).replace(os.sep, "/")
             if rel == MANIFEST or rel in skip:
                 continue
-            if rel in known:
-                files[rel] = known[rel]
-                continue
-            files[rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
-            _fsync(full)  # durable before the manifest can claim it
+            files[rel] = known[rel] if rel in known else _durable_meta(full)
     return dict(sorted(files.items()))
+
+
+def _durable_meta(path: str) -> dict[str, Any]:
+    """Size and sha256 of a file written without a DurableFile, fsynced: durable before a manifest
+    (or a rank's list) can claim it."""
+    meta = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    _fsync(path)
+    return meta
+
+
+def _write_deferred(stage: str, deferred, staged: threading.Event, hold: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Write the deferred files (each hashed and synced as it goes), then release training at
+    ``staged``, even on failure. Returns their sizes and sha256 by path relative to ``stage``.
+    ``hold`` is the write_delay fault drill."""
+    known = {}
+    try:
+        if deferred and hold:
+            time.sleep(hold)
+        for path, write in deferred:
+            with DurableFile(path) as fh:
+                write(fh)
+            size, digest = fh.close()
+            known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
+    finally:
+        staged.set()  # the live state is no longer read: training may step again
+    return known
 
 
 def _fsync(path: str) -> None:
@@ -327,17 +349,7 @@ class SnapshotManager:
         name = step_name(step)
         t0 = time.perf_counter()
         try:
-            known = {}
-            try:
-                if deferred and (hold := faults.value("write_delay", step)):
-                    time.sleep(float(hold))
-                for path, write in deferred:
-                    with DurableFile(path) as fh:
-                        write(fh)
-                    size, digest = fh.close()
-                    known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
-            finally:
-                staged.set()  # the live state is no longer read: training may step again
+            known = _write_deferred(stage, deferred, staged, hold=float(faults.value("write_delay", step) or 0))
             manifest["write_s"] = round(time.perf_counter() - t0, 4)
             others = self._other_ranks_files(name) if self.world_size > 1 else {}
             manifest["files"] = dict(sorted({**_local_files(stage, known, skip=set(others)), **others}.items()))
@@ -373,19 +385,8 @@ class SnapshotManager:
         ranks/rank-N.json for rank 0 to verify and commit. Rank 0 reports the outcome."""
         name = step_name(step)
         try:
-            known = {}
-            try:
-                for path, write in deferred:
-                    with DurableFile(path) as fh:
-                        write(fh)
-                    size, digest = fh.close()
-                    known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
-            finally:
-                staged.set()
-            for rel in own:
-                full = os.path.join(stage, rel)
-                known[rel] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
-                _fsync(full)
+            known = _write_deferred(stage, deferred, staged)
+            known.update({rel: _durable_meta(os.path.join(stage, rel)) for rel in own})
             if not self.storage.is_local:
                 with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay)
             data = orjson.dumps({"rank": self.rank, "files": known})

@@ -97,9 +97,6 @@ class Dist:
         """True on every rank when it is true on all of them."""
         return bool(self._reduce_int(int(flag), self._dist.ReduceOp.MIN if self.active else None))
 
-    def sum(self, value: int) -> int:
-        return self._reduce_int(value, self._dist.ReduceOp.SUM if self.active else None)
-
     def reduce_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Every rank's metric row, reduced (see ``reduce_rows``); identical on every rank."""
         if not self.active:

@@ -65,7 +65,8 @@ def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[
         nxt = sampler(None, logits).argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        lp = torch.log_softmax(logits.float() / sampler.temperature, -1).gather(-1, nxt[:, None])[:, 0]
+        scaled = logits.float() / sampler.temperature  # log p of the sampled token, without a (B, V) log-softmax
+        lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)
         log_probs.append(lp)
         done |= torch.isin(nxt, eos)
         if bool(done.all()):
