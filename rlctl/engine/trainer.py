@@ -99,10 +99,15 @@ class Trainer:
         seed_everything(cfg.seed)
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
-        self.model_dir = prepare_model_dir(cfg, run)
-        self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         init_distributed(self.runtime.backend)
         self.dist = Dist(self.runtime.device)  # every rank runs this loop on its share of the prompts
+        # rank 0 builds the built-in model into the run once; the others read it when it is complete
+        if not self.dist.is_main:
+            self.dist.barrier()
+        self.model_dir = prepare_model_dir(cfg, run)
+        if self.dist.is_main:
+            self.dist.barrier()
+        self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         if snapshots is not None:
             snapshots.barrier, snapshots.agree = self.dist.barrier, self.dist.all
         self.actor = Actor(cfg, self.model_dir, self.runtime)
