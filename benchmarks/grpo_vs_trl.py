@@ -1,7 +1,8 @@
 """rlctl against TRL's GRPOTrainer on identical GRPO work, measured in one run on the same machine.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--steps 15] [--big-steps 6] [--rounds 2]
-                                              [--models tiny,25M] [--kl no,k3] [--json FILE]
+                                              [--models tiny,25M] [--kl no,k3] [--dtype fp32,bf16]
+                                              [--json FILE]
 
 Needs `pip install trl accelerate datasets` in the venv (they are not rlctl dependencies). This is a
 benchmark, not a test: it prints numbers and asserts nothing about them.
@@ -39,12 +40,24 @@ Identical on both sides:
 - no KL (TRL's default beta 0, rlctl's kl_coef 0: neither loads a reference model), then KL with the k3
   estimator at beta = rlctl's algorithm.kl_coef (`--kl-coef`, 0.04): both then hold a frozen reference
   model and run one extra no-grad forward of it per step;
-- one process computing, one intra-op thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`), CPU.
+- one process computing, one intra-op thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`), CPU;
+- precision (`--dtype`): fp32 on both sides by default; bf16 runs rlctl with `model.dtype=bf16` and TRL
+  with `bf16=True` (TRL's own default). Both then multiply in bf16 and keep fp32 master weights and
+  AdamW states, each in its own way: rlctl holds the module in bf16 inside DeepSpeed's bf16 ZeRO-2
+  optimizer, TRL keeps an fp32 module under accelerate's bf16 autocast.
+
+The arithmetic floor. Before the runs, the parent measures the best matmul rate one thread reaches here
+(`F.linear` over the projection shapes of the 25M model, at a batch of 1024 tokens and at a decode step's
+32) in each precision. A step's work is then counted from below: 2 FLOPs per matmul weight per real token
+forward, 4 more backward, over the real prompt and completion tokens only (no padding), for generation,
+the update and (with KL) the reference forward; attention scores, norms, sampling and the optimizer are
+left out. That work at the peak rate is less time than any implementation could take, so TRL's s/step
+over TRL's floor bounds the ratio any implementation could reach on TRL's work on this core.
 
 What a step is:
 
-- rlctl: `timing_s/step` from RUN_DIR/metrics.jsonl: draw prompts, generate (HF `generate` with a KV
-  cache on the actor's own module), decode, score, reference log-probs (with KL), advantages, then the
+- rlctl: `timing_s/step` from RUN_DIR/metrics.jsonl: draw prompts, generate (rlctl's batched decode
+  loop with a KV cache on the actor's own module, one forward per token), decode, score, reference log-probs (with KL), advantages, then the
   update: one forward with grad (which also gives the old log-probs: the step is exactly on-policy, so
   there is no separate old-log-prob pass), backward, grad clip and AdamW step inside DeepSpeed ZeRO-2
   (world of one, gloo). Writing the metrics row is not in it.
@@ -66,8 +79,8 @@ What differs, by design of each tool:
   TRL uses transformers' multinomial sampling from the global generator. Same distribution, different
   draws, so the completions and their lengths differ;
 - TRL 1.x defaults to gradient checkpointing (an extra forward inside backward), bf16 and a
-  linear-decay lr schedule; this benchmark turns them off (`gradient_checkpointing=False`, `bf16=False`,
-  `lr_scheduler_type="constant"`) because rlctl does none of them. `--trl-gradient-checkpointing` puts
+  linear-decay lr schedule; this benchmark turns them off (`gradient_checkpointing=False`, `bf16=False`
+  unless `--dtype bf16`, `lr_scheduler_type="constant"`) because rlctl does none of them. `--trl-gradient-checkpointing` puts
   TRL's default checkpointing back. TRL's default optimizer "adamw_torch_fused" is kept: the same
   `torch.optim.AdamW(fused=True)` that rlctl hands to DeepSpeed;
 - small terms inside the loss: rlctl has verl's dual clip (c = 3) and clamps k3; TRL multiplies the k3
@@ -114,6 +127,7 @@ class Job:
     out: str  # a fresh run directory (rlctl) / output_dir (TRL)
     grad_ckpt: bool = False  # TRL only
     describe: bool = False  # TRL only: return the settings the trainer ended up with
+    dtype: str = "fp32"  # fp32, or bf16: rlctl model.dtype=bf16, TRL bf16=True (its default)
 
 
 @dataclasses.dataclass
@@ -165,7 +179,7 @@ def rlctl_overrides(job: Job) -> list[str]:
     # load_config(None, ...) starts from the packaged demo config: every key relied on is set here.
     return [
         "name=bench", f"seed={SEED}", "device=cpu", "policies=[]",
-        f"model.path={job.model_dir}", "model.dtype=fp32",
+        f"model.path={job.model_dir}", f"model.dtype={job.dtype}",
         f"data.path={job.data}", "data.prompt_key=prompt", "data.apply_chat_template=false",
         "data.max_prompt_length=64", "data.shuffle=true",
         "reward.function=rlctl.engine.reward.builtin:echo_reward", "reward.kwargs={}",
@@ -230,7 +244,7 @@ def trl_config(job: Job):
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         beta=job.kl_coef, epsilon=0.2,
         max_steps=job.steps, logging_steps=1, report_to=[], save_strategy="no",
-        bf16=False, fp16=False, gradient_checkpointing=job.grad_ckpt,
+        bf16=job.dtype == "bf16", fp16=False, gradient_checkpointing=job.grad_ckpt,
         dataloader_num_workers=0, use_vllm=False, disable_tqdm=True,
     )  # fmt: skip
     if "top_k" in fields:  # "no top-k" is None in older TRL, 0 in newer
@@ -428,6 +442,53 @@ def summarize(results: list[RunResult], warmup: int) -> dict:
     }
 
 
+def matmul_params(model_dir: str) -> int:
+    """Weights that take part in a matrix multiply per token (every nn.Linear, the LM head included; not
+    the embedding, which is a lookup)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def gemm_peak(dtype_name: str, hidden: int = 512, mlp: int = 1408) -> tuple[float, str]:
+    """The best matmul rate one thread of this machine reaches, in FLOP/s, over the shapes a step of the
+    25M model runs (a whole batch of tokens and a decode step's 32, through the attention and MLP
+    projections, as F.linear does them). Measured here, in this run."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    best, where = 0.0, ""
+    for m in (32, 1024):
+        for k, n in ((hidden, hidden), (hidden, mlp), (mlp, hidden)):
+            x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+            reps = max(3, int(2e9 / (2 * m * k * n)))
+            for _ in range(3):
+                F.linear(x, w)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    F.linear(x, w)
+                times.append((time.perf_counter() - t) / reps)
+            rate = 2 * m * k * n / min(times)
+            if rate > best:
+                best, where = rate, f"{m}x{k} @ {k}x{n}"
+    return best, where
+
+
+def step_flops(n_mm: int, prompt_tokens: float, completion_len: float, kl: bool) -> float:
+    """A lower bound on one step's arithmetic: matmul FLOPs over real tokens only (no padding), 2 per
+    weight per token forward and 4 more backward; generation (one forward per token), the update
+    (forward + backward) and, with KL, the reference forward. Attention scores and everything else are
+    left out, so a step can never take less than this over the peak rate."""
+    tokens = PROMPTS_PER_STEP * GROUP * (prompt_tokens + completion_len)
+    return n_mm * tokens * (2 + 6 + (2 if kl else 0))
+
+
 def versions() -> str:
     out = []
     for name in ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "rlctl"):
@@ -448,6 +509,8 @@ def main() -> None:
                     "2 for 25M; --quick: 2)")  # fmt: skip
     ap.add_argument("--models", default="tiny,25M", help="comma list of: tiny, 25M")
     ap.add_argument("--kl", default="no,k3", help="comma list of: no, k3")
+    ap.add_argument("--dtype", default="fp32", help="comma list of: fp32, bf16 (rlctl model.dtype, TRL bf16=True "
+                    "under accelerate's autocast; both keep fp32 master weights in the optimizer)")  # fmt: skip
     ap.add_argument("--kl-coef", type=float, default=0.04, help="rlctl algorithm.kl_coef = TRL beta for k3")
     ap.add_argument("--prompts", type=int, default=256, help="rows of the echo task")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -467,8 +530,10 @@ def main() -> None:
     }  # max new tokens, steps, warm-up
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     kls = [k.strip() for k in args.kl.split(",") if k.strip()]
-    if bad := [m for m in models if m not in specs] + [k for k in kls if k not in ("no", "k3")]:
-        ap.error(f"unknown model or kl: {bad}")
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [m for m in models if m not in specs] + [k for k in kls if k not in ("no", "k3")]
+    if bad := bad + [d for d in dtypes if d not in ("fp32", "bf16")]:
+        ap.error(f"unknown model, kl or dtype: {bad}")
     for m in models:
         if specs[m][1] <= specs[m][2]:
             ap.error(f"{m}: {specs[m][1]} steps leave nothing after a warm-up of {specs[m][2]}")
@@ -481,24 +546,30 @@ def main() -> None:
           + "; ".join(f"{m}: {specs[m][0]} new tokens, {specs[m][1]} steps per run, warm-up {specs[m][2]}"
                       for m in models)
           + f"; {rounds} run(s) per side per configuration, alternating rlctl, TRL; k3 coefficient {args.kl_coef}; "
-          f"TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}", flush=True)  # fmt: skip
+          f"TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}; precision "
+          f"{', '.join(dtypes)}", flush=True)  # fmt: skip
 
     warnings.filterwarnings("ignore")
     import transformers
 
+    from rlctl.engine.model import build_char_tokenizer
     from rlctl.engine.reward.builtin import make_prompts
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
     table, raw, described = [], {}, []
+    peaks = {d: gemm_peak(d) for d in dtypes}  # before the workers start: nothing else computes
     t_all = time.perf_counter()
     workers = {"rlctl": Worker("rlctl"), "TRL": Worker("trl")}
     try:
         with tempfile.TemporaryDirectory(prefix="rlctl-vs-trl-") as tmp:
             work = Path(tmp)
             data = work / "prompts.jsonl"
-            data.write_text("".join(json.dumps(r) + "\n" for r in make_prompts(args.prompts, SEED)))
+            rows = make_prompts(args.prompts, SEED)
+            data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tok = build_char_tokenizer()
+            prompt_tokens = statistics.fmean(len(tok(r["prompt"])["input_ids"]) for r in rows)
             # One short untimed run per worker first: first-in-process costs (lazy imports, DeepSpeed and
             # accelerate set-up, first calls into kernels) are then in no measured run.
             warm_dir = work / "model-warmup"
@@ -510,26 +581,31 @@ def main() -> None:
                 max_new, steps, warm = specs[m]
                 model_dir = work / f"model-{m}"
                 params = build_model_dir(m, model_dir)
+                n_mm = matmul_params(str(model_dir))
                 label = f"{m} ({params / 1e6:.2g}M)" if m == "tiny" else f"{m} ({params / 1e6:.1f}M)"
-                for kl in kls:
+                for dtype, kl in [(d, k) for d in dtypes for k in kls]:
                     coef = 0.0 if kl == "no" else args.kl_coef
                     runs: dict[str, list[RunResult]] = {"rlctl": [], "TRL": []}
                     for r in range(rounds):
                         for side in ("rlctl", "TRL"):
                             n += 1
-                            describe = side == "TRL" and r == 0 and len(described) < (1 if kl == "no" else 2)
+                            describe = side == "TRL" and r == 0 and m == models[0]
                             job = Job(str(model_dir), str(data), max_new, steps, coef, str(work / f"run-{n}"),
-                                      args.trl_gradient_checkpointing, describe)  # fmt: skip
+                                      args.trl_gradient_checkpointing, describe, dtype)  # fmt: skip
                             res = workers[side].run(job)
                             if res.describe:
-                                described.append((f"{m} kl={kl}", res.describe))
+                                described.append((f"{m} {dtype} kl={kl}", res.describe))
                             runs[side].append(res)
-                            log(f"[{m} kl={kl} round {r + 1}] {side:5s}: median "
+                            log(f"[{m} {dtype} kl={kl} round {r + 1}] {side:5s}: median "
                                 f"{statistics.median(res.step_s[warm:]):.4f} s/step, mean length "
                                 f"{statistics.fmean(res.mean_len[warm:]):.1f}, run {res.wall_s:.1f} s, "
                                 f"threads {res.threads}")  # fmt: skip
-                    table.append((label, kl, summarize(runs["rlctl"], warm), summarize(runs["TRL"], warm)))
-                    raw[f"{m}/{kl}"] = {side: [dataclasses.asdict(x) for x in xs] for side, xs in runs.items()}
+                    r_sum, t_sum = summarize(runs["rlctl"], warm), summarize(runs["TRL"], warm)
+                    for summ in (r_sum, t_sum):  # the arithmetic floor of this side's work
+                        summ["flops"] = step_flops(n_mm, prompt_tokens, summ["mean_len"], kl != "no")
+                        summ["floor_s"] = summ["flops"] / peaks[dtype][0]
+                    table.append((label, dtype, kl, r_sum, t_sum))
+                    raw[f"{m}/{dtype}/{kl}"] = {side: [dataclasses.asdict(x) for x in xs] for side, xs in runs.items()}
                     label = m
     finally:
         for w in workers.values():
@@ -537,13 +613,13 @@ def main() -> None:
     total = time.perf_counter() - t_all
 
     print()
-    head = (f"{'model':13s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
+    head = (f"{'model':13s} {'dtype':5s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
             f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}")  # fmt: skip
     print(head)
     print("-" * len(head))
-    for label, kl, r, t in table:
-        print(f"{label:13s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} {r['tok_per_s']:11.0f} "
-              f"{t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
+    for label, dtype, kl, r, t in table:
+        print(f"{label:13s} {dtype:5s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} "
+              f"{r['tok_per_s']:11.0f} {t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
               f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}")  # fmt: skip
     print()
     print("ratio(tok/s) = rlctl tok/s / TRL tok/s (above 1: rlctl is faster). s/step: median step time; tok/s: "
@@ -552,11 +628,23 @@ def main() -> None:
     print()
     print("phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "
           "per-run median s/step, and run wall times including setup:")  # fmt: skip
-    for label, kl, r, t in table:
+    for label, dtype, kl, r, t in table:
         for side, s in (("rlctl", r), ("TRL", t)):
-            print(f"  {label.split()[0]:5s} {kl:3s} {side:5s} gen {s['gen_s']:.4f}  ref {s['ref_s']:.4f}  "
+            print(f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {side:5s} gen {s['gen_s']:.4f}  ref {s['ref_s']:.4f}  "
                   f"update {s['update_s']:.4f} | runs {[round(x, 4) for x in s['run_medians']]} | "
                   f"wall {s['wall_s']} s | threads {s['threads']}")  # fmt: skip
+    print()
+    print("arithmetic floor: one thread's best matmul rate, measured before the runs: "
+          + "; ".join(f"{d} {rate / 1e9:.0f} GFLOP/s ({where})" for d, (rate, where) in peaks.items())
+          + f". A step's matmul work over real tokens ({prompt_tokens:.2f} prompt tokens + the mean completion "
+          "length per sequence; generation, update, reference) at that rate is the least time any implementation "
+          "could take; TRL s/step over TRL's floor is the highest ratio any implementation could reach on TRL's "
+          "work:")  # fmt: skip
+    for label, dtype, kl, r, t in table:
+        print(f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {t['flops'] / 1e9:7.1f} GFLOP/step  floor "
+              f"{t['floor_s']:.4f} s  rlctl at {r['flops'] / r['s_per_step'] / peaks[dtype][0]:6.1%} of peak, TRL at "
+              f"{t['flops'] / t['s_per_step'] / peaks[dtype][0]:6.1%}  highest possible ratio "
+              f"{t['s_per_step'] / t['floor_s']:.2f} (2x TRL needs {2 * t['floor_s'] / t['s_per_step']:.0%} of peak)")  # fmt: skip
     for where, d in described:
         print(f"TRL settings as its trainer saw them ({where}):")
         print("  " + ", ".join(f"{k}={v}" for k, v in d.items()))
@@ -566,7 +654,8 @@ def main() -> None:
     print(f"total {total:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "command": sys.argv, "table": [{"model": lb, "kl": kl, "rlctl": r, "trl": t} for lb, kl, r, t in table],
+            "command": sys.argv, "table": [{"model": lb, "dtype": d, "kl": kl, "rlctl": r, "trl": t} for lb, d, kl, r, t in table],
+            "gemm_peak_flops": {d: rate for d, (rate, _) in peaks.items()}, "prompt_tokens": prompt_tokens,
             "runs": raw, "trl_settings": dict(described)}, indent=1))  # fmt: skip
 
 

@@ -1,26 +1,34 @@
-"""What DeepSpeed ZeRO costs in a world of one: forward + backward and the optimizer step of the 25.8M
-Llama from grpo_vs_trl.py (hidden 512, 8 layers, MLP 1408, head_dim 64), plain PyTorch against ZeRO-1
-and ZeRO-2, with torch's fused AdamW (and, with --unfused, the unfused one) on one CPU thread.
+"""What DeepSpeed ZeRO costs in a world of one: forward, backward and the optimizer step of the 25.8M
+Llama from grpo_vs_trl.py (hidden 512, 8 layers, MLP 1408, head_dim 64) on one CPU thread, plain
+PyTorch against ZeRO-1 and ZeRO-2 (and ZeRO-2 with other bucket settings), all with torch's fused AdamW
+and grad-norm clipping at 1.0; with --unfused, also the unfused AdamW.
 
-    .venv/bin/python benchmarks/zero_overhead.py [--batch 32] [--seq 50] [--steps 5] [--unfused]
+    .venv/bin/python benchmarks/zero_overhead.py [--batch 32] [--seq 38] [--steps 6] [--unfused]
 
-Each configuration runs in its own process; the first two steps are warm-up, the table shows medians.
+Every setup holds its own copy of the same model in this one process, and the setups take turns, one
+step each, so that machine noise lands on all of them alike. Two warm-up turns; the table shows medians.
+The loss is a mean log-prob of the batch, as a GRPO update's is; the batch has some left padding.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ["OMP_NUM_THREADS"] = "1"
 
-def worker(stage: int, batch: int, seq: int, steps: int, fused: bool) -> dict:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ["OMP_NUM_THREADS"] = "1"
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=38)
+    ap.add_argument("--steps", type=int, default=6, help="measured turns per setup (after 2 warm-up turns)")
+    ap.add_argument("--unfused", action="store_true", help="also plain and ZeRO-2 with the unfused AdamW")
+    args = ap.parse_args()
+
     import torch
 
     from rlctl.engine.runtime import init_distributed, setup_runtime
@@ -32,57 +40,68 @@ def worker(stage: int, batch: int, seq: int, steps: int, fused: bool) -> dict:
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256)  # fmt: skip
+    setups = [("plain PyTorch", None, True), ("ZeRO-1", {"stage": 1}, True), ("ZeRO-2", {"stage": 2}, True),
+              ("ZeRO-2 non-contiguous", {"stage": 2, "contiguous_gradients": False}, True),
+              ("ZeRO-2 500M buckets", {"stage": 2, "reduce_bucket_size": int(5e8)}, True),
+              ("ZeRO-2 overlap_comm", {"stage": 2, "overlap_comm": True}, True)]  # fmt: skip
+    if args.unfused:
+        setups += [("plain PyTorch", None, False), ("ZeRO-2", {"stage": 2}, False)]
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None, foreach=None if fused else False)
-    x = torch.randint(0, 64, (batch, seq))
-    if stage < 0:
-        def step():
-            t0 = time.perf_counter()
-            model(input_ids=x, labels=x).loss.backward()
-            t1 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return t1 - t0, time.perf_counter() - t1
-    else:
-        ds = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 2**31 - 1}  # fmt: skip
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    ids = torch.randint(3, 64, (args.batch, args.seq))
+    mask = torch.ones_like(ids)
+    mask[: args.batch // 3, :2] = 0
 
-        def step():
-            t0 = time.perf_counter()
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            t1 = time.perf_counter()
-            engine.step()
-            return t1 - t0, time.perf_counter() - t1
-    times = [step() for _ in range(steps)][2:]
-    return {"fwd_bwd": statistics.median(a for a, _ in times), "opt": statistics.median(b for _, b in times)}
+    def loss_of(model):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        return out.logits.float().log_softmax(-1)[..., 3].mean()
 
+    steps = []
+    for name, zero, fused in setups:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None, foreach=None if fused else False)
+        if zero is None:
+            def step(model=model, opt=opt):
+                t0 = time.perf_counter()
+                loss = loss_of(model)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                return t1 - t0, t2 - t1, time.perf_counter() - t2
+        else:
+            ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 1.0, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 2**31 - 1}  # fmt: skip
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=50)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--unfused", action="store_true", help="also measure the unfused AdamW")
-    ap.add_argument("--worker", type=str, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        stage, fused = json.loads(args.worker)
-        print(json.dumps(worker(stage, args.batch, args.seq, args.steps, fused)))
-        return
-    print(f"25.8M Llama, batch {args.batch}x{args.seq}, one thread, median of {args.steps - 2} steps")
-    print(f"{'setup':24} {'fwd+bwd s':>10} {'opt step ms':>12}")
-    for fused in (True, False) if args.unfused else (True,):
-        for stage, name in ((-1, "plain PyTorch"), (1, "ZeRO-1"), (2, "ZeRO-2")):
-            cmd = [sys.executable, __file__, "--batch", str(args.batch), "--seq", str(args.seq), "--steps",
-                   str(args.steps), "--worker", json.dumps([stage, fused])]  # fmt: skip
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            r = json.loads(out)
-            label = f"{name} ({'fused' if fused else 'unfused'})"
-            print(f"{label:24} {r['fwd_bwd']:10.2f} {r['opt'] * 1e3:12.0f}")
+            def step(engine=engine):
+                t0 = time.perf_counter()
+                loss = loss_of(engine)
+                t1 = time.perf_counter()
+                engine.backward(loss)
+                t2 = time.perf_counter()
+                engine.step()
+                return t1 - t0, t2 - t1, time.perf_counter() - t2
+        steps.append(step)
+
+    times: list[list[tuple[float, float, float]]] = [[] for _ in setups]
+    for turn in range(args.steps + 2):
+        for i, step in enumerate(steps):
+            t = step()
+            if turn >= 2:
+                times[i].append(t)
+
+    print(f"25.8M Llama, batch {args.batch}x{args.seq}, one thread, median of {args.steps} alternating turns")
+    print(f"{'setup':34} {'forward s':>9} {'backward s':>10} {'opt step ms':>11} {'total s':>8}")
+    for (name, _, fused), ts in zip(setups, times):
+        fwd, bwd, opt = (statistics.median(t[k] for t in ts) for k in range(3))
+        total = statistics.median(sum(t) for t in ts)
+        label = f"{name} ({'fused' if fused else 'unfused'})"
+        print(f"{label:34} {fwd:9.3f} {bwd:10.3f} {opt * 1e3:11.0f} {total:8.3f}")
 
 
 if __name__ == "__main__":

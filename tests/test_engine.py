@@ -149,3 +149,39 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     fresh = Actor(cfg, model_dir, runtime)
     manager.restore(manager.scan()[0], {}, {"actor": fresh})
     assert fresh.weights_sha256() == at_save
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_dir, mode):
+    """Splitting a mini-batch into micro-batches of different token counts must not reweigh tokens:
+    the accumulated gradient equals the one of the whole batch in one pass (token-mean is a mean over
+    every token of the mini-batch, not a mean of per-micro-batch means)."""
+    from rlctl.engine.actor import Sequences
+
+    tok = load_tokenizer(model_dir)
+    results = []
+    for micro in (None, 2):
+        cfg = make_cfg(actor__zero_stage=2, actor__micro_batch_size=micro, actor__grad_clip=1e9)
+        cfg.algorithm.loss_agg_mode = mode
+        actor = Actor(cfg, model_dir, runtime)
+        rollout = HFRollout(cfg, actor, tok)
+        seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+        # the first micro-batch keeps 1 + 2 response tokens, the second all of theirs
+        keep = torch.ones_like(seqs.response_mask)
+        keep[0, 1:] = 0
+        keep[1, 2:] = 0
+        response_mask = seqs.response_mask * keep
+        attention_mask = seqs.attention_mask.clone()
+        attention_mask[:, seqs.prompt_len :] *= keep
+        seqs = Sequences(seqs.input_ids, attention_mask, response_mask, seqs.prompt_len)
+        assert int(response_mask[:2].sum()) < int(response_mask[2:].sum())
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * response_mask
+        stats = actor.update(seqs, adv, None, None, 0.0)
+        with actor.full_parameters():
+            results.append((stats["actor/grad_norm"], torch.cat([p.detach().flatten() for p in actor.module.parameters()])))
+    (norm_whole, weights_whole), (norm_micro, weights_micro) = results
+    assert norm_micro == pytest.approx(norm_whole, rel=1e-5)
+    # Adam's first step moves every weight by about ±lr whatever its gradient's size, so the few weights
+    # whose gradient is float noise around 0 may go either way; all others must agree.
+    far = (weights_micro - weights_whole).abs() > 1e-6
+    assert int(far.sum()) < far.numel() // 1000

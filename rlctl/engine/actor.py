@@ -184,6 +184,7 @@ class DSModule:
         self.fence = None  # called before every optimizer step: waits for snapshot files still being written
         # a decision every rank must take the same way (with several ranks: true only if true on all)
         self.agree: Callable[[bool], bool] = lambda flag: flag
+        self.total: Callable[[int], int] = lambda n: n  # an integer summed over the ranks
 
     def step(self, loss: torch.Tensor) -> None:
         """Backward and (at a mini-batch boundary, DeepSpeed decides) an optimizer step, behind the fence."""
@@ -192,11 +193,25 @@ class DSModule:
             self.fence()
         self.engine.step()
 
-    def minibatches(self, n: int):
-        """(mini-batch index, slice of one micro-batch) over ``n`` sequences."""
+    def minibatches(self, mask: torch.Tensor, agg_mode: str):
+        """(slice of one micro-batch, loss weight) over the rank's (B, T) response mask, mini-batch by
+        mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
+        ranks; a token-mean loss computed per micro-batch would then weigh a token of a short
+        micro-batch more than one of a long one. The weight (this micro-batch's tokens x micro-batches
+        x ranks / the mini-batch's tokens over all ranks) makes the sum of what DeepSpeed applies the
+        mean over every token of the mini-batch on every rank, as one rank with one micro-batch
+        computes it (where the weight is exactly 1). Other aggregation modes weigh whole sequences,
+        which every micro-batch holds equally many of: weight 1."""
+        n = mask.shape[0]
+        token_mean = agg_mode == "token-mean"
+        scale = self.engine.gradient_accumulation_steps() * self.engine.dp_world_size
         for start in range(0, n, self.mini_batch):
-            for micro in range(start, min(start + self.mini_batch, n), self.micro_batch):
-                yield start // self.mini_batch, slice(micro, micro + self.micro_batch)
+            stop = min(start + self.mini_batch, n)
+            tokens = self.total(int(mask[start:stop].sum())) if token_mean else 0
+            for micro in range(start, stop, self.micro_batch):
+                idx = slice(micro, min(micro + self.micro_batch, stop))
+                weight = int(mask[idx].sum()) * scale / tokens if token_mean and tokens else 1.0
+                yield idx, weight
 
     @property
     def module(self) -> torch.nn.Module:
@@ -300,7 +315,7 @@ class Actor(DSModule):
         n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(a.ppo_epochs):
-            for _, idx in self.minibatches(len(seqs)):
+            for idx, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
                 if poison and n_micro == 0:  # fault drill: one NaN log-prob, as a broken kernel would give
@@ -339,7 +354,7 @@ class Actor(DSModule):
                 boundary = self.engine.is_gradient_accumulation_boundary()
                 # every rank applies its micro-batch, or none does: backward and step are collectives
                 if self.agree(bool(torch.isfinite(loss))):
-                    self.step(loss)
+                    self.step(loss * weight)
                 else:
                     # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.
                     # DeepSpeed still counts the micro-step so accumulation boundaries stay aligned.

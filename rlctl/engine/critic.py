@@ -51,14 +51,14 @@ class Critic(DSModule):
         totals: dict[str, float] = {}
         n = 0
         for _ in range(a.ppo_epochs):
-            for _, idx in self.minibatches(len(seqs)):
+            for idx, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 vpreds = self.values(mb)
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
                     vpreds, old_values[idx], returns[idx], mask, self.cfg.critic.cliprange_value, a.loss_agg_mode
                 )
                 if self.agree(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
-                    self.step(vf_loss)
+                    self.step(vf_loss * weight)
                 for key, value in (("critic/vf_loss", vf_loss.item()), ("critic/vf_clipfrac", vf_clipfrac.item())):
                     totals[key] = totals.get(key, 0.0) + value
                 n += 1

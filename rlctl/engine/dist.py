@@ -89,6 +89,10 @@ class Dist:
         self._dist.all_reduce(t, op=op)
         return int(t.item())
 
+    def sum(self, value: int) -> int:
+        """The sum over every rank."""
+        return self._reduce_int(value, self._dist.ReduceOp.SUM if self.active else None)
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on at least one."""
         return bool(self._reduce_int(int(flag), self._dist.ReduceOp.MAX if self.active else None))

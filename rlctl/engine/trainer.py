@@ -111,7 +111,7 @@ class Trainer:
         if snapshots is not None:
             snapshots.barrier, snapshots.agree = self.dist.barrier, self.dist.all
         self.actor = Actor(cfg, self.model_dir, self.runtime)
-        self.actor.agree = self.dist.all
+        self.actor.agree, self.actor.total = self.dist.all, self.dist.sum
         if snapshots is not None:
             self.actor.fence = snapshots.wait_staged  # no optimizer step while a snapshot reads the weights
         self.ref = None
@@ -119,7 +119,7 @@ class Trainer:
             self.ensure_reference()
         self.critic = Critic(cfg, self.model_dir, self.runtime) if cfg.algorithm.name == "ppo" else None
         if self.critic is not None:
-            self.critic.agree = self.dist.all
+            self.critic.agree, self.critic.total = self.dist.all, self.dist.sum
         if snapshots is not None and self.critic is not None:
             self.critic.fence = snapshots.wait_staged
         self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer,
