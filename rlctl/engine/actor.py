@@ -193,25 +193,24 @@ class DSModule:
             self.fence()
         self.engine.step()
 
-    def minibatches(self, mask: torch.Tensor, agg_mode: str):
-        """(slice of one micro-batch, loss weight) over the rank's (B, T) response mask, mini-batch by
+    def minibatches(self, mask: torch.Tensor):
+        """(slice of one micro-batch, token weight) over the rank's (B, T) response mask, mini-batch by
         mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
-        ranks; a token-mean loss computed per micro-batch would then weigh a token of a short
-        micro-batch more than one of a long one. The weight (this micro-batch's tokens x micro-batches
-        x ranks / the mini-batch's tokens over all ranks) makes the sum of what DeepSpeed applies the
-        mean over every token of the mini-batch on every rank, as one rank with one micro-batch
-        computes it (where the weight is exactly 1). Other aggregation modes weigh whole sequences,
-        which every micro-batch holds equally many of: weight 1."""
+        ranks, so a token mean computed per micro-batch would weigh a token of a short micro-batch more
+        than one of a long one. Times the token weight (this micro-batch's tokens x micro-batches x
+        ranks / the mini-batch's tokens over all ranks), a per-micro-batch token mean becomes its share
+        of the mean over every token of the mini-batch on every rank, as one rank with one micro-batch
+        computes it (where the weight is exactly 1): for the loss under ``token-mean`` and for the
+        token-mean metrics. (Aggregation modes that weigh whole sequences need no weight: every
+        micro-batch holds equally many.)"""
         n = mask.shape[0]
-        token_mean = agg_mode == "token-mean"
         scale = self.engine.gradient_accumulation_steps() * self.engine.dp_world_size
         for start in range(0, n, self.mini_batch):
             stop = min(start + self.mini_batch, n)
-            tokens = self.total(int(mask[start:stop].sum())) if token_mean else 0
+            tokens = self.total(int(mask[start:stop].sum()))
             for micro in range(start, stop, self.micro_batch):
                 idx = slice(micro, min(micro + self.micro_batch, stop))
-                weight = int(mask[idx].sum()) * scale / tokens if token_mean and tokens else 1.0
-                yield idx, weight
+                yield idx, (int(mask[idx].sum()) * scale / tokens if tokens else 1.0)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -315,7 +314,8 @@ class Actor(DSModule):
         n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(a.ppo_epochs):
-            for idx, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
+            for idx, tw in self.minibatches(seqs.response_mask):
+                weight = tw if a.loss_agg_mode == "token-mean" else 1.0  # of the loss (see minibatches)
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
                 if poison and n_micro == 0:  # fault drill: one NaN log-prob, as a broken kernel would give
@@ -336,13 +336,13 @@ class Actor(DSModule):
                     kl = algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator)
                     kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode, horizon)
                     loss = loss + kl_coef * kl_loss
-                stats = {
-                    "actor/pg_loss": pl.pg_loss.item(),
-                    "actor/kl_loss": kl_loss.item(),
-                    "actor/ppo_kl": pl.ppo_kl.item(),
-                    "actor/pg_clipfrac": pl.pg_clipfrac.item(),
-                    "actor/pg_clipfrac_lower": pl.pg_clipfrac_lower.item(),
-                    "actor/entropy": algos.masked_mean(entropy, mask).item(),
+                stats = {  # weighted so that their means over micro-batches and ranks are the batch's
+                    "actor/pg_loss": pl.pg_loss.item() * weight,
+                    "actor/kl_loss": kl_loss.item() * weight,
+                    "actor/ppo_kl": pl.ppo_kl.item() * tw,
+                    "actor/pg_clipfrac": pl.pg_clipfrac.item() * tw,
+                    "actor/pg_clipfrac_lower": pl.pg_clipfrac_lower.item() * tw,
+                    "actor/entropy": algos.masked_mean(entropy, mask).item() * tw,
                     "actor/nonfinite/log_prob": algos.count_nonfinite(log_prob, mask),
                     "actor/nonfinite/loss": float(not torch.isfinite(loss).item()),
                 }
@@ -350,7 +350,7 @@ class Actor(DSModule):
                     stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
                 if rollout_log_prob is not None:
                     diff = (log_prob.detach() - rollout_log_prob[idx]).abs()
-                    stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item()
+                    stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item() * tw
                 boundary = self.engine.is_gradient_accumulation_boundary()
                 # every rank applies its micro-batch, or none does: backward and step are collectives
                 if self.agree(bool(torch.isfinite(loss))):

@@ -51,7 +51,8 @@ class Critic(DSModule):
         totals: dict[str, float] = {}
         n = 0
         for _ in range(a.ppo_epochs):
-            for idx, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
+            for idx, tw in self.minibatches(seqs.response_mask):
+                weight = tw if a.loss_agg_mode == "token-mean" else 1.0  # of the loss (see minibatches)
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 vpreds = self.values(mb)
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
@@ -59,7 +60,9 @@ class Critic(DSModule):
                 )
                 if self.agree(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
                     self.step(vf_loss * weight)
-                for key, value in (("critic/vf_loss", vf_loss.item()), ("critic/vf_clipfrac", vf_clipfrac.item())):
+                # weighted so that their means over micro-batches and ranks are the batch's
+                for key, value in (("critic/vf_loss", vf_loss.item() * weight),
+                                   ("critic/vf_clipfrac", vf_clipfrac.item() * tw)):  # fmt: skip
                     totals[key] = totals.get(key, 0.0) + value
                 n += 1
         out = {k: v / n for k, v in totals.items()}
