@@ -200,7 +200,10 @@ def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, A
 
 
 def _launch_local(run: Storage, cfg: RunConfig, restore: dict | None, reporter) -> dict[str, Any]:
+    from rlctl.engine.runtime import check_local_ranks
+
     world = cfg.world_size
+    check_local_ranks(cfg.device, world)
     tmp = tempfile.mkdtemp(prefix="rlctl-ranks-")
     spec = {**_spec(run, cfg, restore), "port": free_port()}
     spec_path = os.path.join(tmp, "spec.json")

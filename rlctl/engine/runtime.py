@@ -165,6 +165,20 @@ def _local_index(kind: str, local_rank: int) -> int:
     )
 
 
+def check_local_ranks(device_pref: str, nproc: int) -> None:
+    """Before local ranks start: every rank needs a device of its own on CUDA and NPU (two NCCL ranks on
+    one GPU fail later, inside NCCL, with a duplicate-GPU error). A ConfigError that says so."""
+    kind = resolve_device(device_pref)
+    if kind == "cpu" or nproc <= 1:
+        return
+    count = device_module(kind).device_count()
+    if nproc > count:
+        raise ConfigError(
+            f"'trainer.nproc' is {nproc} but this machine has {count} {kind} device{'s' * (count != 1)}; every "
+            f"local rank needs one of its own: use --nproc {count} or fewer (or device: cpu)"
+        )
+
+
 def bind_device(kind: str) -> torch.device:
     """This process's torch.device, made current (``torch.cuda.set_device`` / ``torch.npu.set_device``)."""
     if kind == "cpu":
