@@ -264,3 +264,46 @@ def test_concurrent_takeover_has_one_winner(tmp_path):
         t.join()
     assert len(winners) == 1 and len(errors) == 3
     winners[0].release()
+
+
+def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path):
+    """Two ranks (threads) commit one snapshot to object-like storage. At restore each rank downloads
+    and hashes only the shared files and its own; a corrupt file of rank 1 fails rank 1's check alone
+    (in a real run the ranks then agree to skip the snapshot)."""
+    from rlctl.checkpoint.snapshots import files_of_rank
+
+    storage = Storage(f"memory://test-{uuid.uuid4().hex}/ckpt")
+    meet = threading.Barrier(2)
+    managers = [SnapshotManager(storage, world_size=2, rank=r, barrier=meet.wait) for r in (0, 1)]
+
+    def save_rank(r):
+        managers[r].save(1, {"counter": Counter(10 + r)}, {"blob": Blob(b"\x01" * 100)}, good=True)  # same bytes
+        managers[r].wait()
+
+    threads = [threading.Thread(target=save_rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    info = managers[0].scan()[0]
+    files = sorted(info.manifest["files"])
+    assert {"state.pt", "state.rank-1.pt", "ranks/rank-1.json"} <= set(files)
+    assert files_of_rank(files, 0) == [f for f in files if f not in ("state.rank-1.pt", "ranks/rank-1.json")]
+    assert "state.pt" not in files_of_rank(files, 1) and "state.rank-1.pt" in files_of_rank(files, 1)
+    assert files_of_rank(["a/zero_pp_rank_1_mp_rank_00_optim_states.pt", "a/zero_pp_rank_10_x.pt",
+                          "a/mp_rank_00_model_states.pt"], 1) == ["a/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                                                                  "a/mp_rank_00_model_states.pt"]  # fmt: skip
+
+    fetched = []
+    get_file = storage.fs.get_file
+    storage.fs.get_file = lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[1]), get_file(src, dst, **kw))
+    counters = [Counter(), Counter()]
+    managers[0].restore(info, {"counter": counters[0]}, {"blob": Blob()})
+    assert sorted(fetched) == files_of_rank(files, 0)
+    managers[1].restore(managers[1].scan()[0], {"counter": counters[1]}, {"blob": Blob()})
+    assert [c.value for c in counters] == [10, 11]
+
+    storage.write_bytes("step-000001/state.rank-1.pt", b"X" * info.manifest["files"]["state.rank-1.pt"]["size"])
+    managers[0].restore(managers[0].scan()[0], {"counter": Counter()}, {"blob": Blob()})  # rank 0 never reads it
+    with pytest.raises(SnapshotError, match="state.rank-1.pt does not match its sha256"):
+        managers[1].restore(managers[1].scan()[0], {"counter": Counter()}, {"blob": Blob()})

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 from pydantic import BaseModel
 
@@ -513,6 +514,32 @@ def test_policy_check_bad_file_raises_the_config_error(tmp_path):
     assert "'rules.0.actions.0.set' (bad.yaml line 6): unknown setting 'actor.lrr'" in result.exception.message
     assert "did you mean 'actor.lr'?" in result.exception.message
     assert result.output == ""
+
+
+def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypatch):
+    """`policies: [default]` in a run config outside the repository (and `rlctl policy check default`)
+    find policies/default.yaml; a file of that name next to the config still wins; a typo is a
+    ConfigError with the ready-made names and a did-you-mean."""
+    from rlctl.commands.policy import policy
+    from rlctl.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    shipped = {p.stem: yaml.safe_load(p.read_text()) for p in SHIPPED}
+    for name, stem in (("default", "default"), ("warn-only.yaml", "warn-only")):
+        (tmp_path / "run.yaml").write_text(f"policies: [{name}]\n")
+        assert load_config(str(tmp_path / "run.yaml"), []).policies == [shipped[stem]]
+    (tmp_path / "run.yaml").write_text("policies: [default]\n")
+    result = CliRunner().invoke(policy, ["check", "default"])
+    assert result.exit_code == 0 and result.output.startswith("default: valid, 4 rules."), result.output
+
+    (tmp_path / "default.yaml").write_text(RULE + "    when: x > 1\n    actions: [{type: warn}]\n")
+    (tmp_path / "run.yaml").write_text("policies: [default.yaml]\n")  # a file by that name: the file
+    assert load_config(str(tmp_path / "run.yaml"), []).policies[0]["rules"][0]["name"] == "r"
+
+    (tmp_path / "run.yaml").write_text("policies: [defualt]\n")
+    with pytest.raises(ConfigError, match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
+                       r"conservative, default, warn-only \(did you mean 'default'\?\)"):  # fmt: skip
+        load_config(str(tmp_path / "run.yaml"), [])
 
 
 # --------------------------------------------------------------------------------------------------

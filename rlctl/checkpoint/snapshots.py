@@ -53,6 +53,26 @@ def state_file(rank: int) -> str:
 
 def rank_list(rank: int) -> str:
     return f"{RANKS_DIR}/rank-{rank}.json"
+
+
+# files of one rank: its trainer state, its list, its ZeRO partitions (DeepSpeed's zero_pp_rank_N_*)
+_RANK_FILE = re.compile(r"^(?:state\.rank-(\d+)\.pt|ranks/rank-(\d+)\.json|(?:.*/)?zero_pp_rank_(\d+)_[^/]*)$")
+
+
+def files_of_rank(files, rank: int) -> list[str]:
+    """The files of a snapshot that rank ``rank`` reads to restore: everything except the other ranks'
+    own files. (DeepSpeed loads only its own rank's ZeRO partition unless checkpoints are elastic,
+    which rlctl never asks for.) In a world of one, every file."""
+    out = []
+    for rel in files:
+        if rel == STATE_FILE:
+            owner = 0
+        else:
+            m = _RANK_FILE.match(rel)
+            owner = int(next(g for g in m.groups() if g is not None)) if m else rank
+        if owner == rank:
+            out.append(rel)
+    return out
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -482,17 +502,20 @@ class SnapshotManager:
 
     # -- restoring ---------------------------------------------------------------------------------
     def restore(self, info: SnapshotInfo, states: dict[str, Stateful], dirs: dict[str, DirStateful]) -> None:
-        """Verify every checksum, then load every Stateful. Raises SnapshotError when the snapshot is not
-        usable; nothing is loaded then. With several ranks, every rank checks and they agree before any
-        loads: a snapshot one rank finds broken is skipped by all of them."""
+        """Verify the checksum of every file this rank reads, then load every Stateful. Raises
+        SnapshotError when the snapshot is not usable; nothing is loaded then. With several ranks, each
+        rank fetches (from object storage) and checks only the shared files and its own, so together
+        they check every file once plus the shared ones N times, and they agree before any loads: a
+        snapshot one rank finds broken is skipped by all of them."""
         import torch
 
         self.wait()  # a snapshot still in flight is finished first
         problem, local, cleanup = info.problem, None, (lambda: None)
         try:
             if problem is None:
-                local, cleanup = self.storage.local_copy(info.name)
-                problem = info.problem = checksum_problem(local, info.manifest or {})
+                mine = files_of_rank((info.manifest or {}).get("files", {}), self.rank)
+                local, cleanup = self.storage.local_copy(info.name, files=mine)
+                problem = info.problem = checksum_problem(local, info.manifest or {}, only=mine)
             if not self.agree(problem is None):
                 raise SnapshotError(f"snapshot {info.name} is not usable: "
                                     f"{problem or 'another rank found it broken (see its error)'}")  # fmt: skip
@@ -508,8 +531,11 @@ class SnapshotManager:
             cleanup()
 
 
-def checksum_problem(local_dir: str, manifest: dict[str, Any]) -> str | None:
+def checksum_problem(local_dir: str, manifest: dict[str, Any], only: list[str] | None = None) -> str | None:
+    """The first file (of ``only``, or of all) missing or unlike its sha256 in the manifest, said."""
     for rel, meta in manifest.get("files", {}).items():
+        if only is not None and rel not in only:
+            continue
         path = os.path.join(local_dir, *rel.split("/"))
         if not os.path.exists(path):
             return f"file {rel} is missing"

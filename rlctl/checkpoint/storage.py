@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import fsspec
@@ -152,20 +152,25 @@ class Storage:
                 self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
                 self.fs.put_file(src, dst)
 
-    def get_dir(self, local_dir: str, *parts: str) -> None:
-        """Download every file below ``parts`` into a local directory."""
+    def get_dir(self, local_dir: str, *parts: str, files: Iterable[str] | None = None) -> None:
+        """Download every file below ``parts`` (or only ``files``, relative to it; those that do not
+        exist are left out) into a local directory."""
+        wanted = None if files is None else set(files)
         for rel in self.walk_files(*parts):
+            if wanted is not None and rel not in wanted:
+                continue
             dst = os.path.join(local_dir, *rel.split("/"))
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             self.fs.get_file(self.path(*parts, rel), dst)
 
-    def local_copy(self, *parts: str) -> tuple[str, Callable[[], None]]:
-        """A local directory holding the files below ``parts``, and a cleanup function. On a local
-        filesystem that is the directory itself and the cleanup does nothing."""
+    def local_copy(self, *parts: str, files: Iterable[str] | None = None) -> tuple[str, Callable[[], None]]:
+        """A local directory holding the files below ``parts`` (at least ``files``, relative to it),
+        and a cleanup function. On a local filesystem that is the directory itself and the cleanup does
+        nothing; from object storage, only ``files`` are downloaded when given."""
         if self.is_local:
             return self.path(*parts), lambda: None
         tmp = tempfile.mkdtemp(prefix="rlctl-dl-")
-        self.get_dir(tmp, *parts)
+        self.get_dir(tmp, *parts, files=files)
         return tmp, lambda: shutil.rmtree(tmp, ignore_errors=True)
 
 

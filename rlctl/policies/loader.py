@@ -32,14 +32,30 @@ PolicySpec = Union[str, os.PathLike, Mapping[str, Any]]  # a path to a YAML file
 # Public entry points
 
 
+# the ready-made policies (policies/ of the source tree rlctl runs from), which a bare name picks
+READY_DIR = Path(__file__).resolve().parents[2] / "policies"
+
+
+def ready_policies() -> list[str]:
+    """Names of the ready-made policies: ``default``, ``conservative``, ``warn-only`` ..."""
+    return sorted(p.stem for p in READY_DIR.glob("*.yaml")) if READY_DIR.is_dir() else []
+
+
 def load_policy_file(path: str | os.PathLike[str]) -> PolicyFile:
-    """Read and validate one policy file; ConfigError names the file, line and key of any mistake."""
-    return _load_file(Path(path))[0]
+    """Read and validate one policy file (or ready-made policy, by name); ConfigError names the file,
+    line and key of any mistake."""
+    return _load_file(resolve_policy_path(Path(path), None))[0]
 
 
 def _load_file(path: Path) -> tuple[PolicyFile, Origins]:
     if not path.is_file():
-        raise ConfigError(f"policy file not found: {path}")
+        names = ready_policies()
+        hint = ""
+        if names and len(path.parts) == 1:
+            close = difflib.get_close_matches(path.stem, names, n=1)
+            hint = f"; a bare name picks a ready-made policy: {', '.join(names)}"
+            hint += f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"policy file not found: {path}{hint}")
     data, _ = read_yaml(path)  # YAML syntax and "not a mapping" errors, located
     origins = yaml_origins(path.read_text(), path.name)
     return validate_policy(data, origins, source=f"file {path}"), origins
@@ -82,9 +98,14 @@ def load_policies(specs: Iterable[PolicySpec], base_dir: str | os.PathLike[str] 
 
 
 def resolve_policy_path(path: Path, base_dir: str | os.PathLike[str] | None) -> Path:
+    """A relative path: in ``base_dir`` (the run config's folder) first, then the current directory.
+    A bare name that is neither (``default``, ``warn-only.yaml``): the ready-made policy of that name."""
     if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).is_file():
         return Path(base_dir) / path
-    return path
+    if path.is_file() or path.is_absolute() or len(path.parts) > 1:
+        return path
+    ready = READY_DIR / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    return ready if ready.is_file() else path
 
 
 def _where(key: tuple[str, ...], origins: Origins) -> str:
