@@ -14,7 +14,7 @@ takes them, alternating:
   takes than the control steps taken just before each snapshot (medians): that step waits at the
   optimizer-step fence for files still being written, and shares the CPU and the GIL with the writer.
   The commit is awaited after that step;
-- synchronous: `snapshot()` and then waiting for the commit, all in the training thread.
+- synchronous: the training thread calls `snapshot()` and then waits for the commit.
 
 Target: the asynchronous stall under 5% of a synchronous save.
 """

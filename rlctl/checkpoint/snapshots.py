@@ -73,6 +73,8 @@ def files_of_rank(files, rank: int) -> list[str]:
         if owner == rank:
             out.append(rel)
     return out
+
+
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

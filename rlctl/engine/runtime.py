@@ -19,8 +19,8 @@ cpu      cpu             gloo               cpu              fp32
 =======  ==============  =================  ===============  ===========================
 
 An explicit ``fp32`` or ``bf16`` is honoured everywhere. On a CPU with AVX512-BF16 (or AMX), bf16 pays
-off once matrix multiplies dominate (a 25.8M-parameter GRPO step ran 1.9x faster than in fp32, see
-benchmarks/grpo_vs_trl.py) and costs time on tiny models, whose steps are per-operation overhead.
+off once matrix multiplies dominate (a 25.8M-parameter GRPO step ran about 2x faster than in fp32,
+see benchmarks/grpo_vs_trl.py --dtype fp32,bf16) and costs time on tiny models, whose steps are per-operation overhead.
 
 DeepSpeed reads ``DS_ACCELERATOR`` when its accelerator is first asked for (``import deepspeed`` asks).
 The resolved device wins over a value already in the environment, with a warning on stderr: an
