@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: venv
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=12
 
 demo: venv
 	$(VENV)/bin/rlctl start

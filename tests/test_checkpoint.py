@@ -266,7 +266,7 @@ def test_concurrent_takeover_has_one_winner(tmp_path):
     winners[0].release()
 
 
-def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path):
+def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, monkeypatch):
     """Two ranks (threads) commit one snapshot to object-like storage. At restore each rank downloads
     and hashes only the shared files and its own; a corrupt file of rank 1 fails rank 1's check alone
     (in a real run the ranks then agree to skip the snapshot)."""
@@ -295,8 +295,9 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path):
                                                                   "a/mp_rank_00_model_states.pt"]  # fmt: skip
 
     fetched = []
-    get_file = storage.fs.get_file
-    storage.fs.get_file = lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[1]), get_file(src, dst, **kw))
+    get_file = storage.fs.get_file  # (fsspec shares one memory filesystem: patched for this test only)
+    monkeypatch.setattr(storage.fs, "get_file", lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[-1]),
+                                                                        get_file(src, dst, **kw)))  # fmt: skip
     counters = [Counter(), Counter()]
     managers[0].restore(info, {"counter": counters[0]}, {"blob": Blob()})
     assert sorted(fetched) == files_of_rank(files, 0)
