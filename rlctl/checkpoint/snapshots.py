@@ -535,8 +535,9 @@ class SnapshotManager:
 
 def checksum_problem(local_dir: str, manifest: dict[str, Any], only: list[str] | None = None) -> str | None:
     """The first file (of ``only``, or of all) missing or unlike its sha256 in the manifest, said."""
+    wanted = None if only is None else set(only)
     for rel, meta in manifest.get("files", {}).items():
-        if only is not None and rel not in only:
+        if wanted is not None and rel not in wanted:
             continue
         path = os.path.join(local_dir, *rel.split("/"))
         if not os.path.exists(path):

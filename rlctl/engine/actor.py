@@ -193,16 +193,16 @@ class DSModule:
             self.fence()
         self.engine.step()
 
-    def minibatches(self, mask: torch.Tensor):
-        """(slice of one micro-batch, token weight) over the rank's (B, T) response mask, mini-batch by
-        mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
+    def minibatches(self, mask: torch.Tensor, agg_mode: str):
+        """(slice of one micro-batch, token weight, loss weight) over the rank's (B, T) response mask,
+        mini-batch by mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
         ranks, so a token mean computed per micro-batch would weigh a token of a short micro-batch more
         than one of a long one. Times the token weight (this micro-batch's tokens x micro-batches x
         ranks / the mini-batch's tokens over all ranks), a per-micro-batch token mean becomes its share
         of the mean over every token of the mini-batch on every rank, as one rank with one micro-batch
         computes it (where the weight is exactly 1): for the loss under ``token-mean`` and for the
-        token-mean metrics. (Aggregation modes that weigh whole sequences need no weight: every
-        micro-batch holds equally many.)"""
+        token-mean metrics. The loss weight is the token weight under ``agg_mode`` token-mean, else 1:
+        aggregation modes that weigh whole sequences need none, every micro-batch holds equally many."""
         n = mask.shape[0]
         scale = self.engine.gradient_accumulation_steps() * self.engine.dp_world_size
         for start in range(0, n, self.mini_batch):
@@ -210,7 +210,8 @@ class DSModule:
             tokens = self.total(int(mask[start:stop].sum()))
             for micro in range(start, stop, self.micro_batch):
                 idx = slice(micro, min(micro + self.micro_batch, stop))
-                yield idx, (int(mask[idx].sum()) * scale / tokens if tokens else 1.0)
+                tw = int(mask[idx].sum()) * scale / tokens if tokens else 1.0
+                yield idx, tw, (tw if agg_mode == "token-mean" else 1.0)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -314,8 +315,7 @@ class Actor(DSModule):
         n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(a.ppo_epochs):
-            for idx, tw in self.minibatches(seqs.response_mask):
-                weight = tw if a.loss_agg_mode == "token-mean" else 1.0  # of the loss (see minibatches)
+            for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
                 if poison and n_micro == 0:  # fault drill: one NaN log-prob, as a broken kernel would give

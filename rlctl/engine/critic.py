@@ -51,8 +51,7 @@ class Critic(DSModule):
         totals: dict[str, float] = {}
         n = 0
         for _ in range(a.ppo_epochs):
-            for idx, tw in self.minibatches(seqs.response_mask):
-                weight = tw if a.loss_agg_mode == "token-mean" else 1.0  # of the loss (see minibatches)
+            for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 vpreds = self.values(mb)
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
