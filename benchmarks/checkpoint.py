@@ -59,7 +59,7 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlctl.checkpoint.snapshots import SnapshotManager
-    from rlctl.checkpoint.storage import Storage
+    from rlctl.storage import Storage
     from rlctl.config import RunConfig
     from rlctl.engine.actor import Actor, Sequences
     from rlctl.engine.model import build_char_tokenizer

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.metrics import dumps_row
 

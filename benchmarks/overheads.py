@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import load_config
 from rlctl.engine.trainer import Trainer
 from rlctl.metrics import JsonlLog

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
 
-    from rlctl.checkpoint.storage import Storage
+    from rlctl.storage import Storage
     from rlctl.config import RunConfig
     from rlctl.engine.actor import Actor
     from rlctl.engine.data import PromptCursor, load_rows

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, checksum_problem, parse_step_spec
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.errors import ConfigError, SnapshotError
 from rlctl.run import load_run_config, snapshot_manager
 

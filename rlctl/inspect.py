@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
-from rlctl.checkpoint.lease import lease_state, read_lease
-from rlctl.checkpoint.storage import Storage
+from rlctl.rundir.lease import lease_state, read_lease
+from rlctl.storage import Storage
 from rlctl.errors import ConfigError
-from rlctl.layout import CONFIG, EVENTS, METRICS
+from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.metrics import parse_rows
 
 KEY_METRICS = (

@@ -23,10 +23,10 @@ from typing import Any
 
 import orjson
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode, RankFailed, RlctlError
-from rlctl.layout import METRICS
+from rlctl.rundir.layout import METRICS
 from rlctl.metrics import parse_rows
 
 GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
-    from rlctl.checkpoint.storage import Storage
+    from rlctl.storage import Storage
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -36,8 +36,13 @@ def _decode(value: Any) -> Any:
     return _NONFINITE.get(value, value) if isinstance(value, str) else value
 
 
+def encode_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with non-finite floats spelled as strings (JSON has no NaN)."""
+    return {k: _encode(v) for k, v in row.items()}
+
+
 def dumps_row(row: dict[str, Any]) -> bytes:
-    return orjson.dumps({k: _encode(v) for k, v in row.items()}) + b"\n"
+    return orjson.dumps(encode_row(row)) + b"\n"
 
 
 def parse_rows(data: bytes, on_bad_line=None) -> Iterator[dict[str, Any]]:
@@ -155,24 +160,3 @@ class EventLog(JsonlLog):
 
     def emit(self, event: dict[str, Any]) -> None:
         self.write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **event})
-
-
-def abandon_rows_after(storage: Storage, step: int, tag: dict[str, Any]) -> int:
-    """Move the metric rows of steps after ``step`` from metrics.jsonl to metrics.abandoned.jsonl, each
-    tagged with ``tag`` (the resume or rollback that turned away from them). Nothing is lost: they are
-    appended there first, then dropped from the main log. Returns the number of lines moved."""
-    from rlctl.layout import ABANDONED, METRICS
-
-    if not storage.exists(METRICS):
-        return 0
-    kept, moved = split_after_step(storage.read_bytes(METRICS), step)
-    if not moved:
-        return 0
-    out = []
-    for line in moved:
-        rows = list(parse_rows(line))
-        row = rows[0] if rows else {"unparsed_line": line.decode(errors="replace").rstrip("\n")}
-        out.append(orjson.dumps({**{k: _encode(v) for k, v in row.items()}, "abandoned": tag}) + b"\n")
-    storage.append_bytes(ABANDONED, b"".join(out))
-    storage.write_bytes(METRICS, kept)
-    return len(moved)

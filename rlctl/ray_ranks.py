@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Any
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.launch import GRACE_S, _Follower, _spec, _start_step, free_port, outcome, rank_main, starts_grace

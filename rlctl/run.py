@@ -18,13 +18,14 @@ from typing import Any, Protocol
 
 import yaml
 
-from rlctl.checkpoint.lease import Lease
+from rlctl.rundir.lease import Lease
 from rlctl.checkpoint.snapshots import Retention, SnapshotInfo, SnapshotManager, parse_step_spec
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig, parse_set, validate_config
 from rlctl.errors import ConfigError, ExitCode, Halted, Preempted, RankFailed, SnapshotError
-from rlctl.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS
-from rlctl.metrics import EventLog, abandon_rows_after, parse_rows, read_rows
+from rlctl.rundir.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS
+from rlctl.metrics import EventLog, parse_rows, read_rows
+from rlctl.rundir.history import abandon_rows_after
 
 
 # What `rlctl resume --set` may change: knobs of the optimisation, not the identity of the run.

@@ -1,3 +1,5 @@
+"""Fixtures: a CPU runtime, a real S3 endpoint on loopback, and GPU tests skipped without a GPU."""
+
 import json
 import os
 import subprocess
@@ -10,8 +12,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-REPO = Path(__file__).resolve().parents[1]
-RLCTL = [str(Path(sys.executable).parent / "rlctl")]  # the installed console script
 
 
 def _has_cuda() -> bool:
@@ -40,28 +40,6 @@ def runtime():
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)
     return rt
-
-
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment without the distributed variables an in-process test may have set (a child
-    would inherit a MASTER_PORT this process already holds)."""
-    return {**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **extra}
-
-
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
-    """The real entry point in a subprocess."""
-    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout,
-                          env=child_env(**(env or {})))  # fmt: skip
-
-
-def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
-    from rlctl.checkpoint.storage import Storage
-    from rlctl.metrics import read_rows
-
-    return read_rows(Storage(str(run_dir)), rel)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ import orjson
 
 from rlctl import __version__, faults
 from rlctl.checkpoint.stateful import Stateful
-from rlctl.checkpoint.storage import Storage, with_retries
+from rlctl.storage import Storage, with_retries
 from rlctl.checkpoint.writer import DurableFile
 from rlctl.errors import SnapshotError
 

@@ -14,7 +14,7 @@ from rlctl.commands.options import format_option
 @click.option("--verify", is_flag=True, help="Also check every file's sha256 (reads every byte).")
 def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
     """List a run's snapshots: step, time, size, committed, good, and why one is not usable."""
-    from rlctl.checkpoint.storage import Storage
+    from rlctl.storage import Storage
     from rlctl.run import load_run_config, snapshot_manager
 
     run = Storage(run_dir)

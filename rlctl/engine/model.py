@@ -17,7 +17,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.errors import InputError
 

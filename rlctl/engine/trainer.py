@@ -18,7 +18,7 @@ from rlctl import faults
 from rlctl.checkpoint import check_version
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine import algos
 from rlctl.engine.actor import Actor, Sequences, sequence_log_probs
@@ -32,8 +32,9 @@ from rlctl.engine.runtime import check_rollout_device, init_distributed, setup_r
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.errors import ConfigError, Halted, InputError, Preempted, SnapshotError
-from rlctl.layout import CONFIG, METRICS, POLICY_STATE
-from rlctl.metrics import JsonlLog, NullLog, abandon_rows_after
+from rlctl.rundir.layout import CONFIG, METRICS, POLICY_STATE
+from rlctl.metrics import JsonlLog, NullLog
+from rlctl.rundir.history import abandon_rows_after
 
 StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import metrics_of, run_cli
+from helpers import metrics_of, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -248,7 +248,7 @@ def test_local_ranks_need_a_device_each_before_any_starts(fake_cuda, monkeypatch
     """Three local ranks on a machine with two GPUs: a ConfigError from the driver, before any rank
     process starts (not NCCL's duplicate-GPU error from inside the ranks later)."""
     from rlctl import launch
-    from rlctl.checkpoint.storage import Storage
+    from rlctl.storage import Storage
     from rlctl.config import RunConfig
 
     runtime.check_local_ranks("cuda", 2)  # one each: fine

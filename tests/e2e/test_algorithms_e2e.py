@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import metrics_of, run_cli
+from helpers import metrics_of, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir

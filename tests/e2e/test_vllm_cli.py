@@ -6,9 +6,9 @@ step, and the default policy halts a run whose sync is broken."""
 
 import pytest
 
-from conftest import metrics_of, run_cli
+from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
-from test_resume import events_of, stable
+from helpers import events_of, stable
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

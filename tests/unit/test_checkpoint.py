@@ -11,9 +11,9 @@ import uuid
 import orjson
 import pytest
 
-from rlctl.checkpoint.lease import LEASE_FILE, Lease
+from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
-from rlctl.checkpoint.storage import Storage, with_retries
+from rlctl.storage import Storage, with_retries
 from rlctl.errors import LeaseError, SnapshotError
 
 

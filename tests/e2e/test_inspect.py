@@ -13,12 +13,12 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from conftest import metrics_of, run_cli
-from rlctl.checkpoint.storage import Storage
+from helpers import metrics_of, run_cli
+from rlctl.storage import Storage
 from rlctl.cli import cli
 from rlctl.config import RunConfig
 from rlctl.inspect import CHECK_CODES, sparkline
-from test_resume import SMALL, spawn, wait_for
+from helpers import SMALL, spawn, wait_for
 
 
 def make_run(url, steps=5, events=(), tail=b""):

@@ -9,49 +9,10 @@ import time
 import orjson
 import pytest
 
-from conftest import REPO, RLCTL, child_env, metrics_of, run_cli
+from helpers import REPO, RLCTL, SMALL, child_env, completed_hash, events_of, has_step, metrics_of, run_cli, spawn, stable, wait_for
 from rlctl.errors import ExitCode
 
 pytestmark = pytest.mark.slow
-
-SMALL = ["--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=6"]
-VOLATILE = ("timing_s/", "perf/throughput", "timestamp")
-
-
-def stable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "abandoned"} for r in rows]
-
-
-def events_of(run_dir):
-    return metrics_of(run_dir, "events.jsonl")
-
-
-def completed_hash(run_dir):
-    return [e for e in events_of(run_dir) if e["event"] == "completed"][-1]["weights_sha256"]
-
-
-def spawn(*args, faults="", env=None):
-    return subprocess.Popen(
-        [*RLCTL, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=child_env(RLCTL_FAULTS=faults, **(env or {})),
-    )  # fmt: skip
-
-
-def wait_for(predicate, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()}")
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("timed out waiting")
-
-
-def has_step(run_dir, step):
-    return lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics_of(run_dir))
-
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sigkill_and_resume_is_exact(tmp_path, stage):

@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from conftest import metrics_of, run_cli
+from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
-from test_resume import SMALL, events_of, spawn, wait_for
+from helpers import SMALL, events_of, spawn, wait_for
 
 pytestmark = pytest.mark.slow
 

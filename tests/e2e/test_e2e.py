@@ -7,7 +7,7 @@ import orjson
 import pytest
 import yaml
 
-from conftest import metrics_of, run_cli
+from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import signal
 import orjson
 import pytest
 
-from conftest import run_cli, metrics_of
+from helpers import run_cli, metrics_of
 from rlctl.errors import ExitCode
-from test_resume import completed_hash, events_of, has_step, spawn, stable, wait_for
+from helpers import completed_hash, events_of, has_step, spawn, stable, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 import uuid
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.config import load_config
 from rlctl.metrics import read_rows
 from rlctl.run import resume_run, start_run

@@ -1,4 +1,4 @@
-"""Names of the files in a run directory, in one place (see rlctl/run.py for what each holds)."""
+"""Names of the files in a run directory, in one place (see rlctl/rundir/__init__.py for what each holds)."""
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"

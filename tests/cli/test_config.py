@@ -122,7 +122,7 @@ def test_help_does_not_import_heavy_libraries():
 def test_readme_documents_every_config_key():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     missing = []
 
     def walk(model: type[BaseModel], prefix: str) -> None:

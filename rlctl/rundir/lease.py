@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from rlctl.checkpoint.storage import Storage
+from rlctl.storage import Storage
 from rlctl.errors import LeaseError
 
 LEASE_FILE = "lease.json"

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "rlctl"
+PKG = Path(__file__).resolve().parents[2] / "rlctl"
 
 
 def imported_modules(path: Path) -> set[str]:

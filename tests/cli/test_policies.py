@@ -17,7 +17,7 @@ from rlctl.errors import ConfigError
 from rlctl.policies import PolicyEngine, firing_event, is_healthy, load_policies, load_policy_file, validate_policy
 from rlctl.policies.schema import ALL_MODELS, PolicyFile
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
 
 

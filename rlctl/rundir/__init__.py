@@ -1,0 +1,1 @@
+"""The run directory on any fsspec storage."""
