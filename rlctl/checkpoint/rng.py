@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlctl.checkpoint.stateful import check_version
+from rlctl.stateful import check_version
 
 
 class RNGState:

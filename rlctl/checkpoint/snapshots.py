@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import orjson
 
 from rlctl import __version__, faults
-from rlctl.checkpoint.stateful import Stateful
+from rlctl.stateful import Stateful
 from rlctl.storage import Storage, with_retries
 from rlctl.checkpoint.writer import DurableFile
 from rlctl.errors import SnapshotError

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rlctl.checkpoint import check_version
+from rlctl.stateful import check_version
 from rlctl.config import DataConfig
 from rlctl.errors import InputError
 

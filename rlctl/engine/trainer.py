@@ -15,7 +15,7 @@ import orjson
 import torch
 
 from rlctl import faults
-from rlctl.checkpoint import check_version
+from rlctl.stateful import check_version
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.storage import Storage

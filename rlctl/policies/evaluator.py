@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.checkpoint.stateful import check_version
+from rlctl.stateful import check_version
 from rlctl.errors import ConfigError
 from rlctl.policies.schema import (
     Action,

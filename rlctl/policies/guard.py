@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.checkpoint.stateful import check_version
+from rlctl.stateful import check_version
 from rlctl.policies.evaluator import Firing, PolicyEngine
 from rlctl.policies.schema import AdjustAction, HaltAction, RollbackAction, Rule, SkipAction
 

@@ -441,7 +441,7 @@ def _via_json(state: dict) -> dict:
 
 
 def test_load_state_dict_checks_the_version_and_tolerates_changed_rules():
-    from rlctl.checkpoint.stateful import StateMismatchError
+    from rlctl.stateful import StateMismatchError
 
     eng = engine({"name": "a", "when": "k > 1", "actions": WARN})
     with pytest.raises(StateMismatchError, match="policy engine state has version 2"):

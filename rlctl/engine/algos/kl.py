@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.checkpoint import check_version
+from rlctl.stateful import check_version
 
 
 def _check_type(state: dict[str, Any], expected: str) -> None:
