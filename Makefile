@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv test demo clean
+.PHONY: venv lint format test test-fast demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,21 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# the whole suite: lint, then unit, CLI-golden and end-to-end tests (what CI runs)
+test: lint
 	$(VENV)/bin/pytest -q --durations=12
+
+# unit and CLI-golden tests only: a quick lane while working (no subprocess runs of the trainer)
+test-fast: lint
+	$(VENV)/bin/pytest -q tests/unit tests/cli
 
 demo: venv
 	$(VENV)/bin/rlctl start

@@ -1,4 +1,5 @@
-"""The house rules of STYLE.md that code can check."""
+"""The house rules of STYLE.md that code can check: floors read top-down (no upward import, no import
+cycle), `checkpoint/` knows no model, commands load light, no function over 60 lines."""
 
 import ast
 import subprocess
@@ -7,23 +8,137 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "rlctl"
 
+# Floors, top first. A module imports only from its own room or from a lower floor; rooms that share a
+# floor do not import each other. A module belongs to the room of its longest matching prefix.
+FLOORS = [
+    ("rlctl.cli", "rlctl.__main__"),
+    ("rlctl.commands",),
+    ("rlctl.run", "rlctl.inspect", "rlctl.export"),
+    ("rlctl.ranks",),
+    ("rlctl.engine",),
+    ("rlctl.rundir",),
+    ("rlctl.config",),
+    ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics"),
+    ("rlctl.engine.algos",),
+    ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
+    ("rlctl.errors", "rlctl"),
+]
+MAX_FUNCTION_LINES = 60
 
-def imported_modules(path: Path) -> set[str]:
-    names = set()
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """rlctl modules that ``name`` imports anywhere in its file (in functions and TYPE_CHECKING too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}".rstrip(".")
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return {m for m in found if m == "rlctl" or m.startswith("rlctl.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, known) - {name} for name, path in known.items()}
+
+
+def room_of(module: str) -> tuple[int, str]:
+    best = None
+    for floor, rooms in enumerate(FLOORS):
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+                best = (floor, room)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best
+
+
+def test_every_import_goes_down_the_floors():
+    upward = []
+    for importer, imported in import_graph().items():
+        floor, room = room_of(importer)
+        for target in imported:
+            to_floor, to_room = room_of(target)
+            if to_room != room and to_floor <= floor:
+                upward.append(f"{importer} ({room}) imports {target} ({to_room})")
+    assert upward == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert room_of("rlctl.engine.algos.core")[1] == "rlctl.engine.algos"
+    assert room_of("rlctl.checkpoint.snapshots")[0] > room_of("rlctl.engine.trainer")[0]
 
 
 def test_checkpoint_never_imports_engine():
-    offenders = {
-        str(p.relative_to(PKG)): sorted(m for m in imported_modules(p) if m.startswith("rlctl.engine"))
-        for p in (PKG / "checkpoint").rglob("*.py")
-    }
+    graph = import_graph()
+    offenders = {m: sorted(t for t in graph[m] if t.startswith("rlctl.engine")) for m in graph if m.startswith("rlctl.checkpoint")}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_function_over_60_lines():
+    long = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({length} lines)")
+    assert long == []
 
 
 def test_command_modules_load_without_heavy_imports():
