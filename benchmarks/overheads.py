@@ -27,13 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlctl.storage import Storage
 from rlctl.config import load_config
 from rlctl.engine.trainer import Trainer
 from rlctl.metrics import JsonlLog
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
-from rlctl.run import snapshot_manager
+from rlctl.rundir.directory import snapshot_manager
+from rlctl.storage import Storage
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, checksum_problem, parse_step_spec
-from rlctl.storage import Storage
 from rlctl.errors import ConfigError, SnapshotError
-from rlctl.run import load_run_config, snapshot_manager
+from rlctl.rundir.directory import load_run_config, snapshot_manager
+from rlctl.storage import Storage
 
 
 def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:

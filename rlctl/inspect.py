@@ -16,11 +16,11 @@ from typing import Any
 
 import yaml
 
+from rlctl.errors import ConfigError
+from rlctl.metrics import parse_rows
+from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.rundir.lease import lease_state, read_lease
 from rlctl.storage import Storage
-from rlctl.errors import ConfigError
-from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
-from rlctl.metrics import parse_rows
 
 KEY_METRICS = (
     "critic/score/mean",
@@ -89,7 +89,7 @@ def status(view: RunView, lease_timeout: float | None = None) -> str:
 def snapshots(view: RunView) -> list[Any]:
     """The run's snapshots (needs the checkpoint storage, so it reads the validated config)."""
     from rlctl.config import validate_config
-    from rlctl.run import snapshot_manager
+    from rlctl.rundir.directory import snapshot_manager
 
     return snapshot_manager(Storage(view.url), validate_config(view.config)).scan()
 

@@ -1,19 +1,20 @@
-"""Snapshots: staged while training waits, uploaded and committed in the background.
+"""Snapshots: scheduled, staged while training waits, uploaded and committed in the background.
 
 Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.dir`` says otherwise)::
 
     step-000500/
-      <name>/...          each directory-Stateful (the DeepSpeed engine: weights, optimizer, scheduler)
+      <name>/...          each directory-Stateful in its own format (the engines: weights, optimizer ...)
       state.pt            every other Stateful's state_dict (trainer, data cursor, RNG, KL controller ...)
       <extra files>       the resolved config, the model's HF config and tokenizer
       manifest.json       written last, created exclusively: the only proof the snapshot exists
     abandoned/<time>/step-000700/   snapshots of a branch a resume turned away from (never deleted)
 
-The manifest lists every file with its size and sha256, the rlctl version, world size and ZeRO stage.
+The manifest lists every file with its size and sha256, the rlctl version, the world size and the
+run's other topology facts (each a ``Topology`` its caller names, such as the engine's partitioning).
 A directory without a manifest is not a snapshot: discovery ignores it and start-up removes it.
 "latest" is found by listing, never from a pointer file.
 
-With several ranks every rank writes its own files into the same step directory (its DeepSpeed shards
+With several ranks every rank writes its own files into the same step directory (its engine shards
 and ``state.rank-N.pt``, its own RNG and counters), then ``ranks/rank-N.json`` listing them with size
 and sha256. Rank 0 commits: it waits for every rank's list, checks each listed file is on storage with
 the listed size, and only then creates the manifest covering all of them.
@@ -29,7 +30,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -37,10 +38,11 @@ from typing import Any, Protocol
 import orjson
 
 from rlctl import __version__, faults
-from rlctl.stateful import Stateful
-from rlctl.storage import Storage, with_retries
+from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.writer import DurableFile
 from rlctl.errors import SnapshotError
+from rlctl.stateful import Stateful
+from rlctl.storage import Storage, with_retries
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -55,22 +57,25 @@ def rank_list(rank: int) -> str:
     return f"{RANKS_DIR}/rank-{rank}.json"
 
 
-# files of one rank: its trainer state, its list, its ZeRO partitions (DeepSpeed's zero_pp_rank_N_*)
-_RANK_FILE = re.compile(r"^(?:state\.rank-(\d+)\.pt|ranks/rank-(\d+)\.json|(?:.*/)?zero_pp_rank_(\d+)_[^/]*)$")
+_OWN_RANK_FILE = re.compile(r"^(?:state\.rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")  # the manager's own
+
+FileRank = Callable[[str], "int | None"]
 
 
-def files_of_rank(files, rank: int) -> list[str]:
+def files_of_rank(files, rank: int, file_rank: FileRank | None = None) -> list[str]:
     """The files of a snapshot that rank ``rank`` reads to restore: everything except the other ranks'
-    own files. (DeepSpeed loads only its own rank's ZeRO partition unless checkpoints are elastic,
-    which rlctl never asks for.) In a world of one, every file."""
+    own files. The manager's own per-rank files (``state.pt`` is rank 0's) it tells apart itself; any
+    other file is owned by the rank ``file_rank(path)`` names, or shared when it names none. In a world
+    of one, every file."""
     out = []
     for rel in files:
         if rel == STATE_FILE:
             owner = 0
+        elif m := _OWN_RANK_FILE.match(rel):
+            owner = int(next(g for g in m.groups() if g is not None))
         else:
-            m = _RANK_FILE.match(rel)
-            owner = int(next(g for g in m.groups() if g is not None)) if m else rank
-        if owner == rank:
+            owner = file_rank(rel) if file_rank is not None else None
+        if owner is None or owner == rank:
             out.append(rel)
     return out
 
@@ -95,6 +100,37 @@ class DirStateful(Protocol):
     def save_to_dir(self, path: str, defer: Defer | None = None) -> None: ...
 
     def load_from_dir(self, path: str) -> None: ...
+
+    # Optional: the rank that alone reads a file of the directory (path relative to it), None when
+    # every rank reads it. Without it, every rank fetches and checks every file of the directory.
+    # def file_rank(self, rel: str) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One fact besides the world size that a snapshot's files are laid out for (a directory-Stateful's
+    topology, e.g. how an engine partitions its state): recorded in the manifest under ``key``; a
+    snapshot that recorded another value is not usable, and ``mismatch`` (formatted with ``recorded``
+    and ``value``) says why."""
+
+    key: str
+    value: Any
+    mismatch: str
+
+    def problem(self, manifest: dict[str, Any]) -> str | None:
+        recorded = manifest.get(self.key)
+        return None if recorded == self.value else self.mismatch.format(recorded=recorded, value=self.value)
+
+
+def dir_file_rank(dirs: dict[str, DirStateful]) -> FileRank:
+    """``file_rank`` over a snapshot's paths, asking the directory-Stateful each path lies under."""
+
+    def file_rank(rel: str) -> int | None:
+        key, _, inner = rel.partition("/")
+        ask = getattr(dirs.get(key), "file_rank", None)
+        return ask(inner) if ask is not None and inner else None
+
+    return file_rank
 
 
 def step_name(step: int) -> str:
@@ -207,29 +243,43 @@ class Retention:
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
 
 
+_LEGACY_ZERO_MISMATCH = "written with ZeRO stage {recorded}; this run uses stage {value}"  # TEMPORARY, see below
+
+
 class SnapshotManager:
+    """One run's snapshots: when to take them (``should_save``), writing and committing them, which to
+    keep (``Retention``, and ``protect``: never the one a rollback of ``max_steps_back`` steps needs),
+    discovery and restore. ``collectives`` are the ranks' (``Local()`` for one process); ``topology`` the
+    facts besides the world size a snapshot must have been written for to be usable here."""
+
     def __init__(
         self,
         storage: Storage,
         *,
         world_size: int = 1,
-        zero_stage: int | None = None,
+        rank: int = 0,
+        collectives: Collectives | None = None,
+        topology: Sequence[Topology] = (),
+        every: int = 0,
+        max_steps_back: int = 0,
         retention: Retention | None = None,
         on_event: EventFn | None = None,
         staging_dir: str | None = None,
         asynchronous: bool = True,
         retry_delay: float = 0.5,
-        rank: int = 0,
-        barrier: Callable[[], None] | None = None,
         rank_timeout: float = 1800.0,
+        zero_stage: int | None = None,  # TEMPORARY: today's rlctl/run.py passes it; callers pass topology=
     ):
+        if zero_stage is not None:
+            topology = (*topology, Topology("zero_stage", zero_stage, _LEGACY_ZERO_MISMATCH))
         self.storage = storage
         self.world_size = world_size
         self.rank = rank
-        self.barrier = barrier or (lambda: None)  # all ranks meet here (torch.distributed.barrier)
-        self.agree: Callable[[bool], bool] = lambda flag: flag  # true on every rank iff true on all
+        self.collectives = collectives or Local()
+        self.topology = tuple(topology)
+        self.every = every  # a snapshot every `every` steps (0: none on a schedule)
+        self.max_steps_back = max_steps_back  # the longest `steps_back` rollback a policy may ask for
         self.rank_timeout = rank_timeout  # how long rank 0 waits for the other ranks' files
-        self.zero_stage = zero_stage
         self.retention = retention or Retention()
         self.on_event = on_event or (lambda event: None)
         self.staging_dir = staging_dir
@@ -242,6 +292,20 @@ class SnapshotManager:
         self._lock = threading.Lock()
         self.last_committed: int | None = None
         self.commit_delay = 0.0  # fault drills: seconds to wait before committing
+
+    # -- cadence and protection ----------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is on the snapshot schedule (every ``every`` steps)."""
+        return bool(self.every) and step % self.every == 0
+
+    def protect(self, step: int) -> None:
+        """Before saving ``step``: retention keeps the newest good snapshot a rollback of
+        ``max_steps_back`` steps from here would need (nothing to do when no policy steps back)."""
+        if not self.max_steps_back:
+            return
+        horizon = step - self.max_steps_back
+        needed = [i.step for i in self.scan() if i.good and i.step <= horizon]
+        self.retention.protected = set(needed[-1:])
 
     # -- discovery ---------------------------------------------------------------------------------
     def scan(self, deep: bool = False) -> list[SnapshotInfo]:
@@ -275,8 +339,9 @@ class SnapshotManager:
             return f"manifest format {m.get('format')!r}; this rlctl reads format {FORMAT}"
         if m.get("world_size") != self.world_size:
             return f"written by {m.get('world_size')} rank(s); this run has {self.world_size}"
-        if self.zero_stage is not None and m.get("zero_stage") != self.zero_stage:
-            return f"written with ZeRO stage {m.get('zero_stage')}; this run uses stage {self.zero_stage}"
+        for fact in self.topology:
+            if (problem := fact.problem(m)) is not None:
+                return problem
         existing = set(self.storage.walk_files(info.name))
         for rel, meta in m.get("files", {}).items():
             if rel not in existing:
@@ -325,11 +390,12 @@ class SnapshotManager:
         import torch
 
         t0 = time.perf_counter()
+        self.protect(step)
         self.wait()
         name = step_name(step)
         if self.rank == 0 and not self.storage.exists(name, MANIFEST):
             self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
-        self.barrier()  # no rank writes before the leftover is gone
+        self.collectives.barrier()  # no rank writes before the leftover is gone
         if self.storage.exists(name, MANIFEST):  # (rank 0 left it alone: every rank sees it and stops)
             raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
         if self.storage.is_local:
@@ -352,7 +418,7 @@ class SnapshotManager:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "rlctl_version": __version__,
             "world_size": self.world_size,
-            "zero_stage": self.zero_stage,
+            **{fact.key: fact.value for fact in self.topology},
             "good": good,
             **(meta or {}),
         }
@@ -515,10 +581,10 @@ class SnapshotManager:
         problem, local, cleanup = info.problem, None, (lambda: None)
         try:
             if problem is None:
-                mine = files_of_rank((info.manifest or {}).get("files", {}), self.rank)
+                mine = files_of_rank((info.manifest or {}).get("files", {}), self.rank, dir_file_rank(dirs))
                 local, cleanup = self.storage.local_copy(info.name, files=mine)
                 problem = info.problem = checksum_problem(local, info.manifest or {}, only=mine)
-            if not self.agree(problem is None):
+            if not self.collectives.all(problem is None):
                 raise SnapshotError(f"snapshot {info.name} is not usable: "
                                     f"{problem or 'another rank found it broken (see its error)'}")  # fmt: skip
             saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False, map_location="cpu")

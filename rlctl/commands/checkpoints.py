@@ -1,11 +1,13 @@
-"""rlctl checkpoints RUN_DIR [--format table|json] [--verify]"""
+"""rlctl checkpoints RUN_DIR [--format table|json|jsonl|csv] [--verify]"""
 
 from __future__ import annotations
 
 import click
-import orjson
 
 from rlctl.commands.options import format_option
+from rlctl.commands.render import emit
+
+COLUMNS = ["step", "name", "time", "bytes", "committed", "good", "usable", "problem"]
 
 
 @click.command("checkpoints")
@@ -14,21 +16,17 @@ from rlctl.commands.options import format_option
 @click.option("--verify", is_flag=True, help="Also check every file's sha256 (reads every byte).")
 def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
     """List a run's snapshots: step, time, size, committed, good, and why one is not usable."""
+    from rlctl.rundir.directory import load_run_config, snapshot_manager
     from rlctl.storage import Storage
-    from rlctl.run import load_run_config, snapshot_manager
 
     run = Storage(run_dir)
     infos = snapshot_manager(run, load_run_config(run)).scan(deep=verify)
     rows = [i.as_row() for i in infos]
-    if fmt == "json":
-        click.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+    if fmt != "table":
+        emit(COLUMNS, rows, fmt)
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("step", "time", "size", "committed", "good", "problem", box=None)
     for r in rows:
-        size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
-        table.add_row(str(r["step"]), r["time"] or "-", size, "yes" if r["committed"] else "no",
-                      "yes" if r["good"] else "no", r["problem"] or "")  # fmt: skip
-    Console(soft_wrap=True).print(table)
+        r["size"] = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
+        r["time"] = r["time"] or "-"
+        r["committed"], r["good"] = ("yes" if r["committed"] else "no"), ("yes" if r["good"] else "no")
+    emit(["step", "time", "size", "committed", "good", "problem"], rows, "table")

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import csv
-import math
 import sys
 import time
 from typing import Any
 
 import click
-import orjson
 
+from rlctl.commands.render import FORMATS, cell, emit, emit_document
 from rlctl.errors import ConfigError
-
-FORMATS = ["table", "json", "jsonl", "csv"]
 
 
 @click.command("inspect")
@@ -77,46 +73,9 @@ def inspect(run_dir, patterns, last, since, until, every, fmt, events, follow, p
     if fmt == "table":
         print_summary(summary)
     elif fmt in ("json", "jsonl"):
-        click.echo(orjson.dumps(summary, option=orjson.OPT_INDENT_2 if fmt == "json" else 0).decode())
+        emit_document(summary, fmt)
     else:
         raise ConfigError("--format csv needs rows: add --metrics, --last or --events")
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return ("NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity") if not math.isfinite(value) \
-            else f"{value:.6g}"  # fmt: skip
-    if isinstance(value, (dict, list)):
-        return orjson.dumps(value).decode()
-    return str(value)
-
-
-def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: _cell(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-
-
-def emit(columns: list[str], rows: list[dict[str, Any]], fmt: str, header: bool = True) -> None:
-    out = sys.stdout
-    if fmt == "json":
-        out.write(orjson.dumps([_json_safe(r) for r in rows], option=orjson.OPT_INDENT_2).decode() + "\n")
-    elif fmt == "jsonl":
-        for r in rows:
-            out.write(orjson.dumps(_json_safe(r)).decode() + "\n")
-    elif fmt == "csv":
-        writer = csv.writer(out, lineterminator="\n")
-        if header:
-            writer.writerow(columns)
-        writer.writerows([[_cell(r.get(c)) for c in columns] for r in rows])
-    else:
-        cells = [[_cell(r.get(c)) for c in columns] for r in rows]
-        widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
-        if header:
-            out.write("  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip() + "\n")
-        for row in cells:
-            out.write("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() + "\n")
-    out.flush()
 
 
 def print_summary(s: dict[str, Any]) -> None:
@@ -136,7 +95,7 @@ def print_summary(s: dict[str, Any]) -> None:
         mw = max(len(k) for k in s["metrics"])
         click.echo(f"{'metric'.ljust(mw)}  {'latest':>10}  trend")
         for key, m in s["metrics"].items():
-            click.echo(f"{key.ljust(mw)}  {_cell(m['latest']):>10}  {m['trend']}")
+            click.echo(f"{key.ljust(mw)}  {cell(m['latest']):>10}  {m['trend']}")
 
 
 def _opt(step: int | None) -> str:

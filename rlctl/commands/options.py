@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from rlctl.commands.render import FORMATS
+
 set_option = click.option(
     "--set",
     "overrides",
@@ -15,8 +17,8 @@ set_option = click.option(
 format_option = click.option(
     "--format",
     "fmt",
-    type=click.Choice(["table", "json"]),
+    type=click.Choice(FORMATS),
     default="table",
     show_default=True,
-    help="table for people, json for scripts.",
+    help="table for people; json, jsonl or csv for scripts.",
 )

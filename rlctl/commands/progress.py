@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StepProgress:
-    """A ``rlctl.run.Reporter`` that draws on stderr."""
+    """A ``rlctl.ranks.report.Reporter`` that draws on stderr."""
 
     def __init__(self, run_dir: str):
         self.console = Console(stderr=True)

@@ -1,13 +1,15 @@
-"""rlctl runs [ROOT] [--format table|json]"""
+"""rlctl runs [ROOT] [--format table|json|jsonl|csv]"""
 
 from __future__ import annotations
 
 import time
 
 import click
-import orjson
 
 from rlctl.commands.options import format_option
+from rlctl.commands.render import emit
+
+COLUMNS = ["run", "status", "step", "total_steps", "updated"]
 
 
 @click.command("runs")
@@ -15,12 +17,11 @@ from rlctl.commands.options import format_option
 @format_option
 def runs(root: str, fmt: str) -> None:
     """List the runs under ROOT (a path or fsspec URL; default: runs) with their status."""
-    from rlctl.commands.inspect import emit
     from rlctl.inspect import list_runs
 
     rows = list_runs(root)
-    if fmt == "json":
-        click.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
+    if fmt != "table":
+        emit(COLUMNS, rows, fmt)
         return
     for r in rows:
         r["step"] = f"{r['step']}/{r.pop('total_steps')}"

@@ -3,13 +3,17 @@ engine (own lr and ZeRO stage), as verl builds it (``AutoModelForTokenClassifica
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
 from rlctl.engine import algos
-from rlctl.engine.actor import DSModule, EngineSpec, Sequences, position_ids_for, rank_mini_batch
+from rlctl.engine.batch import Sequences, position_ids_for
+from rlctl.engine.dist import MEAN
+from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch
 from rlctl.engine.runtime import Runtime
 from rlctl.errors import InputError
 
@@ -25,14 +29,22 @@ def load_value_model(path: Path, dtype: torch.dtype, trust_remote_code: bool):
         raise InputError(f"cannot build a value model from {path} ('critic.path'): {exc}") from None
 
 
+# How the ranks reduce each metric ``Critic.update`` reports.
+METRICS = {"critic/vf_loss": MEAN, "critic/vf_clipfrac": MEAN, "critic/grad_norm": MEAN, "critic/lr": MEAN}
+
+
 class Critic(DSModule):
-    def __init__(self, cfg: RunConfig, model_dir: Path, runtime: Runtime):
+    def __init__(
+        self, cfg: RunConfig, model_dir: Path, runtime: Runtime, *, collectives: Collectives | None = None,
+        fence: Callable[[], None] | None = None,
+    ):  # fmt: skip
         self.cfg = cfg
         mini = rank_mini_batch(cfg)
         spec = EngineSpec(lr=cfg.critic.lr, zero_stage=cfg.critic.zero_stage, grad_clip=cfg.critic.grad_clip,
                           mini_batch=mini, micro_batch=cfg.actor.micro_batch_size or mini)  # fmt: skip
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
-        super().__init__(load_value_model(path, runtime.dtype, cfg.model.trust_remote_code), spec, runtime)
+        model = load_value_model(path, runtime.dtype, cfg.model.trust_remote_code)
+        super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
 
     def values(self, seqs: Sequences) -> torch.Tensor:
         """(B, T) V(s_t): the value of the state before each response token (the head's output at the
@@ -57,7 +69,7 @@ class Critic(DSModule):
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
                     vpreds, old_values[idx], returns[idx], mask, self.cfg.critic.cliprange_value, a.loss_agg_mode
                 )
-                if self.agree(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
+                if self.collectives.all(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
                     self.step(vf_loss * weight)
                 # weighted so that their means over micro-batches and ranks are the batch's
                 for key, value in (("critic/vf_loss", vf_loss.item() * weight),

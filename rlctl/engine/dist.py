@@ -3,36 +3,39 @@
 Every rank runs the same loop on its share of the prompts. After each step the ranks exchange their
 metric rows and reduce them the same way, so every rank holds the identical row: the rollback policies
 then reach the same verdict everywhere without a broadcast, and the adaptive KL controller and the
-counters stay in step. Decisions that start on one rank (a stop signal, the end of dynamic sampling)
-are agreed with a one-integer all-reduce. In a world of one every method is a no-op.
+counters stay in step. How a metric combines over ranks (``FIRST``, ``MAX``, ``MIN``, ``SUM`` or ``MEAN``)
+is declared where it is produced, next to the code that computes it, and handed to ``reduce_row``.
+Decisions that start on one rank (a stop signal, the end of dynamic sampling) are agreed with a
+one-integer all-reduce. ``Dist`` implements ``rlctl.checkpoint.collectives.Collectives``; in a world
+of one every method is a no-op.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+FIRST = "first"  # identical on every rank
+MAX = "max"  # e.g. a duration: a step takes as long as its slowest rank
+MIN = "min"
+SUM = "sum"  # counts, and totals such as tokens and throughput
+MEAN = "mean"
 
-def _reduction(key: str) -> str:
-    """How a metric combines over ranks: max, min, sum, first (identical on every rank) or mean."""
-    if key in ("step", "timestamp"):
-        return "first"
-    if key.endswith("/max") or key.startswith("timing_s/"):
-        return "max"  # a step takes as long as its slowest rank
-    if key.endswith("/min"):
-        return "min"
-    if key.startswith("actor/nonfinite/") or key.startswith("critic/nonfinite/") or key.endswith(
-        ("skipped_updates", "/tokens", "perf/throughput", "perf/tokens_seen", "kept_groups")
-    ):
-        return "sum"
-    return "mean"
+Reductions = Mapping[str, str]  # metric name -> how ranks combine it
 
 
-def reduce_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from every rank's row (same keys, rank order). Values equal on every rank (lr, the KL
-    coefficient, the global grad norm) come out bit-identical; NaN anywhere stays NaN."""
+def undeclared(row: dict[str, Any], how: Reductions) -> list[str]:
+    """The metrics of ``row`` that ``how`` does not say how to reduce."""
+    return [key for key in row if key not in how]
+
+
+def reduce_rows(rows: list[dict[str, Any]], how: Reductions) -> dict[str, Any]:
+    """One row from every rank's row (same keys, rank order), each metric combined as ``how`` declares.
+    Values equal on every rank (lr, the KL coefficient, the global grad norm) come out bit-identical;
+    NaN anywhere stays NaN."""
     if len(rows) == 1:
         return dict(rows[0])
     keys = list(rows[0])
@@ -43,25 +46,29 @@ def reduce_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in keys:
         values = [row[key] for row in rows]
-        how = _reduction(key)
-        if how == "first" or not all(isinstance(v, (int, float)) for v in values):
-            out[key] = values[0]
-        elif all(v == values[0] for v in values) and how != "sum":
-            out[key] = values[0]
-        elif any(isinstance(v, float) and math.isnan(v) for v in values):
-            out[key] = math.nan
-        elif how == "max":
-            out[key] = max(values)
-        elif how == "min":
-            out[key] = min(values)
-        elif how == "sum":
-            out[key] = sum(values)
-        else:
-            out[key] = sum(values) / len(values)
+        out[key] = _combine(values, how[key])
     return out
 
 
+def _combine(values: list[Any], how: str) -> Any:
+    if how == FIRST or not all(isinstance(v, (int, float)) for v in values):
+        return values[0]
+    if all(v == values[0] for v in values) and how != SUM:
+        return values[0]
+    if any(isinstance(v, float) and math.isnan(v) for v in values):
+        return math.nan
+    if how == MAX:
+        return max(values)
+    if how == MIN:
+        return min(values)
+    if how == SUM:
+        return sum(values)
+    return sum(values) / len(values)
+
+
 class Dist:
+    """This rank's view of the process group: rank, world size, and the collectives."""
+
     def __init__(self, device: torch.device):
         import torch.distributed as dist
 
@@ -101,13 +108,16 @@ class Dist:
         """True on every rank when it is true on all of them."""
         return bool(self._reduce_int(int(flag), self._dist.ReduceOp.MIN if self.active else None))
 
-    def reduce_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Every rank's metric row, reduced (see ``reduce_rows``); identical on every rank."""
+    def reduce_row(self, row: dict[str, Any], how: Reductions) -> dict[str, Any]:
+        """Every rank's metric row, each metric reduced as ``how`` declares (see ``reduce_rows``);
+        identical on every rank. A metric without a declaration is an error, in a world of one too."""
+        if missing := undeclared(row, how):
+            raise RuntimeError(f"metrics without a declared reduction over ranks: {missing}")
         if not self.active:
             return row
         rows: list[dict[str, Any]] = [None] * self.world  # type: ignore[list-item]
         self._dist.all_gather_object(rows, row)
-        return reduce_rows(rows)
+        return reduce_rows(rows, how)
 
     def shard(self, n: int) -> slice:
         """This rank's contiguous share of ``n`` items (n is a multiple of the world size)."""

@@ -34,6 +34,10 @@ cores otherwise oversubscribe them, 10-100x slower); on a GPU or NPU thread sett
 vLLM rollouts on an NPU need the vllm-ascend platform plugin (``pip install vllm-ascend``, matching
 the vllm version); vLLM discovers it by itself, nothing here imports it. ``check_rollout_device`` turns
 its absence into a ConfigError before any model is loaded.
+
+``open_rank(cfg)`` does all of it, in order, for one rank of a run: the runtime, the rollout device
+check, the seeds, the process group; it returns the ``RankContext`` (runtime and ``Dist``) that the
+snapshot manager and the trainer are then built with.
 """
 
 from __future__ import annotations
@@ -42,13 +46,17 @@ import importlib
 import importlib.util
 import logging
 import os
+import random
 import socket
 import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
+from rlctl.config import RunConfig
+from rlctl.engine.dist import Dist
 from rlctl.errors import ConfigError
 
 DEVICES = ("cuda", "npu", "cpu")
@@ -264,3 +272,28 @@ def init_distributed(backend: str) -> None:
     # The shared-memory comm op is a JIT C++ build (about a minute) that a single process never needs.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank of a run, set up: its device and dtype, and its view of the process group."""
+
+    runtime: Runtime
+    dist: Dist
+
+
+def open_rank(cfg: RunConfig) -> RankContext:
+    """Set this process up as a rank of the run described by ``cfg``: device, dtype and threads, the
+    rollout backend's device check, every seed, then the process group (joined where a launcher set
+    one up, else a world of one). Before any model is built."""
+    runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
+    check_rollout_device(runtime.kind, cfg.rollout.backend)
+    seed_everything(cfg.seed)
+    init_distributed(runtime.backend)
+    return RankContext(runtime, Dist(runtime.device))

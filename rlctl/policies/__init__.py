@@ -2,7 +2,8 @@
 
 Pure Python (pydantic, yaml, the standard library): never imports torch or ``rlctl.engine``. The trainer
 feeds each step's metrics row to ``PolicyEngine.evaluate`` and carries out the actions of the firings.
-Ready-made YAML policies live in the repository's top-level ``policies/`` folder.
+Ready-made YAML policies ship inside the package (``ready/``; the repository's top-level ``policies/``
+links there), so a bare name such as ``default`` works from any install.
 """
 
 from rlctl.policies.evaluator import Firing, PolicyEngine, firing_event, is_healthy

@@ -8,13 +8,14 @@ forever (``max_triggers`` then ``then``, ``cooldown``). ``when: "actor/ppo_kl > 
 for a threshold trigger.
 
 Rule names must be unique within a set of rules; the loader and the evaluator check that (across files
-too), because only they know where the rules came from.
+too), because only they know where the rules came from. A run config names its policies by
+``PolicySpec``: a file, a ready-made policy's name, or the policy inline.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
@@ -319,6 +320,10 @@ class PolicyFile(PolicyModel):
     description: str = Field("", description="What this set of rules is for, in plain words.")
     rules: list[Rule] = Field(min_length=1, description="The rules, evaluated in this order at every step.")
 
+
+# how a run config names a policy: a path to a YAML file (or a ready-made policy's name), or the policy
+# inline; the resolved config holds them all inline
+PolicySpec = str | dict[str, Any]
 
 TRIGGER_KINDS: dict[str, type[PolicyModel]] = {
     "threshold": ThresholdTrigger, "nonfinite": NonfiniteTrigger, "spike": SpikeTrigger,

@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
-from rlctl.storage import Storage
 from rlctl.errors import LeaseError
+from rlctl.storage import Storage
 
 LEASE_FILE = "lease.json"
 

@@ -135,3 +135,22 @@ def test_readme_documents_every_config_key():
 
     walk(RunConfig, "")
     assert missing == []
+
+
+def test_choices_come_from_the_registries_and_load_no_torch():
+    code = (
+        "import sys, typing\n"
+        "from rlctl.config import RunConfig\n"
+        "from rlctl.engine.algos import registry as r\n"
+        "fields = RunConfig.model_fields['algorithm'].annotation.model_fields\n"
+        "def choices(name):\n"
+        "    ann = fields[name].annotation\n"
+        "    literal = next(a for a in (ann, *typing.get_args(ann)) if typing.get_origin(a) is typing.Literal)\n"
+        "    return set(typing.get_args(literal))\n"
+        "assert choices('adv_estimator') == set(r.ADVANTAGES.names)\n"
+        "assert choices('kl_estimator') == set(r.KL_ESTIMATORS.names) == {'k1', 'k2', 'k3'}\n"
+        "assert choices('loss_agg_mode') == set(r.AGG_MODES.names)\n"
+        "assert choices('importance_ratio') == set(r.POLICY_LOSS_LEVELS.names)\n"
+        "assert 'torch' not in sys.modules, 'the config schema imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

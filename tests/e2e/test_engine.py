@@ -127,12 +127,12 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     import time
 
     from rlctl.checkpoint.snapshots import SnapshotManager
+    from rlctl.engine.ds_module import zero_topology
 
     monkeypatch.setenv("RLCTL_FAULTS", "write_delay=0.5")
     cfg = make_cfg(actor__zero_stage=2)
-    actor = Actor(cfg, model_dir, runtime)
-    manager = SnapshotManager(Storage(str(tmp_path / "ckpt")), zero_stage=2)
-    actor.fence = manager.wait_staged
+    manager = SnapshotManager(Storage(str(tmp_path / "ckpt")), topology=[zero_topology(2)])
+    actor = Actor(cfg, model_dir, runtime, fence=manager.wait_staged)
     rollout = HFRollout(cfg, actor, load_tokenizer(model_dir))
     seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * seqs.response_mask
@@ -156,7 +156,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_
     """Splitting a mini-batch into micro-batches of different token counts must not reweigh tokens:
     the accumulated gradient equals the one of the whole batch in one pass (token-mean is a mean over
     every token of the mini-batch, not a mean of per-micro-batch means)."""
-    from rlctl.engine.actor import Sequences
+    from rlctl.engine.batch import Sequences
 
     tok = load_tokenizer(model_dir)
     results = []

@@ -115,7 +115,7 @@ def _ranks_alive(run) -> bool:
             status = open(f"/proc/{pid}/status").read()
         except OSError:
             continue
-        if b"rlctl.launch" in cmd and "State:\tZ" not in status:
+        if b"rlctl.ranks.local" in cmd and "State:\tZ" not in status:
             return True
     return False
 

@@ -12,7 +12,9 @@ import orjson
 import pytest
 
 from rlctl.rundir.lease import LEASE_FILE, Lease
+from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
+from rlctl.engine.ds_module import zero_topology
 from rlctl.storage import Storage, with_retries
 from rlctl.errors import LeaseError, SnapshotError
 
@@ -112,7 +114,7 @@ def test_missing_file_wrong_size_and_wrong_topology(storage):
     assert problems[3] is None
     two_ranks = SnapshotManager(storage, world_size=2)
     assert two_ranks.scan()[2].problem == "written by 1 rank(s); this run has 2"
-    stage3 = SnapshotManager(storage, zero_stage=3)
+    stage3 = SnapshotManager(storage, topology=[zero_topology(3)])
     assert "ZeRO stage None; this run uses stage 3" in stage3.scan()[2].problem
 
 
@@ -270,11 +272,11 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
     """Two ranks (threads) commit one snapshot to object-like storage. At restore each rank downloads
     and hashes only the shared files and its own; a corrupt file of rank 1 fails rank 1's check alone
     (in a real run the ranks then agree to skip the snapshot)."""
-    from rlctl.checkpoint.snapshots import files_of_rank
+    from rlctl.engine.ds_module import files_of_rank
 
     storage = Storage(f"memory://test-{uuid.uuid4().hex}/ckpt")
     meet = threading.Barrier(2)
-    managers = [SnapshotManager(storage, world_size=2, rank=r, barrier=meet.wait) for r in (0, 1)]
+    managers = [SnapshotManager(storage, world_size=2, rank=r, collectives=Local(meet.wait)) for r in (0, 1)]
 
     def save_rank(r):
         managers[r].save(1, {"counter": Counter(10 + r)}, {"blob": Blob(b"\x01" * 100)}, good=True)  # same bytes

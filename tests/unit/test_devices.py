@@ -247,19 +247,19 @@ def test_more_ranks_than_devices_is_a_config_error(fake_cuda, monkeypatch):
 def test_local_ranks_need_a_device_each_before_any_starts(fake_cuda, monkeypatch, tmp_path):
     """Three local ranks on a machine with two GPUs: a ConfigError from the driver, before any rank
     process starts (not NCCL's duplicate-GPU error from inside the ranks later)."""
-    from rlctl import launch
-    from rlctl.storage import Storage
     from rlctl.config import RunConfig
+    from rlctl.ranks import local
+    from rlctl.storage import Storage
 
     runtime.check_local_ranks("cuda", 2)  # one each: fine
     runtime.check_local_ranks("auto", 2)
     spawned = []
-    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: spawned.append(a))
     cfg = RunConfig.model_validate({"device": "cuda", "trainer": {"nproc": 3, "prompts_per_step": 6},
                                     "algorithm": {"group_size": 2}})  # fmt: skip
     with pytest.raises(ConfigError, match=r"'trainer.nproc' is 3 but this machine has 2 cuda devices; every local "
                        r"rank needs one of its own: use --nproc 2 or fewer"):  # fmt: skip
-        launch._launch_local(Storage(str(tmp_path / "run")), cfg, None, reporter=None)
+        local.launch_local(Storage(str(tmp_path / "run")), cfg, None, reporter=None)
     assert spawned == []
 
 

@@ -11,7 +11,8 @@ PKG = Path(__file__).resolve().parents[2] / "rlctl"
 # Floors, top first. A module imports only from its own room or from a lower floor; rooms that share a
 # floor do not import each other. A module belongs to the room of its longest matching prefix.
 FLOORS = [
-    ("rlctl.cli", "rlctl.__main__"),
+    ("rlctl.__main__",),
+    ("rlctl.cli",),
     ("rlctl.commands",),
     ("rlctl.run", "rlctl.inspect", "rlctl.export"),
     ("rlctl.ranks",),

@@ -1,40 +1,14 @@
-"""Advantages, losses and KL estimators (verl's ``core_algos`` semantics, written anew)."""
+"""Advantages, losses and KL estimators (verl's ``core_algos`` semantics, written anew). The names that
+choose among them live in ``registry``, which points at the functions here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import torch
 
-F = TypeVar("F", bound=Callable)
-
-
-class Registry(Generic[F]):
-    def __init__(self, kind: str):
-        self.kind = kind
-        self._items: dict[str, F] = {}
-
-    def register(self, *names: str) -> Callable[[F], F]:
-        def deco(fn: F) -> F:
-            for name in names:
-                self._items[name] = fn
-            return fn
-
-        return deco
-
-    def __getitem__(self, name: str) -> F:
-        try:
-            return self._items[name]
-        except KeyError:
-            raise KeyError(f"unknown {self.kind} '{name}'; valid: {', '.join(sorted(self._items))}") from None
-
-    def names(self) -> list[str]:
-        return sorted(self._items)
-
-
-KL_ESTIMATORS: Registry = Registry("KL estimator")
+from rlctl.engine.algos.registry import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_LEVELS
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,9 +27,6 @@ def count_nonfinite(x: torch.Tensor, mask: torch.Tensor) -> float:
 def _real(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``x`` on real tokens, 0 on padding (gradient 0 there too)."""
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def masked_whiten(
@@ -97,8 +68,7 @@ def agg_loss(
     """
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
-    if mode not in AGG_MODES:
-        raise KeyError(f"unknown loss_agg_mode '{mode}'; valid: {', '.join(AGG_MODES)}")
+    AGG_MODES.canonical(mode)  # an unknown mode: KeyError listing the valid ones
     keep = mask.bool()
     seq_sum = torch.where(keep, loss_mat, torch.zeros_like(loss_mat)).sum(dim=-1)
     n_tokens = keep.sum(dim=-1)
@@ -115,18 +85,15 @@ def agg_loss(
     return per_seq.sum() / n_seqs
 
 
-@KL_ESTIMATORS.register("k1")
-def _kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return log_prob - ref_log_prob
 
 
-@KL_ESTIMATORS.register("k2")
-def _kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
-@KL_ESTIMATORS.register("k3", "low_var_kl")
-def _kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """Schulman's k3, unbiased and non-negative: exp(ref - logp) - (ref - logp) - 1. The log-ratio is
     clamped to [-20, 20] before exp and the result to [-10, 10], as verl does, so it cannot overflow."""
     kl = (ref_log_prob - log_prob).clamp(-20.0, 20.0)
@@ -181,7 +148,6 @@ class AdvantageInputs:
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def _sequence_rewards(inp: AdvantageInputs) -> torch.Tensor:
@@ -226,7 +192,6 @@ def _outcome(inp: AdvantageInputs, centre: Callable[[torch.Tensor], torch.Tensor
     return adv, adv
 
 
-@ADVANTAGES.register("grpo")
 @torch.no_grad()
 def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO: (r - group mean) / (group std + eps), unbiased std as verl and TRL. A group whose rewards
@@ -236,7 +201,6 @@ def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps))
 
 
-@ADVANTAGES.register("drgrpo")
 @torch.no_grad()
 def drgrpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO: r - group mean, no std normalisation (verl's ``norm_adv_by_std_in_grpo=False``). A tied
@@ -244,7 +208,6 @@ def drgrpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.
     return _outcome(inp, lambda r: r - _group_baseline(r))
 
 
-@ADVANTAGES.register("rloo")
 @torch.no_grad()
 def rloo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: r_i - mean_{j != i} r_j = (r_i - mean) * G / (G - 1). A group of one keeps r (verl)."""
@@ -254,7 +217,6 @@ def rloo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
 
 
-@ADVANTAGES.register("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: r - group mean (sequence level), broadcast over real tokens, then whitened over
@@ -276,7 +238,6 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
     return out
 
 
-@ADVANTAGES.register("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: token-level discounted returns of ``token_rewards`` (gamma), advantages = those returns
@@ -285,7 +246,6 @@ def reinforce_plus_plus_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, t
     return masked_whiten(returns, inp.mask), returns
 
 
-@ADVANTAGES.register("gae")
 @torch.no_grad()
 def gae_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al.): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, with V
@@ -328,9 +288,6 @@ class PolicyLoss:
     pg_clipfrac_lower: torch.Tensor
 
 
-POLICY_LOSS_LEVELS = ("token", "sequence")
-
-
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -356,8 +313,7 @@ def compute_policy_loss(
         The GSPO paper aggregates with agg_mode="seq-mean-token-mean"; verl 0.9 leaves it to the caller.
     The per-token losses are reduced by ``agg_loss(.., agg_mode)``; padding never influences anything.
     """
-    if level not in POLICY_LOSS_LEVELS:
-        raise KeyError(f"unknown importance ratio level '{level}'; valid: {', '.join(POLICY_LOSS_LEVELS)}")
+    POLICY_LOSS_LEVELS.canonical(level)  # an unknown level: KeyError listing the valid ones
     keep = mask.bool()
     # Padding is zeroed up front, so it cannot reach the loss nor send a NaN gradient (0 * NaN) back.
     log_prob, old_log_prob, advantages = (_real(x, keep) for x in (log_prob, old_log_prob, advantages))

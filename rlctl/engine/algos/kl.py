@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlctl.engine.algos.registry import KL_CONTROLLERS
 from rlctl.stateful import check_version
 
 
@@ -77,18 +78,13 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
-KL_CONTROLLER_TYPES = ("adaptive", "fixed")
-
-
 def make_kl_controller(
     type: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None
 ) -> FixedKLController | AdaptiveKLController:
     """The controller named by ``type`` (verl's ``get_kl_controller``); adaptive needs target_kl and
     horizon > 0. An unknown type lists the valid ones."""
-    if type == "fixed":
+    if KL_CONTROLLERS.canonical(type) == "fixed":
         return FixedKLController(kl_coef)
-    if type == "adaptive":
-        if target_kl is None or horizon is None:
-            raise ValueError("an adaptive KL controller needs target_kl and horizon")
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise KeyError(f"unknown KL controller type '{type}'; valid: {', '.join(KL_CONTROLLER_TYPES)}")
+    if target_kl is None or horizon is None:
+        raise ValueError("an adaptive KL controller needs target_kl and horizon")
+    return AdaptiveKLController(kl_coef, target_kl, horizon)

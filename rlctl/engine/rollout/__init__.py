@@ -9,10 +9,12 @@ every actor update and every restore.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Protocol
 
-from rlctl.engine.actor import Sequences
+from rlctl.engine.batch import Sequences
+from rlctl.engine.rollout.seeds import sample_seed
+
+__all__ = ["RolloutBackend", "make_backend", "sample_seed"]
 
 
 class RolloutBackend(Protocol):
@@ -21,12 +23,6 @@ class RolloutBackend(Protocol):
     def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences: ...
 
     def decode(self, seqs: Sequences) -> list[str]: ...
-
-
-def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit seed that depends on the four numbers and nothing else."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def make_backend(name: str, **kwargs) -> RolloutBackend:

@@ -12,8 +12,9 @@ import torch
 from transformers import LogitsProcessor
 
 from rlctl.config import RunConfig
-from rlctl.engine.actor import Actor, Sequences
-from rlctl.engine.rollout import sample_seed
+from rlctl.engine.actor import Actor
+from rlctl.engine.batch import Sequences
+from rlctl.engine.rollout.seeds import sample_seed
 
 
 class SeededGumbelSampler(LogitsProcessor):

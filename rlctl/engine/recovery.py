@@ -1,0 +1,138 @@
+"""Carrying out a step's policy verdict: log every firing, then halt, or adjust knobs, roll back to a
+good snapshot and skip prompts or batches; the policy state is persisted after each verdict.
+
+A rollback restores the newest usable good snapshot old enough, then turns the run away from the
+later steps (``rlctl.rundir.history``): their metric rows and snapshots move aside, tagged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import orjson
+
+from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
+from rlctl.config import RunConfig
+from rlctl.engine.data import PromptCursor
+from rlctl.engine.dist import Dist
+from rlctl.errors import Halted, SnapshotError
+from rlctl.policies.guard import PolicyGuard
+from rlctl.rundir.history import turn_away_after, turn_tag
+from rlctl.rundir.layout import CONFIG, POLICY_STATE
+from rlctl.storage import Storage
+
+
+class Host(Protocol):
+    """What recovery needs of the trainer it acts on."""
+
+    cfg: RunConfig
+    run: Storage
+    guard: PolicyGuard
+    snapshots: SnapshotManager | None
+    dist: Dist
+    data: PromptCursor
+    kl_ctrl: Any
+    state: Any  # .step: where the restore left the run
+    emit: Callable[[dict[str, Any]], None]
+
+    def restore(self, info: SnapshotInfo, rollback: bool = False) -> None: ...
+
+    def apply_knobs(self) -> None: ...
+
+    def metrics_closed(self) -> AbstractContextManager: ...
+
+
+class Recovery:
+    def __init__(self, host: Host):
+        self.host = host
+
+    def act_on(self, verdict, drawn: list[int]) -> None:
+        """Carry out a step's policy verdict: log every firing, then halt, or adjust, roll back and skip.
+        ``drawn``: the dataset indices of the step's prompts (what ``skip_offending`` skips)."""
+        h = self.host
+        for firing in verdict.firings:
+            h.emit(firing.as_event())
+        if verdict.halt is not None:
+            self.persist_policy_state()
+            self.halt(verdict.halt)
+        if verdict.skip_offending:
+            h.guard.skipped_prompts |= set(drawn)
+        if verdict.adjust:
+            self.adjust(verdict)
+        if verdict.rollback is not None:
+            self.rollback(verdict)
+        for _ in range(verdict.skip_batches):
+            h.data.next_batch(h.cfg.trainer.prompts_per_step)
+        h.data.exclude = h.guard.skipped_prompts
+        if verdict.skip_offending or verdict.skip_batches:
+            h.emit({"event": "skip", "step": verdict.step, "prompts": sorted(drawn) if verdict.skip_offending
+                    else [], "batches": verdict.skip_batches})  # fmt: skip
+        self.persist_policy_state()
+
+    def persist_policy_state(self) -> None:
+        h = self.host
+        if h.dist.is_main:
+            h.run.write_bytes(POLICY_STATE, orjson.dumps(h.guard.state_dict()))
+
+    def halt(self, firing) -> None:
+        h = self.host
+        good = [i.step for i in h.snapshots.scan() if i.usable and i.good] if h.snapshots else []
+        where = f"the last good snapshot is step {good[-1]}" if good else "there is no good snapshot"
+        h.emit({"event": "halted", "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None})
+        raise Halted(
+            f"policy rule '{firing.rule}' halted the run at step {firing.step} ({firing.trigger}); {where}. "
+            f"After fixing the cause: rlctl resume {h.run.url} --from last-good"
+        )
+
+    def adjust(self, verdict) -> None:
+        """Change config knobs as the verdict says; the run's config records them (they persist across
+        resumes) and the engine follows them at once."""
+        h = self.host
+        changes = {}
+        for key, op, value in verdict.adjust:
+            section, name = key.split(".")
+            model = getattr(h.cfg, section)
+            before = getattr(model, name)
+            setattr(model, name, value if op == "set" else before * value)
+            changes[key] = {"from": before, "to": getattr(model, name)}
+        if "algorithm.kl_coef" in changes:
+            h.kl_ctrl.value = h.cfg.algorithm.kl_coef
+        h.guard.adjustments.append({"step": verdict.step, "changes": changes})
+        if h.dist.is_main:
+            h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())
+        h.apply_knobs()
+        h.emit({"event": "adjust", "step": verdict.step, "changes": changes})
+
+    def rollback(self, verdict) -> None:
+        """Restore the newest usable good snapshot at least ``min_steps_back`` steps back (halting when
+        there is none), then turn the run away from the steps after it."""
+        h, step = self.host, verdict.step
+        horizon = step - (verdict.rollback.min_steps_back or 0)
+        h.snapshots.wait()  # rank 0's commit (and its retention) done before any rank looks
+        h.dist.barrier()
+        candidates = [i for i in reversed(h.snapshots.scan()) if i.usable and i.good and i.step <= horizon]
+        for info in candidates:
+            try:
+                h.restore(info, rollback=True)
+                break
+            except SnapshotError as exc:
+                h.emit({"event": "snapshot_unusable", "step": info.step, "error": exc.message})
+        else:
+            self.halt_no_target(verdict)
+        to_step = h.state.step
+        tag = turn_tag("rollback", rule=verdict.rollback_rule, from_step=step, to_step=to_step)
+        moved: dict[str, Any] = {"abandoned_metric_rows": [], "abandoned_snapshots": []}
+        with h.metrics_closed():
+            if h.dist.is_main:
+                moved = turn_away_after(h.run, h.snapshots, to_step, tag)
+            h.dist.barrier()
+        h.emit({**tag, **moved})
+
+    def halt_no_target(self, verdict) -> None:
+        self.host.emit({"event": "halted", "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})
+        raise Halted(
+            f"policy rule '{verdict.rollback_rule}' asked for a rollback at step {verdict.step}, but no good "
+            "snapshot is old enough to roll back to"
+        )

@@ -1,0 +1,116 @@
+"""Ranks as local processes (``rlctl start --nproc N``, ``cluster.backend: local``).
+
+The driver writes the ranks' spec to a temporary directory and starts ``python -m rlctl.ranks.local
+SPEC RANK`` once per rank; each runs the rank's session and writes its result next to the spec. A rank
+process dies with the driver (no orphans training on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import orjson
+
+from rlctl.config import RunConfig
+from rlctl.errors import ExitCode
+from rlctl.ranks.report import Reporter
+from rlctl.ranks.signals import on_stop_signals
+from rlctl.ranks.supervise import supervise
+from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
+from rlctl.storage import Storage
+
+# what a rank's process must not inherit from a launcher around the driver
+_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+class LocalRank:
+    """A rank's process, as a supervisor's RankHandle."""
+
+    def __init__(self, proc: subprocess.Popen, result_path: str):
+        self.proc, self.result_path = proc, result_path
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, signal_name: str) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.Signals[signal_name])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def result(self) -> dict[str, Any] | None:
+        try:
+            with open(self.result_path, "rb") as fh:
+                return orjson.loads(fh.read())
+        except FileNotFoundError:
+            return None
+
+
+def launch_local(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, reporter: Reporter) -> dict[str, Any]:
+    """Run the ranks of ``cfg`` as processes on this machine and follow them to the run's outcome."""
+    from rlctl.engine.runtime import check_local_ranks
+
+    check_local_ranks(cfg.device, cfg.world_size)
+    tmp = tempfile.mkdtemp(prefix="rlctl-ranks-")
+    ranks: list[LocalRank] = []
+    try:
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "wb") as fh:
+            fh.write(orjson.dumps({**rank_spec(run, cfg, restore), "port": free_port()}))
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+        for rank in range(cfg.world_size):
+            proc = subprocess.Popen([sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env,
+                                    preexec_fn=_die_with_parent)  # fmt: skip
+            ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
+        return supervise(ranks, run, restore, cfg.trainer.total_steps, reporter)
+    finally:
+        for r in ranks:
+            r.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _result_path(spec_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(spec_path), f"result-{rank}.json")
+
+
+def _die_with_parent() -> None:
+    """In a rank's process before exec: SIGKILL it when the driver dies (no orphans training on)."""
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def main() -> None:
+    """``python -m rlctl.ranks.local SPEC RANK``: a local rank; writes its result next to the spec."""
+    spec_path, rank = sys.argv[1], int(sys.argv[2])
+    with on_stop_signals(STOPS.request):  # a stop while the rank still loads is kept for later
+        with open(spec_path, "rb") as fh:
+            spec = orjson.loads(fh.read())
+        try:
+            result = rank_main(spec, rank, rank, spec["world"], "127.0.0.1", spec["port"])
+        except BaseException as exc:  # a bug: say so, and skip a teardown that may hang on live threads
+            import traceback
+
+            traceback.print_exc()
+            result = {"code": int(ExitCode.INTERNAL), "message": f"rank {rank} crashed: {type(exc).__name__}: {exc}",
+                      "summary": None}  # fmt: skip
+        with open(_result_path(spec_path, rank), "wb") as fh:
+            fh.write(orjson.dumps(result))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(result["code"])  # skip interpreter teardown (gloo threads, DeepSpeed atexit hooks)
+
+
+if __name__ == "__main__":
+    main()

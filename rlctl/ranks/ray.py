@@ -1,0 +1,155 @@
+"""Ranks as Ray actors (``cluster.backend: ray``).
+
+A placement group reserves ``trainer.nnodes`` bundles, one per node (STRICT_SPREAD over several nodes,
+PACK on one), each holding ``trainer.n_devices_per_node`` ranks: ``cluster.cpus_per_rank`` CPUs and,
+on CUDA, one GPU per rank (a custom ``NPU`` resource on Ascend). Rank 0's actor publishes its node
+address and a free port; every actor then joins one torch.distributed group and runs the rank's
+session to the end. Actors are threaded (two calls at once) so the driver can forward a stop while a
+rank trains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from rlctl.config import RunConfig
+from rlctl.errors import ConfigError
+from rlctl.ranks.report import Reporter
+from rlctl.ranks.supervise import supervise
+from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
+from rlctl.storage import Storage
+
+READY_TIMEOUT_S = 120.0
+_PASS_ENV = ("RLCTL_", "HF_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_", "TORCH_DEVICE_BACKEND_AUTOLOAD",
+             "FSSPEC_", "AWS_", "GOOGLE_", "GCSFS_")  # fmt: skip
+
+
+class RankActor:
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def run(self, spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
+        return rank_main(spec, rank, local_rank, local_world, addr, port)
+
+    def stop(self, reason: str) -> None:
+        STOPS.request(reason)
+
+
+class RayRank:
+    """A rank's actor and its running ``run`` call, as a supervisor's RankHandle."""
+
+    def __init__(self, rank: int, actor, ref):
+        self.rank, self.actor, self.ref = rank, actor, ref
+        self._code: int | None = None
+        self._result: dict[str, Any] | None = None
+
+    def poll(self) -> int | None:
+        import ray
+
+        if self._code is None and ray.wait([self.ref], timeout=0)[0]:
+            try:
+                self._result = ray.get(self.ref)
+            except Exception as exc:  # the rank crashed: a bug, or its process died
+                last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+                self._result = {"code": 1, "message": f"rank {self.rank} crashed: {type(exc).__name__}: {last}",
+                                "summary": None}  # fmt: skip
+            self._code = self._result["code"]
+        return self._code
+
+    def stop(self, signal_name: str) -> None:
+        self.actor.stop.remote(signal_name)
+
+    def kill(self) -> None:
+        import ray
+
+        if self._code is None:
+            ray.kill(self.actor)
+            self._code, self._result = -int(signal.SIGKILL), None
+
+    def result(self) -> dict[str, Any] | None:
+        return self._result
+
+
+def _device_resources(cfg: RunConfig, cluster: dict[str, float]) -> dict[str, float]:
+    """Accelerators each rank reserves: a GPU on CUDA, an NPU (custom resource) on Ascend. With
+    device: auto the cluster's resources decide (the driver may be a CPU-only head node)."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and cluster.get("GPU", 0) > 0):
+        return {"GPU": 1.0}
+    if cfg.device == "npu" or (cfg.device == "auto" and cluster.get("NPU", 0) > 0):
+        return {"NPU": 1.0}
+    return {}
+
+
+def launch_ray(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, reporter: Reporter) -> dict[str, Any]:
+    """Run the ranks of ``cfg`` as Ray actors (connecting to ``cluster.address`` or starting a local
+    Ray) and follow them to the run's outcome."""
+    try:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+    except ImportError:
+        raise ConfigError(
+            "cluster.backend is 'ray' but Ray is not installed: pip install 'rlctl[ray]' (or use "
+            "cluster.backend: local with --nproc)"
+        ) from None
+    t = cfg.trainer
+    nnodes, per_node = t.nnodes, t.n_devices_per_node or t.nproc
+    started_here = not ray.is_initialized()
+    if started_here:
+        reporter.note(f"connecting to Ray at {cfg.cluster.address}" if cfg.cluster.address else "starting a local Ray")
+        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True,
+                 logging_level="ERROR", configure_logging=True)  # fmt: skip
+    accel = _device_resources(cfg, ray.cluster_resources())
+    bundle = {k: v * per_node for k, v in {"CPU": cfg.cluster.cpus_per_rank, **accel}.items()}
+    pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD" if nnodes > 1 else "PACK")
+    actors = []
+    try:
+        _wait_placed(pg, nnodes, per_node, bundle)
+        _start_actors(actors, cfg, pg, accel, nnodes * per_node, per_node)
+        addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
+        spec = rank_spec(run, cfg, restore)
+        ranks = [RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
+                 for rank, a in enumerate(actors)]  # fmt: skip
+        return supervise(ranks, run, restore, t.total_steps, reporter)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        remove_placement_group(pg)
+        if started_here:
+            ray.shutdown()
+
+
+def _wait_placed(pg, nnodes: int, per_node: int, bundle: dict[str, float]) -> None:
+    import ray
+
+    ready, _ = ray.wait([pg.ready()], timeout=READY_TIMEOUT_S)
+    if not ready:
+        have = ray.cluster_resources()
+        raise ConfigError(
+            f"the Ray cluster cannot place {nnodes} x {per_node} ranks ({bundle} per node) within "
+            f"{READY_TIMEOUT_S:.0f} s; it has {have}. Lower trainer.nproc / n_devices_per_node / "
+            "cluster.cpus_per_rank or add nodes"
+        )
+
+
+def _start_actors(actors: list, cfg: RunConfig, pg, accel: dict[str, float], world: int, per_node: int) -> None:
+    """Append one RankActor per rank to ``actors`` (rank r in bundle r // per_node), with the driver's
+    relevant environment."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
+    remote = ray.remote(RankActor)
+    for rank in range(world):
+        actors.append(remote.options(
+            num_cpus=cfg.cluster.cpus_per_rank, num_gpus=accel.get("GPU", 0),
+            resources={"NPU": accel["NPU"]} if "NPU" in accel else None, max_concurrency=2,
+            runtime_env={"env_vars": env},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank // per_node),
+        ).remote())  # fmt: skip

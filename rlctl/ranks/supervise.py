@@ -1,0 +1,140 @@
+"""One supervisor for the ranks of a run, whatever runs them (local processes, Ray actors), through a
+small handle protocol: it polls every rank, forwards SIGTERM/SIGUSR1 to them, gives the others a grace
+period when one fails and then kills them, and decides the run's outcome from the ranks' results.
+Meanwhile it shows rank 0's metric rows as they land (the driver's progress)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from rlctl.errors import ExitCode, RankFailed
+from rlctl.metrics import parse_rows
+from rlctl.ranks.report import Reporter
+from rlctl.ranks.signals import on_stop_signals
+from rlctl.rundir.layout import METRICS
+from rlctl.storage import Storage
+
+GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped
+POLL_S = 0.1
+# exits every rank takes together after the same step (rank 0 may still be committing a snapshot):
+# they never start the grace clock
+COORDINATED = {ExitCode.OK, ExitCode.HALTED, ExitCode.PREEMPTED}
+
+
+class RankHandle(Protocol):
+    """One running rank, as the supervisor sees it."""
+
+    def poll(self) -> int | None:
+        """The rank's exit code once it has ended, else None."""
+
+    def stop(self, signal_name: str) -> None:
+        """Pass a stop signal ("SIGTERM", "SIGUSR1") on to the rank, if it still runs."""
+
+    def kill(self) -> None:
+        """End the rank now, if it still runs."""
+
+    def result(self) -> dict[str, Any] | None:
+        """Once ended: {"code", "message", "summary"}, or None when the rank left no result."""
+
+
+def supervise(ranks: Sequence[RankHandle], run: Storage, restore: dict[str, Any] | None, total: int,
+              reporter: Reporter) -> dict[str, Any]:  # fmt: skip
+    """Follow ``ranks`` to their end; the run's summary, or RankFailed with the rank that failed."""
+    follower = Follower(run, reporter)
+    with on_stop_signals(lambda name: [r.stop(name) for r in ranks]):
+        follower.poll(force=True)
+        reporter.ready(start_step(restore), total)
+        failed_first = _wait(ranks, follower)
+        follower.poll(force=True)
+    return outcome([r.result() for r in ranks], failed_first)
+
+
+def _wait(ranks: Sequence[RankHandle], follower: Follower) -> int | None:
+    """Poll every rank until all have ended; the first rank whose end started the grace clock."""
+    failed_first, failed_at = None, None
+    while True:
+        codes = [r.poll() for r in ranks]  # every rank, every time
+        for rank, code in enumerate(codes):
+            if failed_first is None and starts_grace(code):
+                failed_first, failed_at = rank, time.monotonic()
+        if all(c is not None for c in codes):
+            return failed_first
+        follower.poll()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for r in ranks:  # a rank left the group: the others would wait in a collective forever
+                r.kill()
+        time.sleep(POLL_S)
+
+
+def start_step(restore: dict[str, Any] | None) -> int:
+    """The step a run resumes from (best guess before the ranks have restored): its first candidate's."""
+    if not restore or not restore["names"]:
+        return 0
+    return int(restore["names"][0].rsplit("-", 1)[-1])
+
+
+def starts_grace(code: int | None) -> bool:
+    """Whether a rank ending with ``code`` has left the others stuck (a crash, or an error on that rank
+    alone), rather than taking a coordinated exit every rank takes after the same step."""
+    return code is not None and code not in COORDINATED
+
+
+def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, Any]:
+    """The run's result from the ranks' results: rank 0's, unless another rank failed first."""
+    first = results[0]
+    # a rank that ended with its own error (not a crash) says why the others went down
+    own = [r for r, res in enumerate(results) if res and starts_grace(res["code"]) and res["code"] != 1]
+    if own and (first is None or first["code"] in (0, 1)):
+        failed_first = own[0]
+    if failed_first is not None and failed_first != 0:
+        r = results[failed_first] or {"code": 1, "message": None}
+        if first is None or first["code"] in (0, 1):
+            raise RankFailed(r["message"] or f"rank {failed_first} failed (exit code {r['code']}); its "
+                             "error is above. The other ranks were stopped", r["code"] or 1)  # fmt: skip
+    if first is None:
+        raise RankFailed("rank 0 died without a result; see its error above", 1)
+    if first["code"]:
+        raise RankFailed(first["message"] or f"rank 0 failed (exit code {first['code']})", first["code"])
+    return first["summary"]
+
+
+class Follower:
+    """Shows rank 0's metric rows as they land (the driver's progress bar)."""
+
+    def __init__(self, run: Storage, reporter: Reporter):
+        self.run, self.reporter, self.offset = run, reporter, None
+        self._last = 0.0
+
+    def poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.5:
+            return
+        self._last = now
+        try:
+            size, tail = self._read_from(self.offset or 0)
+        except FileNotFoundError:
+            size, tail = 0, b""
+        except Exception:  # a flaky read of remote storage: progress waits for the next poll
+            return
+        if self.offset is None or size < self.offset:  # rows from before this launch are history;
+            self.offset = size  # a rollback moved rows away
+            return
+        end = tail.rfind(b"\n") + 1  # whole lines only
+        if end:
+            self.offset += end
+            for row in parse_rows(tail[:end]):
+                self.reporter.step(row)
+
+    def _read_from(self, offset: int) -> tuple[int, bytes]:
+        """The metrics file's size and its bytes from ``offset``: a local file is read from there only,
+        an object (no ranged append semantics to rely on) whole."""
+        if self.run.is_local:
+            with open(self.run.path(METRICS), "rb") as fh:
+                size = fh.seek(0, os.SEEK_END)
+                fh.seek(min(offset, size))
+                return size, fh.read()
+        data = self.run.read_bytes(METRICS)
+        return len(data), data[offset:]

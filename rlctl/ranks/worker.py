@@ -1,0 +1,183 @@
+"""A rank's session, the same for every kind of rank (in the ``rlctl`` process, a local rank process,
+a Ray actor): build the trainer, restore it on resume and turn the run away from the steps after the
+snapshot, train, and record how it ended.
+
+A restore is described by what can travel to another process: ``{"names": [snapshot names, best
+first], "wanted": the --from spec, "changes": the resume --set changes}``; every rank scans the
+snapshots itself. Rank 0 alone writes the run's files (config, metrics, events); the other ranks wait
+at barriers. A stop that does not come as a signal to the running session (from a Ray driver, or a
+signal to a local rank still loading) goes through ``STOPS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
+from rlctl.config import RunConfig, validate_config
+from rlctl.errors import Halted, Preempted, RlctlError, SnapshotError
+from rlctl.metrics import EventLog
+from rlctl.ranks.report import Reporter, SilentReporter
+from rlctl.ranks.signals import on_stop_signals
+from rlctl.rundir.directory import run_summary, snapshot_manager
+from rlctl.rundir.history import turn_away_after, turn_tag
+from rlctl.rundir.layout import CONFIG
+from rlctl.storage import Storage
+
+
+class StopRequests:
+    """The stop requests of this process's trainer: passed on while it trains, kept until it is ready
+    when one comes earlier (it then snapshots where it is and stops)."""
+
+    def __init__(self) -> None:
+        self._running = None
+        self._pending: str | None = None
+
+    def request(self, reason: str) -> None:
+        if self._running is not None:
+            self._running.request_stop(reason)
+        else:
+            self._pending = reason
+
+    @contextlib.contextmanager
+    def running(self, trainer) -> Iterator[None]:
+        """Within the block, requests go to ``trainer`` (one kept from before goes at once)."""
+        self._running = trainer
+        if self._pending is not None:
+            trainer.request_stop(self._pending)
+            self._pending = None
+        try:
+            yield
+        finally:
+            self._running = None
+
+
+STOPS = StopRequests()  # this process's
+
+
+# -- the session -------------------------------------------------------------------------------------
+def train_rank(run: Storage, cfg: RunConfig, events: EventLog | None, snapshots: SnapshotManager,
+               reporter: Reporter, restore: dict[str, Any] | None, rank: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files;
+    ``events`` is None on the others). Returns the run's summary on rank 0, {} on the others."""
+    main = rank == 0
+    trainer = _build_trainer(cfg, run, events, snapshots, reporter, rank)
+    if restore is not None:
+        _resume(trainer, run, cfg, events, snapshots, reporter, restore, main)
+    reporter.ready(trainer.state.step, cfg.trainer.total_steps)
+    emit = events.emit if main else (lambda event: None)
+    try:
+        with STOPS.running(trainer), on_stop_signals(STOPS.request):
+            _train(trainer, snapshots, emit, rank if cfg.world_size > 1 else None)
+    finally:
+        snapshots.close()
+    sha = trainer.actor.weights_sha256()  # (a collective under ZeRO-3: every rank computes it)
+    emit({"event": "completed", "step": trainer.state.step, "weights_sha256": sha})
+    return run_summary(run) if main else {}
+
+
+def _build_trainer(cfg: RunConfig, run: Storage, events: EventLog | None, snapshots: SnapshotManager,
+                   reporter: Reporter, rank: int):  # fmt: skip
+    from rlctl.engine.trainer import Trainer  # heavy: torch, DeepSpeed, transformers
+
+    on_event = events.emit if rank == 0 else None
+    return Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step, on_event=on_event)
+
+
+def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:
+    """``trainer.train()``, recording a preemption or a crash (a halt the trainer has recorded)."""
+    try:
+        trainer.train()
+    except Preempted:
+        emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
+              "snapshot": snapshots.last_committed})  # fmt: skip
+        raise
+    except Halted:
+        raise  # the trainer logged why
+    except BaseException as exc:
+        emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}",
+              **({"rank": rank} if rank is not None else {})})  # fmt: skip
+        raise
+
+
+def _resume(trainer, run: Storage, cfg: RunConfig, events: EventLog | None, snapshots: SnapshotManager,
+            reporter: Reporter, restore: dict[str, Any], main: bool) -> None:  # fmt: skip
+    """Restore the best usable snapshot named in ``restore``, apply the changed knobs, and (rank 0)
+    record the config and turn the run away from the steps after the snapshot."""
+    infos = {i.name: i for i in snapshots.scan()}
+    info = _restore(trainer, snapshots, [infos[n] for n in restore["names"] if n in infos], reporter)
+    step = info.step if info else 0
+    if info is None:
+        reporter.note("warning: no snapshot to resume from; starting again from step 0")
+    tag = turn_tag("resume", from_step=step)
+    if "algorithm.kl_coef" in restore["changes"]:  # also for an adaptive controller: the user said so
+        trainer.kl_ctrl.value = cfg.algorithm.kl_coef
+        trainer.apply_knobs()
+    trainer.dist.barrier()  # every rank has restored before rank 0 moves later snapshots away
+    if main:
+        run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
+        moved = turn_away_after(run, snapshots, step, tag)
+        events.emit({
+            "event": "resume", "from": restore["wanted"], "step": step, "snapshot": info.name if info else None,
+            "location": snapshots.storage.url_of(info.name) if info else None, "changes": restore["changes"],
+            **moved,
+        })  # fmt: skip
+    trainer.dist.barrier()
+
+
+def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter) -> SnapshotInfo | None:
+    for info in usable:
+        try:
+            trainer.restore(info)
+            return info
+        except SnapshotError as exc:
+            if len(usable) == 1:
+                raise
+            reporter.note(f"warning: {exc.message}; trying an older snapshot")
+    if usable:
+        raise SnapshotError(f"no usable snapshot in {snapshots.storage.url}: every candidate failed its checks")
+    return None
+
+
+# -- a rank of several ---------------------------------------------------------------------------------
+def free_port() -> int:
+    """A free TCP port on this host (the rendezvous of rank 0)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def rank_spec(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None) -> dict[str, Any]:
+    """What every rank of a run needs to know, as plain data (it travels as JSON or by Ray)."""
+    url = run.url if "://" in run.url else os.path.abspath(run.url)  # ranks may not share our cwd
+    return {"run_url": url, "config": cfg.to_yaml(), "restore": restore, "world": cfg.world_size}
+
+
+def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
+    """Run rank ``rank`` of ``spec`` (from ``rank_spec``) to its end in this process; returns {"code",
+    "message", "summary"}. A domain error is a result (with its exit code); a bug propagates."""
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec["world"]),
+        "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+    })  # fmt: skip
+    # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    cfg = validate_config(yaml.safe_load(spec["config"]), {})
+    run = Storage(spec["run_url"])
+    events = EventLog(run) if rank == 0 else None
+    try:
+        snapshots = snapshot_manager(run, cfg, events, rank=rank)
+        summary = train_rank(run, cfg, events, snapshots, SilentReporter(), spec["restore"], rank=rank)
+        return {"code": 0, "message": None, "summary": summary}
+    except RlctlError as exc:
+        return {"code": int(exc.exit_code), "message": exc.message, "summary": None}
+    finally:
+        if events is not None:
+            events.close()
