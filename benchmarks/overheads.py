@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from rlctl.config import load_config
+from rlctl.engine.runtime import open_rank
 from rlctl.engine.trainer import Trainer
 from rlctl.metrics import JsonlLog
 from rlctl.policies import load_policies
@@ -45,8 +46,9 @@ def main() -> None:
                              "rollout.max_new_tokens=16", "checkpoint.every=0"])  # fmt: skip
     root = tempfile.mkdtemp(prefix="rlctl-overheads-")
     run = Storage(root)
-    snapshots = snapshot_manager(run, cfg)
-    trainer = Trainer(cfg, run, snapshots=snapshots)
+    rank = open_rank(cfg)
+    snapshots = snapshot_manager(run, cfg, collectives=rank.dist)
+    trainer = Trainer(cfg, run, rank, snapshots=snapshots)
     trainer.metrics = trainer._metrics_log()  # as train() opens it: a snapshot records its offset
     rows, steps = [], []
     for step in range(1, args.steps + 1):

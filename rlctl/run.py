@@ -33,7 +33,7 @@ def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> 
             events.emit({"event": "start", "total_steps": cfg.trainer.total_steps})
             snapshots = snapshot_manager(run, cfg, events)
             snapshots.remove_uncommitted()
-            return _train(run, cfg, events, snapshots, reporter or SilentReporter(), restore=None)
+            return _train(run, cfg, events, reporter or SilentReporter(), restore=None)
     finally:
         events.close()
 
@@ -66,7 +66,7 @@ def resume_run(
             for bad in (c for c in candidates if not c.usable):
                 reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
             restore = {"names": [c.name for c in candidates if c.usable], "wanted": wanted, "changes": changes}
-            return _train(run, cfg, events, snapshots, reporter, restore)
+            return _train(run, cfg, events, reporter, restore)
     finally:
         events.close()
 
@@ -76,12 +76,12 @@ def _completed(run: Storage, cfg: RunConfig) -> bool:
                for e in read_rows(run, EVENTS))  # fmt: skip
 
 
-def _train(run: Storage, cfg: RunConfig, events: EventLog, snapshots: SnapshotManager, reporter: Reporter,
+def _train(run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter,
            restore: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
     """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
     actors; rank 0 then writes the events and metrics while this process keeps the lease)."""
     if cfg.world_size == 1:
-        return train_rank(run, cfg, events, snapshots, reporter, restore)
+        return train_rank(run, cfg, events, reporter, restore)
     launch = launch_ray if cfg.cluster.backend == "ray" else launch_local
     offset = events.tell()
     events.close()  # rank 0 appends to it now: one writer at a time

@@ -243,7 +243,6 @@ class Retention:
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
 
 
-_LEGACY_ZERO_MISMATCH = "written with ZeRO stage {recorded}; this run uses stage {value}"  # TEMPORARY, see below
 
 
 class SnapshotManager:
@@ -268,10 +267,7 @@ class SnapshotManager:
         asynchronous: bool = True,
         retry_delay: float = 0.5,
         rank_timeout: float = 1800.0,
-        zero_stage: int | None = None,  # TEMPORARY: today's rlctl/run.py passes it; callers pass topology=
     ):
-        if zero_stage is not None:
-            topology = (*topology, Topology("zero_stage", zero_stage, _LEGACY_ZERO_MISMATCH))
         self.storage = storage
         self.world_size = world_size
         self.rank = rank

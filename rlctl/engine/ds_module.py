@@ -1,8 +1,8 @@
 """The DeepSpeed plumbing the actor and the critic share: a model in a ZeRO engine with a torch AdamW
 and a warm-up schedule (``DSModule``), what it is built from (``EngineSpec``, ``ds_config``), the
 checkpoint engine that hands serialization to the snapshot manager's background writer, and what a
-snapshot needs to know of DeepSpeed's files: which rank alone reads each one, and that the layout is
-the ZeRO stage's (``zero_topology``).
+snapshot needs to know of DeepSpeed's files: which rank alone reads each one. (That their layout is
+the ZeRO stage's is a fact of the run's config: ``rlctl.rundir.directory.zero_topology``.)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from rlctl.checkpoint.collectives import Collectives, Local
-from rlctl.checkpoint.snapshots import Topology
 from rlctl.checkpoint.snapshots import files_of_rank as snapshot_files_of_rank
 from rlctl.config import RunConfig
 from rlctl.engine.runtime import Runtime
@@ -37,11 +36,6 @@ def zero_file_rank(rel: str) -> int | None:
 def files_of_rank(files, rank: int) -> list[str]:
     """The files of a snapshot of DeepSpeed modules that rank ``rank`` reads to restore."""
     return snapshot_files_of_rank(files, rank, zero_file_rank)
-
-
-def zero_topology(stage: int | None) -> Topology:
-    """The topology of DeepSpeed files: the ZeRO stage they were partitioned for."""
-    return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
 
 
 def _deferring_engine_class():
@@ -221,10 +215,6 @@ class DSModule:
     def file_rank(self, rel: str) -> int | None:
         """The rank that alone reads a file of this module's checkpoint directory (None: every rank)."""
         return zero_file_rank(rel)
-
-    def topology(self) -> Topology:
-        """What this module's checkpoint files are laid out for: its ZeRO stage."""
-        return zero_topology(self.zero_stage)
 
     def load_from_dir(self, path: str) -> None:
         parent, tag = os.path.split(path.rstrip("/"))

@@ -35,7 +35,7 @@ from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer
 from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
-from rlctl.engine.runtime import RankContext, open_rank
+from rlctl.engine.runtime import RankContext
 from rlctl.engine.state import TrainerState
 from rlctl.errors import ConfigError, Preempted
 from rlctl.metrics import JsonlLog, NullLog
@@ -72,13 +72,12 @@ def timed(timings: dict[str, float], name: str):
 
 class Trainer:
     def __init__(
-        self, cfg: RunConfig, run: Storage, rank: RankContext | None = None, *,
+        self, cfg: RunConfig, run: Storage, rank: RankContext, *,
         snapshots: SnapshotManager | None = None, on_step: StepCallback | None = None,
         on_event: EventCallback | None = None,
     ):  # fmt: skip
-        """``rank``: this process set up as a rank of the run (``open_rank``), before ``snapshots`` was
-        built with its collectives. (None: opened here, and the snapshot manager adopted as today's
-        callers build it: a temporary bridge until they pass the rank.)"""
+        """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
+        with its collectives."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
         self.emit = on_event or (lambda event: None)
         self.guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
@@ -86,9 +85,6 @@ class Trainer:
             raise ConfigError(
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
-        if rank is None:
-            rank = open_rank(cfg)
-            self._adopt(snapshots, rank)
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
         reward_fn = load_reward_fn(cfg.reward.function)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
@@ -109,14 +105,6 @@ class Trainer:
         self.metrics: JsonlLog | None = None
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
-
-    def _adopt(self, snapshots: SnapshotManager | None, rank: RankContext) -> None:
-        """TEMPORARY, for callers that build the snapshot manager before the rank (rlctl/run.py today):
-        give it the rank's collectives, the cadence and the rollback reach it is built with otherwise."""
-        if snapshots is not None:
-            snapshots.collectives = rank.dist
-            snapshots.every = self.cfg.checkpoint.every
-            snapshots.max_steps_back = self.guard.max_steps_back if self.guard is not None else 0
 
     def _prepare_model_dir(self):
         """Rank 0 builds the built-in model into the run once; the others read it when it is complete."""

@@ -24,6 +24,8 @@ from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig, validate_config
 from rlctl.errors import Halted, Preempted, RlctlError, SnapshotError
 from rlctl.metrics import EventLog
+from rlctl.policies import load_policies
+from rlctl.policies.guard import PolicyGuard
 from rlctl.ranks.report import Reporter, SilentReporter
 from rlctl.ranks.signals import on_stop_signals
 from rlctl.rundir.directory import run_summary, snapshot_manager
@@ -63,12 +65,12 @@ STOPS = StopRequests()  # this process's
 
 
 # -- the session -------------------------------------------------------------------------------------
-def train_rank(run: Storage, cfg: RunConfig, events: EventLog | None, snapshots: SnapshotManager,
-               reporter: Reporter, restore: dict[str, Any] | None, rank: int = 0) -> dict[str, Any]:  # fmt: skip
+def train_rank(run: Storage, cfg: RunConfig, events: EventLog | None, reporter: Reporter,
+               restore: dict[str, Any] | None, rank: int = 0) -> dict[str, Any]:  # fmt: skip
     """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files;
     ``events`` is None on the others). Returns the run's summary on rank 0, {} on the others."""
     main = rank == 0
-    trainer = _build_trainer(cfg, run, events, snapshots, reporter, rank)
+    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank)
     if restore is not None:
         _resume(trainer, run, cfg, events, snapshots, reporter, restore, main)
     reporter.ready(trainer.state.step, cfg.trainer.total_steps)
@@ -83,12 +85,18 @@ def train_rank(run: Storage, cfg: RunConfig, events: EventLog | None, snapshots:
     return run_summary(run) if main else {}
 
 
-def _build_trainer(cfg: RunConfig, run: Storage, events: EventLog | None, snapshots: SnapshotManager,
-                   reporter: Reporter, rank: int):  # fmt: skip
-    from rlctl.engine.trainer import Trainer  # heavy: torch, DeepSpeed, transformers
+def _build_trainer(cfg: RunConfig, run: Storage, events: EventLog | None, reporter: Reporter, rank: int):
+    """This process as a rank of the run (device, threads, seeds, process group), then its snapshot
+    manager (with the rank's collectives), then the trainer."""
+    from rlctl.engine.runtime import open_rank  # heavy: torch, DeepSpeed, transformers
+    from rlctl.engine.trainer import Trainer
 
+    context = open_rank(cfg)
+    reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
+    snapshots = snapshot_manager(run, cfg, events, rank=rank, collectives=context.dist, max_steps_back=reach)
     on_event = events.emit if rank == 0 else None
-    return Trainer(cfg, run, snapshots=snapshots, on_step=reporter.step, on_event=on_event)
+    trainer = Trainer(cfg, run, context, snapshots=snapshots, on_step=reporter.step, on_event=on_event)
+    return trainer, snapshots
 
 
 def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:
@@ -173,8 +181,7 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
     run = Storage(spec["run_url"])
     events = EventLog(run) if rank == 0 else None
     try:
-        snapshots = snapshot_manager(run, cfg, events, rank=rank)
-        summary = train_rank(run, cfg, events, snapshots, SilentReporter(), spec["restore"], rank=rank)
+        summary = train_rank(run, cfg, events, SilentReporter(), spec["restore"], rank=rank)
         return {"code": 0, "message": None, "summary": summary}
     except RlctlError as exc:
         return {"code": int(exc.exit_code), "message": exc.message, "summary": None}

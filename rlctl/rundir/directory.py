@@ -6,7 +6,8 @@ from typing import Any
 
 import yaml
 
-from rlctl.checkpoint.snapshots import Retention, SnapshotManager
+from rlctl.checkpoint.collectives import Collectives
+from rlctl.checkpoint.snapshots import Retention, SnapshotManager, Topology
 from rlctl.config import RunConfig, validate_config
 from rlctl.errors import ConfigError
 from rlctl.metrics import EventLog, read_rows
@@ -38,13 +39,27 @@ def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
     return Storage(run.url_of(CHECKPOINTS), c.storage_options) if c.storage_options else run.child(CHECKPOINTS)
 
 
-def snapshot_manager(run: Storage, cfg: RunConfig, events: EventLog | None = None, rank: int = 0) -> SnapshotManager:
+def zero_topology(stage: int | None) -> Topology:
+    """The layout DeepSpeed's snapshot files have: the ZeRO stage they were partitioned for."""
+    return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
+
+
+def snapshot_manager(
+    run: Storage, cfg: RunConfig, events: EventLog | None = None, rank: int = 0, *,
+    collectives: Collectives | None = None, max_steps_back: int = 0,
+) -> SnapshotManager:  # fmt: skip
+    """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention and
+    topology. A rank passes its collectives and how far its policies may roll back (retention keeps a
+    snapshot that far back); the driver, which only scans, passes neither."""
     c = cfg.checkpoint
     return SnapshotManager(
         checkpoint_storage(run, cfg),
         world_size=cfg.world_size,
         rank=rank,
-        zero_stage=cfg.actor.zero_stage,
+        collectives=collectives,
+        topology=[zero_topology(cfg.actor.zero_stage)],
+        every=c.every,
+        max_steps_back=max_steps_back,
         retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every),
         on_event=events.emit if events is not None else None,
         staging_dir=c.staging_dir,

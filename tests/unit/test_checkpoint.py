@@ -14,7 +14,7 @@ import pytest
 from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
-from rlctl.engine.ds_module import zero_topology
+from rlctl.rundir.directory import zero_topology
 from rlctl.storage import Storage, with_retries
 from rlctl.errors import LeaseError, SnapshotError
 
