@@ -59,11 +59,11 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlctl.checkpoint.snapshots import SnapshotManager
-    from rlctl.storage import Storage
     from rlctl.config import RunConfig
     from rlctl.engine.actor import Actor, Sequences
     from rlctl.engine.model import build_char_tokenizer
     from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.storage import Storage
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="rlctl-bench-", dir=Path(__file__).resolve().parents[1]))
     root.mkdir(parents=True, exist_ok=True)
@@ -71,13 +71,25 @@ def main() -> None:
         runtime = setup_runtime("cpu", "fp32", 1)
         init_distributed(runtime.backend)
         model_dir = root / "model"
-        cfg_model = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                                num_key_value_heads=args.hidden // 64, max_position_embeddings=128)  # fmt: skip
+        cfg_model = LlamaConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 8 // 3,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.hidden // 64,
+            max_position_embeddings=128,
+        )
         LlamaForCausalLM(cfg_model).save_pretrained(model_dir)
         build_char_tokenizer().save_pretrained(model_dir)
-        cfg = RunConfig.model_validate({"model": {"path": str(model_dir)}, "actor": {"zero_stage": 2, "lr": 1e-5},
-                                        "trainer": {"prompts_per_step": 1}, "algorithm": {"group_size": 2}})  # fmt: skip
+        cfg = RunConfig.model_validate(
+            {
+                "model": {"path": str(model_dir)},
+                "actor": {"zero_stage": 2, "lr": 1e-5},
+                "trainer": {"prompts_per_step": 1},
+                "algorithm": {"group_size": 2},
+            }
+        )
         actor = Actor(cfg, model_dir, runtime)
         n_params = sum(p.numel() for p in actor.module.parameters())
         ids = torch.randint(0, args.vocab, (2, 24))
@@ -136,11 +148,15 @@ def main() -> None:
             rows["blocked"].append(blocked)
             rows["save"].append(save_s)
             rows["raw"].append(raw_write(str(root / "raw.bin"), size))
-        raw, sync, blocked, save_s, update = (statistics.median(rows[k]) for k in ("raw", "sync", "blocked", "save", "update"))
+        raw, sync, blocked, save_s, update = (
+            statistics.median(rows[k]) for k in ("raw", "sync", "blocked", "save", "update")
+        )
         stall = max(0.0, blocked - update)
         gb = size / 1e9
-        print(f"model: {n_params / 1e6:.0f}M parameters, ZeRO-2, fp32 with AdamW; snapshot {gb:.2f} GB; "
-              f"disk: {root}; median of {args.repeats}")  # fmt: skip
+        print(
+            f"model: {n_params / 1e6:.0f}M parameters, ZeRO-2, fp32 with AdamW; snapshot {gb:.2f} GB; "
+            f"disk: {root}; median of {args.repeats}"
+        )
         print(f"{'measure':<44}{'seconds':>10}{'GB/s':>8}")
         print(f"{'raw sequential write + fsync':<44}{raw:>10.3f}{gb / raw:>8.2f}")
         print(f"{'synchronous snapshot':<44}{sync:>10.3f}{gb / sync:>8.2f}")

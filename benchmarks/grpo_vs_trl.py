@@ -161,11 +161,20 @@ def build_model_dir(key: str, out: Path) -> int:
         model = build_tiny_model(RunConfig().model.builtin, tok, SEED)
     else:
         cfg = LlamaConfig(
-            vocab_size=len(tok), hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-            num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=False, initializer_range=0.02,
-        )  # fmt: skip
+            vocab_size=len(tok),
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=256,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=False,
+            initializer_range=0.02,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
             model = LlamaForCausalLM(cfg)
@@ -178,24 +187,49 @@ def build_model_dir(key: str, out: Path) -> int:
 def rlctl_overrides(job: Job) -> list[str]:
     # load_config(None, ...) starts from the packaged demo config: every key relied on is set here.
     return [
-        "name=bench", f"seed={SEED}", "device=cpu", "policies=[]",
-        f"model.path={job.model_dir}", f"model.dtype={job.dtype}",
-        f"data.path={job.data}", "data.prompt_key=prompt", "data.apply_chat_template=false",
-        "data.max_prompt_length=64", "data.shuffle=true",
-        "reward.function=rlctl.engine.reward.builtin:echo_reward", "reward.kwargs={}",
-        f"trainer.total_steps={job.steps}", f"trainer.prompts_per_step={PROMPTS_PER_STEP}",
+        "name=bench",
+        f"seed={SEED}",
+        "device=cpu",
+        "policies=[]",
+        f"model.path={job.model_dir}",
+        f"model.dtype={job.dtype}",
+        f"data.path={job.data}",
+        "data.prompt_key=prompt",
+        "data.apply_chat_template=false",
+        "data.max_prompt_length=64",
+        "data.shuffle=true",
+        "reward.function=rlctl.engine.reward.builtin:echo_reward",
+        "reward.kwargs={}",
+        f"trainer.total_steps={job.steps}",
+        f"trainer.prompts_per_step={PROMPTS_PER_STEP}",
         "trainer.num_threads=1",
-        "algorithm.name=grpo", "algorithm.adv_estimator=grpo", f"algorithm.group_size={GROUP}",
-        f"algorithm.kl_coef={job.kl_coef}", "algorithm.kl_estimator=k3", "algorithm.kl_in_reward=false",
-        "algorithm.kl_ctrl.type=fixed", "algorithm.clip_ratio=0.2", "algorithm.loss_agg_mode=token-mean",
-        "algorithm.entropy_coef=0.0", "algorithm.ppo_epochs=1", "algorithm.importance_ratio=token",
-        "algorithm.dynamic_sampling.enabled=false", "algorithm.overlong.enabled=false",
-        f"actor.lr={LR}", "actor.zero_stage=2", "actor.grad_clip=1.0", "actor.weight_decay=0.0",
-        "actor.betas=[0.9, 0.999]", "actor.warmup_steps=0", "actor.mini_batch_size=null",
+        "algorithm.name=grpo",
+        "algorithm.adv_estimator=grpo",
+        f"algorithm.group_size={GROUP}",
+        f"algorithm.kl_coef={job.kl_coef}",
+        "algorithm.kl_estimator=k3",
+        "algorithm.kl_in_reward=false",
+        "algorithm.kl_ctrl.type=fixed",
+        "algorithm.clip_ratio=0.2",
+        "algorithm.loss_agg_mode=token-mean",
+        "algorithm.entropy_coef=0.0",
+        "algorithm.ppo_epochs=1",
+        "algorithm.importance_ratio=token",
+        "algorithm.dynamic_sampling.enabled=false",
+        "algorithm.overlong.enabled=false",
+        f"actor.lr={LR}",
+        "actor.zero_stage=2",
+        "actor.grad_clip=1.0",
+        "actor.weight_decay=0.0",
+        "actor.betas=[0.9, 0.999]",
+        "actor.warmup_steps=0",
+        "actor.mini_batch_size=null",
         "actor.micro_batch_size=null",
-        "rollout.backend=hf", f"rollout.max_new_tokens={job.max_new_tokens}", "rollout.temperature=1.0",
+        "rollout.backend=hf",
+        f"rollout.max_new_tokens={job.max_new_tokens}",
+        "rollout.temperature=1.0",
         "checkpoint.every=0",
-    ]  # fmt: skip
+    ]
 
 
 def run_rlctl(job: Job) -> RunResult:
@@ -235,18 +269,40 @@ def trl_config(job: Job):
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     kwargs = dict(  # noqa: C408 - keyword arguments of GRPOConfig
-        output_dir=job.out, use_cpu=True, seed=SEED,
+        output_dir=job.out,
+        use_cpu=True,
+        seed=SEED,
         per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,  # TRL's batch counts completions
-        gradient_accumulation_steps=1, num_generations=GROUP, num_iterations=1, steps_per_generation=1,
-        max_completion_length=job.max_new_tokens, max_prompt_length=64,
-        temperature=1.0, top_p=1.0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused",
-        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        beta=job.kl_coef, epsilon=0.2,
-        max_steps=job.steps, logging_steps=1, report_to=[], save_strategy="no",
-        bf16=job.dtype == "bf16", fp16=False, gradient_checkpointing=job.grad_ckpt,
-        dataloader_num_workers=0, use_vllm=False, disable_tqdm=True,
-    )  # fmt: skip
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        num_iterations=1,
+        steps_per_generation=1,
+        max_completion_length=job.max_new_tokens,
+        max_prompt_length=64,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch_fused",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=job.kl_coef,
+        epsilon=0.2,
+        max_steps=job.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=job.dtype == "bf16",
+        fp16=False,
+        gradient_checkpointing=job.grad_ckpt,
+        dataloader_num_workers=0,
+        use_vllm=False,
+        disable_tqdm=True,
+    )
     if "top_k" in fields:  # "no top-k" is None in older TRL, 0 in newer
         kwargs["top_k"] = None if fields["top_k"].default is None else 0
     for key in [k for k in kwargs if k not in fields]:  # names that changed across TRL versions
@@ -258,14 +314,42 @@ def trl_config(job: Job):
 
 
 TRL_KEYS = (
-    "per_device_train_batch_size", "num_generations", "generation_batch_size", "steps_per_generation",
-    "num_iterations", "gradient_accumulation_steps", "max_completion_length", "max_prompt_length",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "learning_rate", "lr_scheduler_type",
-    "optim", "weight_decay", "max_grad_norm", "beta", "use_bias_correction_kl", "epsilon", "epsilon_high",
-    "loss_type", "scale_rewards", "importance_sampling_level", "mask_truncated_completions",
-    "gradient_checkpointing", "bf16", "fp16", "use_vllm", "use_transformers_paged",
-    "use_transformers_continuous_batching", "cache_implementation", "disable_dropout", "shuffle_dataset",
-)  # fmt: skip
+    "per_device_train_batch_size",
+    "num_generations",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "gradient_accumulation_steps",
+    "max_completion_length",
+    "max_prompt_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "learning_rate",
+    "lr_scheduler_type",
+    "optim",
+    "weight_decay",
+    "max_grad_norm",
+    "beta",
+    "use_bias_correction_kl",
+    "epsilon",
+    "epsilon_high",
+    "loss_type",
+    "scale_rewards",
+    "importance_sampling_level",
+    "mask_truncated_completions",
+    "gradient_checkpointing",
+    "bf16",
+    "fp16",
+    "use_vllm",
+    "use_transformers_paged",
+    "use_transformers_continuous_batching",
+    "cache_implementation",
+    "disable_dropout",
+    "shuffle_dataset",
+)
 
 
 def run_trl(job: Job) -> RunResult:
@@ -308,8 +392,14 @@ def run_trl(job: Job) -> RunResult:
     tok = AutoTokenizer.from_pretrained(job.model_dir)
     tok.padding_side = "left"
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, reward_funcs=echo_reward, args=trl_config(job), train_dataset=dataset,
-                          processing_class=tok, callbacks=[timer])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=echo_reward,
+        args=trl_config(job),
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=[timer],
+    )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
 
     # Phase timers: wrap two methods of this trainer instance (one perf_counter pair each per step).
@@ -339,8 +429,9 @@ def run_trl(job: Job) -> RunResult:
     trainer.train()
     wall = time.perf_counter() - t0
     if describe is not None:
-        describe["optimizer"] = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
-                                     else trainer.optimizer).__name__  # fmt: skip
+        describe["optimizer"] = type(
+            trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        ).__name__
         describe["model wrapper after prepare"] = type(trainer.model_wrapped).__name__
     steps = sorted(timer.step_s)
     if steps != list(range(1, job.steps + 1)) or sorted(timer.logs) != steps:
@@ -399,8 +490,11 @@ class Worker:
             env.pop(key, None)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", side],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def run(self, job: Job) -> RunResult:
         self.proc.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
@@ -505,16 +599,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per run, tiny model (default 15)")
     ap.add_argument("--big-steps", type=int, default=None, help="steps per run, 25M model (default 6)")
     ap.add_argument("--rounds", type=int, default=None, help="runs of each side per configuration (default 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="leading steps of each run left out (default 3 tiny, "
-                    "2 for 25M; --quick: 2)")  # fmt: skip
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="leading steps of each run left out (default 3 tiny, 2 for 25M; --quick: 2)",
+    )
     ap.add_argument("--models", default="tiny,25M", help="comma list of: tiny, 25M")
     ap.add_argument("--kl", default="no,k3", help="comma list of: no, k3")
-    ap.add_argument("--dtype", default="fp32", help="comma list of: fp32, bf16 (rlctl model.dtype, TRL bf16=True "
-                    "under accelerate's autocast; both keep fp32 master weights in the optimizer)")  # fmt: skip
+    ap.add_argument(
+        "--dtype",
+        default="fp32",
+        help="comma list of: fp32, bf16 (rlctl model.dtype, TRL bf16=True "
+        "under accelerate's autocast; both keep fp32 master weights in the optimizer)",
+    )
     ap.add_argument("--kl-coef", type=float, default=0.04, help="rlctl algorithm.kl_coef = TRL beta for k3")
     ap.add_argument("--prompts", type=int, default=256, help="rows of the echo task")
-    ap.add_argument("--trl-gradient-checkpointing", action="store_true",
-                    help="keep TRL's default gradient checkpointing (rlctl does not checkpoint)")  # fmt: skip
+    ap.add_argument(
+        "--trl-gradient-checkpointing",
+        action="store_true",
+        help="keep TRL's default gradient checkpointing (rlctl does not checkpoint)",
+    )
     ap.add_argument("--json", default=None, help="also write every per-step number to this file")
     ap.add_argument("--worker", choices=["rlctl", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -540,14 +645,20 @@ def main() -> None:
 
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     print(f"versions: python {platform.python_version()}, {versions()}")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; OMP_NUM_THREADS=1 and torch.set_num_threads(1) "
-          "in both workers")  # fmt: skip
-    print(f"work: {PROMPTS_PER_STEP} prompts x {GROUP} samples per step, lr {LR}, temperature 1.0; "
-          + "; ".join(f"{m}: {specs[m][0]} new tokens, {specs[m][1]} steps per run, warm-up {specs[m][2]}"
-                      for m in models)
-          + f"; {rounds} run(s) per side per configuration, alternating rlctl, TRL; k3 coefficient {args.kl_coef}; "
-          f"TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}; precision "
-          f"{', '.join(dtypes)}", flush=True)  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs; OMP_NUM_THREADS=1 and torch.set_num_threads(1) "
+        "in both workers"
+    )
+    print(
+        f"work: {PROMPTS_PER_STEP} prompts x {GROUP} samples per step, lr {LR}, temperature 1.0; "
+        + "; ".join(
+            f"{m}: {specs[m][0]} new tokens, {specs[m][1]} steps per run, warm-up {specs[m][2]}" for m in models
+        )
+        + f"; {rounds} run(s) per side per configuration, alternating rlctl, TRL; k3 coefficient {args.kl_coef}; "
+        f"TRL gradient checkpointing {'on' if args.trl_gradient_checkpointing else 'off'}; precision "
+        f"{', '.join(dtypes)}",
+        flush=True,
+    )
 
     warnings.filterwarnings("ignore")
     import transformers
@@ -590,16 +701,27 @@ def main() -> None:
                         for side in ("rlctl", "TRL"):
                             n += 1
                             describe = side == "TRL" and r == 0 and m == models[0]
-                            job = Job(str(model_dir), str(data), max_new, steps, coef, str(work / f"run-{n}"),
-                                      args.trl_gradient_checkpointing, describe, dtype)  # fmt: skip
+                            job = Job(
+                                str(model_dir),
+                                str(data),
+                                max_new,
+                                steps,
+                                coef,
+                                str(work / f"run-{n}"),
+                                args.trl_gradient_checkpointing,
+                                describe,
+                                dtype,
+                            )
                             res = workers[side].run(job)
                             if res.describe:
                                 described.append((f"{m} {dtype} kl={kl}", res.describe))
                             runs[side].append(res)
-                            log(f"[{m} {dtype} kl={kl} round {r + 1}] {side:5s}: median "
+                            log(
+                                f"[{m} {dtype} kl={kl} round {r + 1}] {side:5s}: median "
                                 f"{statistics.median(res.step_s[warm:]):.4f} s/step, mean length "
                                 f"{statistics.fmean(res.mean_len[warm:]):.1f}, run {res.wall_s:.1f} s, "
-                                f"threads {res.threads}")  # fmt: skip
+                                f"threads {res.threads}"
+                            )
                     r_sum, t_sum = summarize(runs["rlctl"], warm), summarize(runs["TRL"], warm)
                     for summ in (r_sum, t_sum):  # the arithmetic floor of this side's work
                         summ["flops"] = step_flops(n_mm, prompt_tokens, summ["mean_len"], kl != "no")
@@ -613,50 +735,75 @@ def main() -> None:
     total = time.perf_counter() - t_all
 
     print()
-    head = (f"{'model':13s} {'dtype':5s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
-            f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}")  # fmt: skip
+    head = (
+        f"{'model':13s} {'dtype':5s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
+        f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}"
+    )
     print(head)
     print("-" * len(head))
     for label, dtype, kl, r, t in table:
-        print(f"{label:13s} {dtype:5s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} "
-              f"{r['tok_per_s']:11.0f} {t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
-              f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}")  # fmt: skip
+        print(
+            f"{label:13s} {dtype:5s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} "
+            f"{r['tok_per_s']:11.0f} {t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
+            f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}"
+        )
     print()
-    print("ratio(tok/s) = rlctl tok/s / TRL tok/s (above 1: rlctl is faster). s/step: median step time; tok/s: "
-          "median of per-step generated tokens / step time; both over the steps after the warm-up, pooled over "
-          "the runs.")  # fmt: skip
+    print(
+        "ratio(tok/s) = rlctl tok/s / TRL tok/s (above 1: rlctl is faster). s/step: median step time; tok/s: "
+        "median of per-step generated tokens / step time; both over the steps after the warm-up, pooled over "
+        "the runs."
+    )
     print()
-    print("phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "
-          "per-run median s/step, and run wall times including setup:")  # fmt: skip
+    print(
+        "phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "
+        "per-run median s/step, and run wall times including setup:"
+    )
     for label, dtype, kl, r, t in table:
         for side, s in (("rlctl", r), ("TRL", t)):
-            print(f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {side:5s} gen {s['gen_s']:.4f}  ref {s['ref_s']:.4f}  "
-                  f"update {s['update_s']:.4f} | runs {[round(x, 4) for x in s['run_medians']]} | "
-                  f"wall {s['wall_s']} s | threads {s['threads']}")  # fmt: skip
+            print(
+                f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {side:5s} gen {s['gen_s']:.4f}  ref {s['ref_s']:.4f}  "
+                f"update {s['update_s']:.4f} | runs {[round(x, 4) for x in s['run_medians']]} | "
+                f"wall {s['wall_s']} s | threads {s['threads']}"
+            )
     print()
-    print("arithmetic floor: one thread's best matmul rate, measured before the runs: "
-          + "; ".join(f"{d} {rate / 1e9:.0f} GFLOP/s ({where})" for d, (rate, where) in peaks.items())
-          + f". A step's matmul work over real tokens ({prompt_tokens:.2f} prompt tokens + the mean completion "
-          "length per sequence; generation, update, reference) at that rate is the least time any implementation "
-          "could take; TRL s/step over TRL's floor is the highest ratio any implementation could reach on TRL's "
-          "work:")  # fmt: skip
+    print(
+        "arithmetic floor: one thread's best matmul rate, measured before the runs: "
+        + "; ".join(f"{d} {rate / 1e9:.0f} GFLOP/s ({where})" for d, (rate, where) in peaks.items())
+        + f". A step's matmul work over real tokens ({prompt_tokens:.2f} prompt tokens + the mean completion "
+        "length per sequence; generation, update, reference) at that rate is the least time any implementation "
+        "could take; TRL s/step over TRL's floor is the highest ratio any implementation could reach on TRL's "
+        "work:"
+    )
     for label, dtype, kl, r, t in table:
-        print(f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {t['flops'] / 1e9:7.1f} GFLOP/step  floor "
-              f"{t['floor_s']:.4f} s  rlctl at {r['flops'] / r['s_per_step'] / peaks[dtype][0]:6.1%} of peak, TRL at "
-              f"{t['flops'] / t['s_per_step'] / peaks[dtype][0]:6.1%}  highest possible ratio "
-              f"{t['s_per_step'] / t['floor_s']:.2f} (2x TRL needs {2 * t['floor_s'] / t['s_per_step']:.0%} of peak)")  # fmt: skip
+        print(
+            f"  {label.split()[0]:5s} {dtype:5s} {kl:3s} {t['flops'] / 1e9:7.1f} GFLOP/step  floor "
+            f"{t['floor_s']:.4f} s  rlctl at {r['flops'] / r['s_per_step'] / peaks[dtype][0]:6.1%} of peak, TRL at "
+            f"{t['flops'] / t['s_per_step'] / peaks[dtype][0]:6.1%}  highest possible ratio "
+            f"{t['s_per_step'] / t['floor_s']:.2f} (2x TRL needs {2 * t['floor_s'] / t['s_per_step']:.0%} of peak)"
+        )
     for where, d in described:
         print(f"TRL settings as its trainer saw them ({where}):")
         print("  " + ", ".join(f"{k}={v}" for k, v in d.items()))
-    print("Not identical by design: rlctl trains in DeepSpeed ZeRO-2 (world of one), TRL in plain PyTorch via "
-          "accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
-          "distribution, different draws and lengths); see the module docstring.")  # fmt: skip
+    print(
+        "Not identical by design: rlctl trains in DeepSpeed ZeRO-2 (world of one), TRL in plain PyTorch via "
+        "accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
+        "distribution, different draws and lengths); see the module docstring."
+    )
     print(f"total {total:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "command": sys.argv, "table": [{"model": lb, "dtype": d, "kl": kl, "rlctl": r, "trl": t} for lb, d, kl, r, t in table],
-            "gemm_peak_flops": {d: rate for d, (rate, _) in peaks.items()}, "prompt_tokens": prompt_tokens,
-            "runs": raw, "trl_settings": dict(described)}, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "table": [{"model": lb, "dtype": d, "kl": kl, "rlctl": r, "trl": t} for lb, d, kl, r, t in table],
+                    "gemm_peak_flops": {d: rate for d, (rate, _) in peaks.items()},
+                    "prompt_tokens": prompt_tokens,
+                    "runs": raw,
+                    "trl_settings": dict(described),
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--snapshots", type=int, default=15, help="snapshots of each kind")
     args = ap.parse_args()
-    cfg = load_config(None, [f"trainer.total_steps={args.steps}", "trainer.prompts_per_step=8", "algorithm.group_size=4",
-                             "rollout.max_new_tokens=16", "checkpoint.every=0"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            f"trainer.total_steps={args.steps}",
+            "trainer.prompts_per_step=8",
+            "algorithm.group_size=4",
+            "rollout.max_new_tokens=16",
+            "checkpoint.every=0",
+        ],
+    )
     root = tempfile.mkdtemp(prefix="rlctl-overheads-")
     run = Storage(root)
     rank = open_rank(cfg)
@@ -68,7 +76,7 @@ def main() -> None:
 
     log = JsonlLog(Storage(root), "bench-metrics.jsonl")
     t0 = time.perf_counter()
-    for rep in range(reps):
+    for _rep in range(reps):
         for row in rows:
             log.write(row)
     log_s = (time.perf_counter() - t0) / (reps * len(rows))
@@ -102,16 +110,22 @@ def main() -> None:
     stall, sync = statistics.median(blocked) + max(0.0, excess), statistics.median(sync_save)
 
     print(f"steady-state step (tiny model, 8x4x16): {step_s * 1e3:.1f} ms (median of {args.steps - 5})")
-    print(f"policy checks (default.yaml, {len(policies)} rules):  {check_s * 1e6:.1f} us = {check_s / step_s:.3%} of a step")
+    print(
+        f"policy checks (default.yaml, {len(policies)} rules):  {check_s * 1e6:.1f} us = {check_s / step_s:.3%} of a step"
+    )
     print(f"metrics row (orjson, flushed):          {log_s * 1e6:.1f} us = {log_s / step_s:.3%} of a step")
     print(f"checks + logging:                       {(check_s + log_s) / step_s:.3%} of a step (target < 1%)")
     print(f"snapshot ({size / 1e6:.1f} MB, medians of {args.snapshots} each):")
     print(f"  synchronous save:                     {sync * 1e3:.1f} ms = {sync / step_s:.1%} of a step")
-    print(f"  asynchronous: blocked in snapshot()   {statistics.median(blocked) * 1e3:.1f} ms; the step after it "
-          f"{statistics.median(after) * 1e3:.1f} ms against {statistics.median(control) * 1e3:.1f} ms for the control "
-          "steps")  # fmt: skip
-    print(f"  asynchronous stall (blocked + excess): {stall * 1e3:.1f} ms = {stall / step_s:.1%} of a step, "
-          f"{stall / sync:.1%} of the synchronous save (target < 5%)")
+    print(
+        f"  asynchronous: blocked in snapshot()   {statistics.median(blocked) * 1e3:.1f} ms; the step after it "
+        f"{statistics.median(after) * 1e3:.1f} ms against {statistics.median(control) * 1e3:.1f} ms for the control "
+        "steps"
+    )
+    print(
+        f"  asynchronous stall (blocked + excess): {stall * 1e3:.1f} ms = {stall / step_s:.1%} of a step, "
+        f"{stall / sync:.1%} of the synchronous save (target < 5%)"
+    )
 
 
 if __name__ == "__main__":

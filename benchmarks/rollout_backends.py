@@ -32,22 +32,25 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
 
-    from rlctl.storage import Storage
     from rlctl.config import RunConfig
     from rlctl.engine.actor import Actor
     from rlctl.engine.data import PromptCursor, load_rows
     from rlctl.engine.model import load_tokenizer, prepare_model_dir
     from rlctl.engine.rollout import make_backend
     from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.storage import Storage
 
-    cfg = RunConfig.model_validate({
-        "trainer": {"prompts_per_step": args.prompts},
-        "algorithm": {"group_size": args.group},
-        "rollout": {"max_new_tokens": args.new_tokens},
-        "actor": {"zero_stage": args.zero_stage},
-        "model": {"builtin": {"hidden_size": args.hidden, "num_layers": args.layers,
-                              "intermediate_size": 4 * args.hidden}},
-    })  # fmt: skip
+    cfg = RunConfig.model_validate(
+        {
+            "trainer": {"prompts_per_step": args.prompts},
+            "algorithm": {"group_size": args.group},
+            "rollout": {"max_new_tokens": args.new_tokens},
+            "actor": {"zero_stage": args.zero_stage},
+            "model": {
+                "builtin": {"hidden_size": args.hidden, "num_layers": args.layers, "intermediate_size": 4 * args.hidden}
+            },
+        }
+    )
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)
     model_dir = prepare_model_dir(cfg, Storage(tempfile.mkdtemp(prefix="rlctl-bench-")))
@@ -77,8 +80,10 @@ def main() -> None:
         if hasattr(backend, "close"):
             backend.close()
 
-    print(f"model {params / 1e6:.2f}M params, ZeRO-{args.zero_stage}, {args.prompts}x{args.group}x{args.new_tokens}, "
-          f"median of {args.repeats}")  # fmt: skip
+    print(
+        f"model {params / 1e6:.2f}M params, ZeRO-{args.zero_stage}, {args.prompts}x{args.group}x{args.new_tokens}, "
+        f"median of {args.repeats}"
+    )
     print(f"{'backend':8} {'generate ms':>12} {'sync ms':>8}")
     for name, (g, s) in results.items():
         print(f"{name:8} {g * 1e3:12.1f} {s * 1e3 if name == 'vllm' else float('nan'):8.1f}")

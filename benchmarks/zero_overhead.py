@@ -38,12 +38,24 @@ def main() -> None:
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256)  # fmt: skip
-    setups = [("plain PyTorch", None, True), ("ZeRO-1", {"stage": 1}, True), ("ZeRO-2", {"stage": 2}, True),
-              ("ZeRO-2 non-contiguous", {"stage": 2, "contiguous_gradients": False}, True),
-              ("ZeRO-2 500M buckets", {"stage": 2, "reduce_bucket_size": int(5e8)}, True),
-              ("ZeRO-2 overlap_comm", {"stage": 2, "overlap_comm": True}, True)]  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=256,
+    )
+    setups = [
+        ("plain PyTorch", None, True),
+        ("ZeRO-1", {"stage": 1}, True),
+        ("ZeRO-2", {"stage": 2}, True),
+        ("ZeRO-2 non-contiguous", {"stage": 2, "contiguous_gradients": False}, True),
+        ("ZeRO-2 500M buckets", {"stage": 2, "reduce_bucket_size": int(5e8)}, True),
+        ("ZeRO-2 overlap_comm", {"stage": 2, "overlap_comm": True}, True),
+    ]
     if args.unfused:
         setups += [("plain PyTorch", None, False), ("ZeRO-2", {"stage": 2}, False)]
 
@@ -57,11 +69,12 @@ def main() -> None:
         return out.logits.float().log_softmax(-1)[..., 3].mean()
 
     steps = []
-    for name, zero, fused in setups:
+    for _name, zero, fused in setups:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None, foreach=None if fused else False)
         if zero is None:
+
             def step(model=model, opt=opt):
                 t0 = time.perf_counter()
                 loss = loss_of(model)
@@ -73,9 +86,14 @@ def main() -> None:
                 opt.zero_grad()
                 return t1 - t0, t2 - t1, time.perf_counter() - t2
         else:
-            ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                  "gradient_clipping": 1.0, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 2**31 - 1}  # fmt: skip
+            ds = {
+                "train_micro_batch_size_per_gpu": args.batch,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0,
+                "zero_optimization": zero,
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 2**31 - 1,
+            }
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
 
             def step(engine=engine):
@@ -86,6 +104,7 @@ def main() -> None:
                 t2 = time.perf_counter()
                 engine.step()
                 return t1 - t0, t2 - t1, time.perf_counter() - t2
+
         steps.append(step)
 
     times: list[list[tuple[float, float, float]]] = [[] for _ in setups]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
@@ -69,3 +71,14 @@ def once(name: str, step: int) -> str | None:
             _fired.add((name, step))
             return f.value if f.value is not None else ""
     return None
+
+
+def after_step(step: int, rank: int, stopped: Callable[[], bool]) -> None:
+    """The drills that act between steps: ``sleep@N=S`` pauses S seconds (1 by default), cut short when
+    ``stopped()`` (signal handlers do not end time.sleep); ``crash@N=R`` raises on rank R (0)."""
+    if (pause := value("sleep", step)) is not None:
+        deadline = time.monotonic() + float(pause or 1)
+        while not stopped() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if (crash := value("crash", step)) is not None and int(crash or 0) == rank:
+        raise RuntimeError(f"fault drill: rank {rank} crashed after step {step}")

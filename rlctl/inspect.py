@@ -131,22 +131,27 @@ def sparkline(values: Sequence[float], width: int = 24) -> str:
     finite = [m for m in means if math.isfinite(m)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
     span = hi - lo or 1.0
-    return "".join(
-        SPARKS[round((m - lo) / span * 7)] if math.isfinite(m) else "!" for m in means
-    )
+    return "".join(SPARKS[round((m - lo) / span * 7)] if math.isfinite(m) else "!" for m in means)
 
 
 # -- selections -------------------------------------------------------------------------------------
 def select(
-    rows: Iterable[dict[str, Any]], patterns: Sequence[str] = (), *, last: int | None = None,
-    since: int | None = None, until: int | None = None, every: int | None = None,
-) -> tuple[list[str], list[dict[str, Any]]]:  # fmt: skip
+    rows: Iterable[dict[str, Any]],
+    patterns: Sequence[str] = (),
+    *,
+    last: int | None = None,
+    since: int | None = None,
+    until: int | None = None,
+    every: int | None = None,
+) -> tuple[list[str], list[dict[str, Any]]]:
     """Rows filtered by step and columns chosen by glob (``actor/*``); 'step' always comes first."""
     picked = [
-        r for r in rows
-        if (since is None or r.get("step", 0) >= since) and (until is None or r.get("step", 0) <= until)
+        r
+        for r in rows
+        if (since is None or r.get("step", 0) >= since)
+        and (until is None or r.get("step", 0) <= until)
         and (not every or r.get("step", 0) % every == 0)
-    ]  # fmt: skip
+    ]
     if last is not None:
         picked = picked[-last:] if last else []
     keys: list[str] = []
@@ -204,7 +209,9 @@ def _replay(rows: list[dict[str, Any]], rules) -> list[dict[str, Any]]:
 
 
 def _ago(seconds: float) -> str:
-    return f"{seconds / 3600:.1f}h" if seconds >= 3600 else f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
+    return (
+        f"{seconds / 3600:.1f}h" if seconds >= 3600 else f"{seconds / 60:.0f}m" if seconds >= 60 else f"{seconds:.0f}s"
+    )
 
 
 def parse_duration(text: str) -> float:
@@ -225,8 +232,15 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         if not base.exists(name, CONFIG):
             continue
         view = open_run(base.url_of(name))
-        out.append({"run": view.url, "status": status(view), "step": view.step, "total_steps": view.total_steps,
-                    "updated": _last_progress(view)})  # fmt: skip
+        out.append(
+            {
+                "run": view.url,
+                "status": status(view),
+                "step": view.step,
+                "total_steps": view.total_steps,
+                "updated": _last_progress(view),
+            }
+        )
     return out
 
 

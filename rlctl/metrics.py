@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -160,3 +161,22 @@ class EventLog(JsonlLog):
 
     def emit(self, event: dict[str, Any]) -> None:
         self.write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **event})
+
+
+def row_is_finite(row: dict[str, Any]) -> bool:
+    """A step is good when every metric is finite and no non-finite value was counted anywhere. (The
+    rollback policies refine this; a snapshot records the verdict.)"""
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if key.startswith("actor/nonfinite/") and value:
+            return False
+    return True
+
+
+@contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Time the block into ``timings["timing_s/<name>"]`` (seconds)."""
+    start = time.perf_counter()
+    yield
+    timings[f"timing_s/{name}"] = time.perf_counter() - start

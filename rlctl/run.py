@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.checkpoint.snapshots import SnapshotManager, parse_step_spec
+from rlctl.checkpoint.snapshots import parse_step_spec
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode, RankFailed, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows
@@ -39,9 +39,13 @@ def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> 
 
 
 def resume_run(
-    url: str, spec: str = "latest", overrides: list[str] = (), *, force: bool = False,
+    url: str,
+    spec: str = "latest",
+    overrides: list[str] = (),
+    *,
+    force: bool = False,
     reporter: Reporter | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
     wanted = parse_step_spec(spec)
@@ -72,12 +76,14 @@ def resume_run(
 
 
 def _completed(run: Storage, cfg: RunConfig) -> bool:
-    return any(e.get("event") == "completed" and e.get("step", 0) >= cfg.trainer.total_steps
-               for e in read_rows(run, EVENTS))  # fmt: skip
+    return any(
+        e.get("event") == "completed" and e.get("step", 0) >= cfg.trainer.total_steps for e in read_rows(run, EVENTS)
+    )
 
 
-def _train(run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter,
-           restore: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _train(
+    run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter, restore: dict[str, Any] | None
+) -> dict[str, Any]:
     """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
     actors; rank 0 then writes the events and metrics while this process keeps the lease)."""
     if cfg.world_size == 1:

@@ -7,6 +7,7 @@ run directory on S3 can be read before its config is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import shutil
@@ -123,10 +124,8 @@ class Storage:
             fh.write(data)
 
     def rm(self, *parts: str, recursive: bool = False) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(*parts), recursive=recursive)
-        except FileNotFoundError:
-            pass
 
     def move_dir(self, src: str, dst: str) -> None:
         """Move a directory within this storage. Local: one atomic rename. Object stores (where a

@@ -91,7 +91,7 @@ def closest(word: Any, candidates: Iterable[str]) -> str | None:
 
 
 def did_you_mean(word: Any, candidates: Iterable[str]) -> str:
-    """"; did you mean 'X'?" for the candidate nearest to ``word``, or ''."""
+    """ "; did you mean 'X'?" for the candidate nearest to ``word``, or ''."""
     close = closest(word, candidates)
     return f"; did you mean '{close}'?" if close else ""
 
@@ -209,8 +209,10 @@ def _sentence(err: Any, origins: Origins, root: type[BaseModel], suggested: set[
     where = origin_for(key, origins)
     if kind == "literal_error" and str(err["loc"][-1]) == "[key]":
         choices = _choices(tp)
-        return (f"'{'.'.join(key[:-1])}'{where}: unknown setting '{key[-1]}' (one of {', '.join(choices)})"
-                f"{did_you_mean(key[-1], choices)}")  # fmt: skip
+        return (
+            f"'{'.'.join(key[:-1])}'{where}: unknown setting '{key[-1]}' (one of {', '.join(choices)})"
+            f"{did_you_mean(key[-1], choices)}"
+        )
     msg = err["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
@@ -243,5 +245,7 @@ def _tag_sentence(err: Any, key: tuple[str, ...], tp: Any, origins: Origins) -> 
     if err["type"] == "union_tag_not_found":
         return f"'{'.'.join(key)}'{origin_for(key, origins)}: needs '{field}' (one of {names})"
     tag = err.get("ctx", {}).get("tag")
-    return (f"'{'.'.join(tag_key)}'{origin_for(tag_key, origins)}: unknown {field} '{tag}' (one of {names})"
-            f"{did_you_mean(tag, tags)}")  # fmt: skip
+    return (
+        f"'{'.'.join(tag_key)}'{origin_for(tag_key, origins)}: unknown {field} '{tag}' (one of {names})"
+        f"{did_you_mean(tag, tags)}"
+    )

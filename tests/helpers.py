@@ -21,13 +21,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
     """The real entry point in a subprocess."""
-    return subprocess.run([*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout,
-                          env=child_env(**(env or {})))  # fmt: skip
+    return subprocess.run(
+        [*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout, env=child_env(**(env or {}))
+    )
 
 
 def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
-    from rlctl.storage import Storage
     from rlctl.metrics import read_rows
+    from rlctl.storage import Storage
 
     return read_rows(Storage(str(run_dir)), rel)
 
@@ -50,9 +51,13 @@ def completed_hash(run_dir):
 
 def spawn(*args, faults="", env=None):
     return subprocess.Popen(
-        [*RLCTL, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*RLCTL, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=child_env(RLCTL_FAULTS=faults, **(env or {})),
-    )  # fmt: skip
+    )
 
 
 def wait_for(predicate, proc, timeout=120):

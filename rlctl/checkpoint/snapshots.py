@@ -188,7 +188,9 @@ def sha256_file(path: str, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def _local_files(root: str, known: dict[str, dict[str, Any]], skip: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+def _local_files(
+    root: str, known: dict[str, dict[str, Any]], skip: set[str] = frozenset()
+) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file under ``root``, each fsynced; ``known`` ones (written by a
     DurableFile, already hashed and synced) are taken as they are; ``skip`` ones (other ranks') left out."""
     files = {}
@@ -241,8 +243,6 @@ class Retention:
     keep_last: int | None = None  # None: keep every snapshot
     keep_every: int = 0  # also keep steps that are multiples of this (0: none)
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
-
-
 
 
 class SnapshotManager:
@@ -439,14 +439,20 @@ class SnapshotManager:
             manifest["files"] = dict(sorted({**_local_files(stage, known, skip=set(others)), **others}.items()))
             manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
             if not self.storage.is_local:
-                with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay,
-                             on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
+                with_retries(
+                    lambda: self.storage.put_dir(stage, name),
+                    base_delay=self.retry_delay,
+                    on_retry=lambda n, exc: self._retry_event(step, n, exc),
+                )
             delay = self.commit_delay or float(faults.value("commit_delay", step) or 0)
             if delay:
                 time.sleep(delay)
             data = orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
-            with_retries(lambda: self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True),
-                         base_delay=self.retry_delay, on_retry=lambda n, exc: self._retry_event(step, n, exc))  # fmt: skip
+            with_retries(
+                lambda: self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True),
+                base_delay=self.retry_delay,
+                on_retry=lambda n, exc: self._retry_event(step, n, exc),
+            )
         except Exception as exc:
             self.on_event({"event": "snapshot_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
             if not self.storage.exists(name, MANIFEST):
@@ -456,11 +462,17 @@ class SnapshotManager:
             if not self.storage.is_local:
                 shutil.rmtree(stage, ignore_errors=True)
         self.last_committed = step
-        self.on_event({
-            "event": "snapshot_committed", "step": step, "good": manifest["good"],
-            "bytes": manifest["total_bytes"], "stall_s": round(stall, 4),
-            "commit_s": round(time.perf_counter() - t0, 4), "location": self.storage.url_of(name),
-        })  # fmt: skip
+        self.on_event(
+            {
+                "event": "snapshot_committed",
+                "step": step,
+                "good": manifest["good"],
+                "bytes": manifest["total_bytes"],
+                "stall_s": round(stall, 4),
+                "commit_s": round(time.perf_counter() - t0, 4),
+                "location": self.storage.url_of(name),
+            }
+        )
         self.purge()
         return True
 
@@ -474,8 +486,9 @@ class SnapshotManager:
             if not self.storage.is_local:
                 with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay)
             data = orjson.dumps({"rank": self.rank, "files": known})
-            with_retries(lambda: self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data),
-                         base_delay=self.retry_delay)  # fmt: skip
+            with_retries(
+                lambda: self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data), base_delay=self.retry_delay
+            )
             return True
         except Exception as exc:  # rank 0 reads the error from the list and reports the snapshot failed
             error = orjson.dumps({"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"})
@@ -506,8 +519,10 @@ class SnapshotManager:
             for rel, meta in listed["files"].items():
                 size = self.storage.size(name, rel) if self.storage.exists(name, rel) else None
                 if size != meta["size"]:
-                    raise RuntimeError(f"rank {rank}'s file {rel} is {'missing' if size is None else f'{size} bytes'}; "
-                                       f"its list says {meta['size']} bytes")  # fmt: skip
+                    raise RuntimeError(
+                        f"rank {rank}'s file {rel} is {'missing' if size is None else f'{size} bytes'}; "
+                        f"its list says {meta['size']} bytes"
+                    )
                 files[rel] = meta
         return files
 
@@ -581,8 +596,9 @@ class SnapshotManager:
                 local, cleanup = self.storage.local_copy(info.name, files=mine)
                 problem = info.problem = checksum_problem(local, info.manifest or {}, only=mine)
             if not self.collectives.all(problem is None):
-                raise SnapshotError(f"snapshot {info.name} is not usable: "
-                                    f"{problem or 'another rank found it broken (see its error)'}")  # fmt: skip
+                raise SnapshotError(
+                    f"snapshot {info.name} is not usable: {problem or 'another rank found it broken (see its error)'}"
+                )
             saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False, map_location="cpu")
             missing = sorted(set(states) - set(saved))
             if missing:

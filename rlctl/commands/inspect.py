@@ -24,43 +24,60 @@ from rlctl.errors import ConfigError
 @click.option("--follow", is_flag=True, help="Stream new rows as the run writes them, until it ends.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw the metrics to FILE.png.")
 @click.option("--check", is_flag=True, help="One line and an exit code for cron (see the README).")
-@click.option("--window", type=click.IntRange(min=1), default=100, show_default=True,
-              help="--check: a policy firing within this many steps is a warning.")  # fmt: skip
-@click.option("--stale-after", default="30m", show_default=True,
-              help="--check: a running run with no new step for this long is stale.")  # fmt: skip
-@click.option("--policy", "policy_file", type=click.Path(dir_okay=False),
-              help="--check: also replay the last --window rows through this policy file.")  # fmt: skip
-def inspect(run_dir, patterns, last, since, until, every, fmt, events, follow, plot_path, check, window,
-            stale_after, policy_file):  # fmt: skip
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="--check: a policy firing within this many steps is a warning.",
+)
+@click.option(
+    "--stale-after",
+    default="30m",
+    show_default=True,
+    help="--check: a running run with no new step for this long is stale.",
+)
+@click.option(
+    "--policy",
+    "policy_file",
+    type=click.Path(dir_okay=False),
+    help="--check: also replay the last --window rows through this policy file.",
+)
+def inspect(
+    run_dir,
+    patterns,
+    last,
+    since,
+    until,
+    every,
+    fmt,
+    events,
+    follow,
+    plot_path,
+    check,
+    window,
+    stale_after,
+    policy_file,
+):
     """Show a run: a summary by default; metric rows with --metrics/--last/--since-step/--until-step/
     --every; --events; --follow; --plot FILE.png; --check for cron. Data goes to stdout only."""
     from rlctl import inspect as lib
 
     view = lib.open_run(run_dir)
     if view.bad_lines:
-        click.echo(f"warning: skipped unreadable line(s) {view.bad_lines} of metrics.jsonl "
-                   "(a crash mid-write?)", err=True)  # fmt: skip
+        click.echo(
+            f"warning: skipped unreadable line(s) {view.bad_lines} of metrics.jsonl (a crash mid-write?)", err=True
+        )
     globs = [p.strip() for p in (patterns or "").split(",") if p.strip()]
     if check:
-        rules = None
-        if policy_file:
-            from rlctl.policies import load_policies
-
-            rules = load_policies([policy_file])
-        verdict, line = lib.check(view, window, lib.parse_duration(stale_after), rules)
-        click.echo(line)
-        sys.exit(lib.CHECK_CODES[verdict])
+        check_run(view, window, stale_after, policy_file)
     if plot_path:
         drawn = lib.plot(view, globs and lib.select(view.rows, globs)[0][1:], plot_path)
         click.echo(f"drew {', '.join(drawn)}", err=True)
         click.echo(plot_path)
         return
     if events:
-        columns = ["time", "event", "step", "details"]
-        rows = [{"time": e.get("time"), "event": e.get("event"), "step": e.get("step"),
-                 "details": {k: v for k, v in e.items() if k not in ("time", "event", "step")}}
-                for e in view.events]  # fmt: skip
-        emit(columns, rows, fmt)
+        emit(["time", "event", "step", "details"], [event_row(e) for e in view.events], fmt)
         return
     if follow:
         follow_rows(run_dir, globs, fmt)
@@ -78,14 +95,37 @@ def inspect(run_dir, patterns, last, since, until, every, fmt, events, follow, p
         raise ConfigError("--format csv needs rows: add --metrics, --last or --events")
 
 
+def check_run(view, window: int, stale_after: str, policy_file: str | None) -> None:
+    """--check: one line for cron, and the verdict's exit code."""
+    from rlctl import inspect as lib
+
+    rules = None
+    if policy_file:
+        from rlctl.policies import load_policies
+
+        rules = load_policies([policy_file])
+    verdict, line = lib.check(view, window, lib.parse_duration(stale_after), rules)
+    click.echo(line)
+    sys.exit(lib.CHECK_CODES[verdict])
+
+
+def event_row(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as time, event, step and the rest as details."""
+    details = {k: v for k, v in event.items() if k not in ("time", "event", "step")}
+    return {"time": event.get("time"), "event": event.get("event"), "step": event.get("step"), "details": details}
+
+
 def print_summary(s: dict[str, Any]) -> None:
     lines = [
         ("run", s["run"]),
         ("status", s["status"]),
         ("step", f"{s['step']} / {s['total_steps']}"),
         ("snapshot", f"{_opt(s['last_snapshot'])} (last good: {_opt(s['last_good_snapshot'])})"),
-        ("rollbacks", f"{s['rollbacks']}   policy firings: {s['policy_firings']}   skipped batches: "
-                      f"{s['skipped_batches']}, prompts: {s['skipped_prompts']}"),  # fmt: skip
+        (
+            "rollbacks",
+            f"{s['rollbacks']}   policy firings: {s['policy_firings']}   skipped batches: "
+            f"{s['skipped_batches']}, prompts: {s['skipped_prompts']}",
+        ),
     ]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:

@@ -33,8 +33,9 @@ def check(files: tuple[str, ...], together: bool, fmt: str) -> None:
     if together:
         load_policies(files)
     if fmt == "json":
-        docs = [{"file": path, **p.model_dump(mode="json", exclude={"rules": {"__all__": {"when"}}})}
-                for path, p in loaded]  # fmt: skip
+        docs = [
+            {"file": path, **p.model_dump(mode="json", exclude={"rules": {"__all__": {"when"}}})} for path, p in loaded
+        ]
         click.echo(orjson.dumps(docs, option=orjson.OPT_INDENT_2).decode())
         return
     for n, (path, p) in enumerate(loaded):

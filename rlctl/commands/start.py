@@ -24,8 +24,9 @@ from rlctl.commands.progress import StepProgress
     "'local' starts a Ray instance here).",
 )
 @set_option
-def start(config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None,
-          overrides: tuple[str, ...]) -> None:  # fmt: skip
+def start(
+    config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None, overrides: tuple[str, ...]
+) -> None:
     """Start a new run from CONFIG (a YAML file holding what differs from the defaults), or from the
     built-in demo when CONFIG is omitted.
 

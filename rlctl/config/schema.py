@@ -38,13 +38,16 @@ class TrainerConfig(Strict):
         1, ge=1, description="torch intra-op threads on CPU (one per process avoids oversubscription)."
     )
     lease_timeout: float = Field(
-        120.0, gt=0, description="Seconds without a heartbeat after which another host may take the run "
-        "over with --force."
+        120.0,
+        gt=0,
+        description="Seconds without a heartbeat after which another host may take the run over with --force.",
     )
     lease_heartbeat: float = Field(15.0, gt=0, description="Seconds between lease heartbeats.")
     nproc: int = Field(
-        1, ge=1, description="DeepSpeed ranks (data parallel) per node; `rlctl start --nproc N` sets it. "
-        "Each rank generates and trains on its share of every step's prompts."
+        1,
+        ge=1,
+        description="DeepSpeed ranks (data parallel) per node; `rlctl start --nproc N` sets it. "
+        "Each rank generates and trains on its share of every step's prompts.",
     )
     nnodes: int = Field(1, ge=1, description="Nodes to place ranks on (cluster.backend: ray only).")
     n_devices_per_node: int | None = Field(
@@ -76,8 +79,9 @@ class ModelConfig(Strict):
         default_factory=BuiltinModelConfig, description="Shape of the built-in tiny model."
     )
     dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="Training precision: auto is bf16 on CUDA and NPU devices with native bf16 "
-        "(else fp32), fp32 on CPU."
+        "auto",
+        description="Training precision: auto is bf16 on CUDA and NPU devices with native bf16 "
+        "(else fp32), fp32 on CPU.",
     )
     trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
 
@@ -90,9 +94,7 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    path: str | None = Field(
-        None, description="JSONL or parquet file of prompts. Empty: the built-in synthetic task."
-    )
+    path: str | None = Field(None, description="JSONL or parquet file of prompts. Empty: the built-in synthetic task.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     apply_chat_template: bool = Field(
         False, description="Wrap each prompt as a user message with the tokenizer's chat template."
@@ -184,11 +186,11 @@ class AlgorithmConfig(Strict):
     kl_in_reward: bool = Field(
         False, description="Fold the KL penalty into the per-token reward instead of adding a KL loss."
     )
-    kl_ctrl: KLControllerConfig = Field(default_factory=KLControllerConfig, description="The KL coefficient's controller.")
-    clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon for the ratio.")
-    clip_ratio_low: float | None = Field(
-        None, gt=0, lt=1, description="Lower clip epsilon (empty: clip_ratio)."
+    kl_ctrl: KLControllerConfig = Field(
+        default_factory=KLControllerConfig, description="The KL coefficient's controller."
     )
+    clip_ratio: float = Field(0.2, gt=0, lt=1, description="PPO clip range epsilon for the ratio.")
+    clip_ratio_low: float | None = Field(None, gt=0, lt=1, description="Lower clip epsilon (empty: clip_ratio).")
     clip_ratio_high: float | None = Field(
         None, gt=0, description="Upper clip epsilon; above clip_ratio_low is DAPO's clip-higher (empty: clip_ratio)."
     )
@@ -247,8 +249,10 @@ class ActorConfig(Strict):
         "per epoch).",
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Sequences per forward/backward on each rank, accumulated to the rank's share "
-        "of a mini-batch; empty: that whole share."
+        None,
+        ge=1,
+        description="Sequences per forward/backward on each rank, accumulated to the rank's share "
+        "of a mini-batch; empty: that whole share.",
     )
 
 
@@ -265,8 +269,9 @@ class CriticConfig(Strict):
 
 class RolloutConfig(Strict):
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="Generation backend: hf (a lean KV-cache decode loop on the actor's own weights, "
-        "no extra dependency) or vllm (vLLM's offline engine; weights pushed into it after every update)."
+        "hf",
+        description="Generation backend: hf (a lean KV-cache decode loop on the actor's own weights, "
+        "no extra dependency) or vllm (vLLM's offline engine; weights pushed into it after every update).",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm: fraction of device memory the engine may take (weights + KV cache)."
@@ -280,12 +285,14 @@ class RolloutConfig(Strict):
 
 class CheckpointConfig(Strict):
     every: int = Field(
-        0, ge=0, description="Snapshot every N steps (0: only on preemption); a run with snapshots also "
-        "snapshots its last step."
+        0,
+        ge=0,
+        description="Snapshot every N steps (0: only on preemption); a run with snapshots also "
+        "snapshots its last step.",
     )
     dir: str | None = Field(
-        None, description="Where snapshots go, any fsspec URL (s3://, gs://, memory://, a path). "
-        "Empty: RUN_DIR/checkpoints."
+        None,
+        description="Where snapshots go, any fsspec URL (s3://, gs://, memory://, a path). Empty: RUN_DIR/checkpoints.",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -305,8 +312,9 @@ class CheckpointConfig(Strict):
 
 class ClusterConfig(Strict):
     backend: Literal["local", "ray"] = Field(
-        "local", description="local: ranks are processes on this machine; ray: ranks (and their process "
-        "group) are Ray actors placed by a placement group over trainer.nnodes x trainer.n_devices_per_node."
+        "local",
+        description="local: ranks are processes on this machine; ray: ranks (and their process "
+        "group) are Ray actors placed by a placement group over trainer.nnodes x trainer.n_devices_per_node.",
     )
     address: str | None = Field(
         None, description="ray: address of a running cluster (`--ray-address`); empty: start a local Ray."
@@ -357,7 +365,9 @@ class RunConfig(Strict):
                 f"number of ranks ({world}): every rank takes an equal share of the prompts"
             )
         if (mb or batch) % world:
-            raise ValueError(f"actor.mini_batch_size ({mb or batch}) must be a multiple of the number of ranks ({world})")
+            raise ValueError(
+                f"actor.mini_batch_size ({mb or batch}) must be a multiple of the number of ranks ({world})"
+            )
         if mb is not None and batch % mb:
             raise ValueError(
                 f"actor.mini_batch_size ({mb}) must divide the rollout batch "

@@ -26,27 +26,46 @@ from rlctl.engine.runtime import Runtime
 # How the ranks reduce each metric ``Actor.update`` reports (also how its micro-batches combine: counts
 # add up, the others are means of values weighted so that their mean is the batch's).
 METRICS = {
-    "actor/pg_loss": MEAN, "actor/kl_loss": MEAN, "actor/ppo_kl": MEAN, "actor/pg_clipfrac": MEAN,
-    "actor/pg_clipfrac_lower": MEAN, "actor/entropy": MEAN, "actor/grad_norm": MEAN, "actor/lr": MEAN,
-    "rollout/logprob_diff": MEAN, "actor/nonfinite/log_prob": SUM, "actor/nonfinite/loss": SUM,
-    "actor/nonfinite/old_log_prob": SUM, "actor/skipped_updates": SUM,
-}  # fmt: skip
+    "actor/pg_loss": MEAN,
+    "actor/kl_loss": MEAN,
+    "actor/ppo_kl": MEAN,
+    "actor/pg_clipfrac": MEAN,
+    "actor/pg_clipfrac_lower": MEAN,
+    "actor/entropy": MEAN,
+    "actor/grad_norm": MEAN,
+    "actor/lr": MEAN,
+    "rollout/logprob_diff": MEAN,
+    "actor/nonfinite/log_prob": SUM,
+    "actor/nonfinite/loss": SUM,
+    "actor/nonfinite/old_log_prob": SUM,
+    "actor/skipped_updates": SUM,
+}
 
 
 class Actor(DSModule):
     """The policy: a causal LM. ``log_probs`` and ``update`` are all the trainer asks of it."""
 
     def __init__(
-        self, cfg: RunConfig, model_dir: Path, runtime: Runtime, *, collectives: Collectives | None = None,
+        self,
+        cfg: RunConfig,
+        model_dir: Path,
+        runtime: Runtime,
+        *,
+        collectives: Collectives | None = None,
         fence: Callable[[], None] | None = None,
-    ):  # fmt: skip
+    ):
         self.cfg = cfg
         mini = rank_mini_batch(cfg)
         spec = EngineSpec(
-            lr=cfg.actor.lr, zero_stage=cfg.actor.zero_stage, grad_clip=cfg.actor.grad_clip, mini_batch=mini,
-            micro_batch=cfg.actor.micro_batch_size or mini, betas=cfg.actor.betas,
-            weight_decay=cfg.actor.weight_decay, warmup_steps=cfg.actor.warmup_steps,
-        )  # fmt: skip
+            lr=cfg.actor.lr,
+            zero_stage=cfg.actor.zero_stage,
+            grad_clip=cfg.actor.grad_clip,
+            mini_batch=mini,
+            micro_batch=cfg.actor.micro_batch_size or mini,
+            betas=cfg.actor.betas,
+            weight_decay=cfg.actor.weight_decay,
+            warmup_steps=cfg.actor.warmup_steps,
+        )
         model = load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code)
         super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
 
@@ -85,9 +104,17 @@ class Actor(DSModule):
         for _ in range(a.ppo_epochs):
             for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 loss, stats = self._micro_batch_loss(
-                    seqs, idx, tw, weight, advantages, old_log_prob, ref_log_prob, kl_coef,
-                    poison=poison and n_micro == 0, rollout_log_prob=rollout_log_prob,
-                )  # fmt: skip
+                    seqs,
+                    idx,
+                    tw,
+                    weight,
+                    advantages,
+                    old_log_prob,
+                    ref_log_prob,
+                    kl_coef,
+                    poison=poison and n_micro == 0,
+                    rollout_log_prob=rollout_log_prob,
+                )
                 boundary = self.engine.is_gradient_accumulation_boundary()
                 if not self._apply(loss, weight):
                     stats["actor/skipped_updates"] = 1.0
@@ -107,10 +134,19 @@ class Actor(DSModule):
         return out
 
     def _micro_batch_loss(
-        self, seqs: Sequences, idx: slice, tw: float, weight: float, advantages: torch.Tensor,
-        old_log_prob: torch.Tensor | None, ref_log_prob: torch.Tensor | None, kl_coef: float, *, poison: bool,
+        self,
+        seqs: Sequences,
+        idx: slice,
+        tw: float,
+        weight: float,
+        advantages: torch.Tensor,
+        old_log_prob: torch.Tensor | None,
+        ref_log_prob: torch.Tensor | None,
+        kl_coef: float,
+        *,
+        poison: bool,
         rollout_log_prob: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward: its loss and its metrics, weighted (``tw`` token weight, ``weight``
         loss weight, see ``minibatches``) so that their means over micro-batches and ranks are the batch's."""
         a, horizon = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
@@ -122,9 +158,16 @@ class Actor(DSModule):
             log_prob = torch.where(hit, torch.full_like(log_prob, float("nan")), log_prob)
         old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
         pl = algos.compute_policy_loss(
-            log_prob, old, advantages[idx], mask, clip_low=a.clip_low, clip_high=a.clip_high,
-            clip_c=a.clip_ratio_c, agg_mode=a.loss_agg_mode, level=a.importance_ratio,
-        )  # fmt: skip
+            log_prob,
+            old,
+            advantages[idx],
+            mask,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            clip_c=a.clip_ratio_c,
+            agg_mode=a.loss_agg_mode,
+            level=a.importance_ratio,
+        )
         loss = pl.pg_loss
         entropy_term = algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
         if a.entropy_coef:

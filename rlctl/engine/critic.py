@@ -35,13 +35,23 @@ METRICS = {"critic/vf_loss": MEAN, "critic/vf_clipfrac": MEAN, "critic/grad_norm
 
 class Critic(DSModule):
     def __init__(
-        self, cfg: RunConfig, model_dir: Path, runtime: Runtime, *, collectives: Collectives | None = None,
+        self,
+        cfg: RunConfig,
+        model_dir: Path,
+        runtime: Runtime,
+        *,
+        collectives: Collectives | None = None,
         fence: Callable[[], None] | None = None,
-    ):  # fmt: skip
+    ):
         self.cfg = cfg
         mini = rank_mini_batch(cfg)
-        spec = EngineSpec(lr=cfg.critic.lr, zero_stage=cfg.critic.zero_stage, grad_clip=cfg.critic.grad_clip,
-                          mini_batch=mini, micro_batch=cfg.actor.micro_batch_size or mini)  # fmt: skip
+        spec = EngineSpec(
+            lr=cfg.critic.lr,
+            zero_stage=cfg.critic.zero_stage,
+            grad_clip=cfg.critic.grad_clip,
+            mini_batch=mini,
+            micro_batch=cfg.actor.micro_batch_size or mini,
+        )
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
         model = load_value_model(path, runtime.dtype, cfg.model.trust_remote_code)
         super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
@@ -50,9 +60,10 @@ class Critic(DSModule):
         """(B, T) V(s_t): the value of the state before each response token (the head's output at the
         position that predicts it), 0 on padding."""
         out = self.engine(
-            input_ids=seqs.input_ids, attention_mask=seqs.attention_mask,
+            input_ids=seqs.input_ids,
+            attention_mask=seqs.attention_mask,
             position_ids=position_ids_for(seqs.attention_mask),
-        )  # fmt: skip
+        )
         P = seqs.prompt_len
         values = out.logits[:, P - 1 : -1, 0].float()
         return values * seqs.response_mask
@@ -72,8 +83,10 @@ class Critic(DSModule):
                 if self.collectives.all(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
                     self.step(vf_loss * weight)
                 # weighted so that their means over micro-batches and ranks are the batch's
-                for key, value in (("critic/vf_loss", vf_loss.item() * weight),
-                                   ("critic/vf_clipfrac", vf_clipfrac.item() * tw)):  # fmt: skip
+                for key, value in (
+                    ("critic/vf_loss", vf_loss.item() * weight),
+                    ("critic/vf_clipfrac", vf_clipfrac.item() * tw),
+                ):
                     totals[key] = totals.get(key, 0.0) + value
                 n += 1
         out = {k: v / n for k, v in totals.items()}

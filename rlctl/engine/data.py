@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from rlctl.stateful import check_version
 from rlctl.config import DataConfig
 from rlctl.errors import InputError
+from rlctl.stateful import check_version
 
 
 def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:

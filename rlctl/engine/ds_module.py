@@ -130,9 +130,14 @@ class DSModule:
     critic are both one."""
 
     def __init__(
-        self, model: torch.nn.Module, spec: EngineSpec, runtime: Runtime, *, collectives: Collectives | None = None,
+        self,
+        model: torch.nn.Module,
+        spec: EngineSpec,
+        runtime: Runtime,
+        *,
+        collectives: Collectives | None = None,
         fence: Callable[[], None] | None = None,
-    ):  # fmt: skip
+    ):
         """``collectives``: the ranks' (every rank applies a micro-batch or none does; token counts are
         summed over them); ``fence``: called before every optimizer step, it waits for snapshot files
         still being written from the live weights (``SnapshotManager.wait_staged``)."""
@@ -141,16 +146,19 @@ class DSModule:
         self.spec, self.runtime = spec, runtime
         self.mini_batch, self.micro_batch = spec.mini_batch, spec.micro_batch
         fused = runtime.device.type in ("cpu", "cuda")  # (torch_npu's AdamW has no fused kernel)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay,
-                                      fused=fused or None)  # fmt: skip
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay, fused=fused or None
+        )
         warmup = spec.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda n: min(1.0, (n + 1) / warmup) if warmup else 1.0
         )
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model.to(runtime.device), optimizer=optimizer, lr_scheduler=scheduler,
+            model=model.to(runtime.device),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
             config=ds_config(spec, runtime.dtype),
-        )  # fmt: skip
+        )
         self._ckpt_engine = DeferringCheckpointEngine()
         self.engine.checkpoint_engine = self._ckpt_engine
         self.collectives = collectives or Local()

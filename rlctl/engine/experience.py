@@ -1,4 +1,5 @@
-"""Making experience: prompts -> generations -> scores -> the batch of a step, and its batch metrics.
+"""Making experience: prompts -> generations -> scores -> the batch of a step, its advantages and its
+batch metrics.
 
 Every rank draws the whole batch of prompts and keeps its share. Each prompt is sampled
 ``group_size`` times; the reward function scores every completion, the overlong penalty is added, and
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlctl.config import RunConfig
+from rlctl.config import AlgorithmConfig, RunConfig
 from rlctl.engine import algos
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import PromptCursor
@@ -23,12 +24,23 @@ from rlctl.errors import InputError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
 METRICS = {
-    "critic/score/mean": MEAN, "critic/score/max": MAX, "critic/score/min": MIN, "critic/rewards/mean": MEAN,
-    "critic/advantages/mean": MEAN, "critic/advantages/max": MAX, "critic/advantages/min": MIN,
-    "critic/returns/mean": MEAN, "critic/values/mean": MEAN, "response_length/mean": MEAN,
-    "response_length/max": MAX, "response_length/min": MIN, "response_length/clip_ratio": MEAN,
-    "prompt_length/mean": MEAN, "actor/nonfinite/ref_log_prob": SUM, "actor/nonfinite/old_log_prob": SUM,
-}  # fmt: skip
+    "critic/score/mean": MEAN,
+    "critic/score/max": MAX,
+    "critic/score/min": MIN,
+    "critic/rewards/mean": MEAN,
+    "critic/advantages/mean": MEAN,
+    "critic/advantages/max": MAX,
+    "critic/advantages/min": MIN,
+    "critic/returns/mean": MEAN,
+    "critic/values/mean": MEAN,
+    "response_length/mean": MEAN,
+    "response_length/max": MAX,
+    "response_length/min": MIN,
+    "response_length/clip_ratio": MEAN,
+    "prompt_length/mean": MEAN,
+    "actor/nonfinite/ref_log_prob": SUM,
+    "actor/nonfinite/old_log_prob": SUM,
+}
 SAMPLING_METRICS = {"dynamic_sampling/rounds": MEAN, "dynamic_sampling/kept_groups": SUM}
 
 
@@ -37,10 +49,22 @@ class Experience:
     indices of the prompts of the last batch made (a policy may skip them)."""
 
     def __init__(
-        self, cfg: RunConfig, data: PromptCursor, rollout: RolloutBackend, reward_fn: Callable, pad_id: int,
+        self,
+        cfg: RunConfig,
+        data: PromptCursor,
+        rollout: RolloutBackend,
+        reward_fn: Callable,
+        pad_id: int,
         dist: Dist,
-    ):  # fmt: skip
-        self.cfg, self.data, self.rollout, self.reward_fn, self.pad_id, self.dist = cfg, data, rollout, reward_fn, pad_id, dist
+    ):
+        self.cfg, self.data, self.rollout, self.reward_fn, self.pad_id, self.dist = (
+            cfg,
+            data,
+            rollout,
+            reward_fn,
+            pad_id,
+            dist,
+        )
         self.drawn: list[int] = []
 
     def rollout_batch(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
@@ -73,8 +97,11 @@ class Experience:
         self.drawn = drawn
         seqs, scores = self._fill(parts, part_scores, filler, kept, want)
         informative = int((~algos.tied_groups(scores, G)).sum()) if a.dynamic_sampling.enabled else 0
-        sampling = ({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": informative}
-                    if a.dynamic_sampling.enabled else {})  # fmt: skip
+        sampling = (
+            {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": informative}
+            if a.dynamic_sampling.enabled
+            else {}
+        )
         return seqs, scores, sampling
 
     def _generate_round(self, step: int) -> tuple[Sequences, torch.Tensor]:
@@ -124,8 +151,7 @@ class Experience:
         except Exception as exc:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             raise InputError(
-                f"reward function '{spec}' raised {type(exc).__name__}: {exc} "
-                f"({frame.filename}:{frame.lineno})"
+                f"reward function '{spec}' raised {type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
             ) from None
         if scores is None or len(scores) != len(completions):
             got = "None" if scores is None else f"{len(scores)} scores"
@@ -134,9 +160,16 @@ class Experience:
 
 
 def batch_metrics(
-    seqs: Sequences, scores: torch.Tensor, rewards: torch.Tensor, adv: torch.Tensor, returns: torch.Tensor,
-    values: torch.Tensor | None, old: torch.Tensor | None, ref: torch.Tensor | None, max_new_tokens: int,
-) -> dict[str, float]:  # fmt: skip
+    seqs: Sequences,
+    scores: torch.Tensor,
+    rewards: torch.Tensor,
+    adv: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor | None,
+    old: torch.Tensor | None,
+    ref: torch.Tensor | None,
+    max_new_tokens: int,
+) -> dict[str, float]:
     """verl's batch metrics. (B,) scores; (B, T) token rewards, advantages, returns, values."""
     mask = seqs.response_mask
     lengths = mask.sum(-1).float()
@@ -163,3 +196,25 @@ def batch_metrics(
     if old is not None:  # else the update counted them on its own forward
         out["actor/nonfinite/old_log_prob"] = algos.count_nonfinite(old, mask)
     return out
+
+
+def advantages_of(a: AlgorithmConfig, seqs: Sequences, scores: torch.Tensor, old, ref, values, kl_coef: float):
+    """Under the algorithm config ``a``: (B, T) token rewards (the score on the last token, less the KL
+    penalty when it is folded into the reward), the KL measured then (else None), (B, T) advantages and
+    returns. (B, T) ``old`` and ``ref`` log-probs and ``values`` may be None where unused."""
+    mask = seqs.response_mask
+    rewards = algos.scores_to_token_rewards(scores, mask)
+    current_kl = None
+    if a.kl_in_reward and ref is not None:
+        rewards, current_kl = algos.apply_kl_penalty(rewards, old, ref, mask, kl_coef, a.kl_estimator)
+    inputs = algos.AdvantageInputs(
+        token_rewards=rewards,
+        mask=mask,
+        group_size=a.group_size,
+        values=values,
+        gamma=a.gamma,
+        lam=a.lam,
+        eps=a.adv_eps,
+    )
+    advantages, returns = algos.ADVANTAGES[a.estimator](inputs)
+    return rewards, current_kl, advantages, returns

@@ -17,9 +17,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from rlctl.storage import Storage
 from rlctl.config import BuiltinModelConfig, RunConfig
+from rlctl.engine.dist import Dist
 from rlctl.errors import InputError
+from rlctl.storage import Storage
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.digits + " =+-*/:.,?!#")
@@ -73,6 +74,17 @@ def build_tiny_model(spec: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFas
     return model
 
 
+def prepare_model_dir_once(cfg: RunConfig, run: Storage, dist: Dist) -> Path:
+    """``prepare_model_dir`` on every rank, rank 0 first: it builds the built-in model into the run once;
+    the others read it when it is complete."""
+    if not dist.is_main:
+        dist.barrier()
+    model_dir = prepare_model_dir(cfg, run)
+    if dist.is_main:
+        dist.barrier()
+    return model_dir
+
+
 def prepare_model_dir(cfg: RunConfig, run: Storage) -> Path:
     """A local directory the actor (and reference) load from: `model.path`, or the built-in model kept in
     RUN_DIR/model (created once; a resumed run reuses it). For a remote run directory the built-in model
@@ -101,14 +113,17 @@ def _save_builtin(cfg: RunConfig, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+HF_METADATA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+
+
 def hf_metadata_files(model_dir: Path) -> dict[str, bytes]:
     """The small files that describe a model directory (configs, tokenizer), without weights: kept in
     every snapshot so `rlctl export` can rebuild a Hugging Face directory from it alone."""
     out = {}
     for f in sorted(model_dir.iterdir()):
-        if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and f.stat().st_size < 64 << 20:
-            if not f.name.endswith(".index.json"):
-                out[f"hf/{f.name}"] = f.read_bytes()
+        small = f.is_file() and f.stat().st_size < 64 << 20
+        if small and f.suffix in HF_METADATA_SUFFIXES and not f.name.endswith(".index.json"):
+            out[f"hf/{f.name}"] = f.read_bytes()
     return out
 
 

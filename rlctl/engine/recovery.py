@@ -67,8 +67,14 @@ class Recovery:
             h.data.next_batch(h.cfg.trainer.prompts_per_step)
         h.data.exclude = h.guard.skipped_prompts
         if verdict.skip_offending or verdict.skip_batches:
-            h.emit({"event": "skip", "step": verdict.step, "prompts": sorted(drawn) if verdict.skip_offending
-                    else [], "batches": verdict.skip_batches})  # fmt: skip
+            h.emit(
+                {
+                    "event": "skip",
+                    "step": verdict.step,
+                    "prompts": sorted(drawn) if verdict.skip_offending else [],
+                    "batches": verdict.skip_batches,
+                }
+            )
         self.persist_policy_state()
 
     def persist_policy_state(self) -> None:

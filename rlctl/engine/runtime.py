@@ -205,8 +205,9 @@ def set_accelerator(kind: str) -> None:
     real = sys.modules.get("deepspeed.accelerator.real_accelerator")
     chosen = getattr(getattr(real, "ds_accelerator", None), "_name", None)
     if chosen is not None and chosen != kind:
-        print(f"warning: DeepSpeed already chose the {chosen} accelerator; this process trains on {kind}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: DeepSpeed already chose the {chosen} accelerator; this process trains on {kind}", file=sys.stderr
+        )
 
 
 def setup_runtime(device_pref: str, dtype_pref: str, num_threads: int) -> Runtime:

@@ -18,8 +18,12 @@ class TrainerState:
         self.prompts_seen = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.VERSION, "step": self.step, "tokens_seen": self.tokens_seen,
-                "prompts_seen": self.prompts_seen}  # fmt: skip
+        return {
+            "version": self.VERSION,
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "prompts_seen": self.prompts_seen,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_version("trainer", state, self.VERSION)

@@ -30,15 +30,15 @@ from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_rows
 from rlctl.engine.dist import MAX, MEAN, SUM
 from rlctl.engine.experience import METRICS as BATCH_METRICS
-from rlctl.engine.experience import SAMPLING_METRICS, Experience, batch_metrics
-from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir
+from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of, batch_metrics
+from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir_once
 from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.state import TrainerState
 from rlctl.errors import ConfigError, Preempted
-from rlctl.metrics import JsonlLog, NullLog
+from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.layout import METRICS, POLICY_STATE
@@ -48,34 +48,26 @@ StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]
 
 # How the ranks reduce the metrics the trainer itself makes (timings, which are all MAX, aside).
-STEP_METRICS = {"actor/reward_kl_penalty": MEAN, "rollout/logprob_diff": MEAN, "actor/kl_coef": MEAN,
-                "perf/tokens": SUM, "perf/throughput": SUM}  # fmt: skip
-
-
-def is_healthy(row: dict[str, Any]) -> bool:
-    """A step is good when every metric is finite and no non-finite value was counted anywhere. (The
-    rollback policies refine this; a snapshot records the verdict.)"""
-    for key, value in row.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        if key.startswith("actor/nonfinite/") and value:
-            return False
-    return True
-
-
-@contextmanager
-def timed(timings: dict[str, float], name: str):
-    start = time.perf_counter()
-    yield
-    timings[f"timing_s/{name}"] = time.perf_counter() - start
+STEP_METRICS = {
+    "actor/reward_kl_penalty": MEAN,
+    "rollout/logprob_diff": MEAN,
+    "actor/kl_coef": MEAN,
+    "perf/tokens": SUM,
+    "perf/throughput": SUM,
+}
 
 
 class Trainer:
     def __init__(
-        self, cfg: RunConfig, run: Storage, rank: RankContext, *,
-        snapshots: SnapshotManager | None = None, on_step: StepCallback | None = None,
+        self,
+        cfg: RunConfig,
+        run: Storage,
+        rank: RankContext,
+        *,
+        snapshots: SnapshotManager | None = None,
+        on_step: StepCallback | None = None,
         on_event: EventCallback | None = None,
-    ):  # fmt: skip
+    ):
         """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
         with its collectives."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
@@ -88,7 +80,7 @@ class Trainer:
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
         reward_fn = load_reward_fn(cfg.reward.function)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
-        self.model_dir = self._prepare_model_dir()
+        self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         self._build_models()
         self.experience = Experience(cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist)
@@ -99,21 +91,15 @@ class Trainer:
         self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
-        self.on_policy = (cfg.algorithm.ppo_epochs == 1 and self.actor.mini_batch * self.dist.world == batch
-                          and not cfg.algorithm.kl_in_reward)  # fmt: skip
+        self.on_policy = (
+            cfg.algorithm.ppo_epochs == 1
+            and self.actor.mini_batch * self.dist.world == batch
+            and not cfg.algorithm.kl_in_reward
+        )
         self.stop_signal: str | None = None
         self.metrics: JsonlLog | None = None
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
-
-    def _prepare_model_dir(self):
-        """Rank 0 builds the built-in model into the run once; the others read it when it is complete."""
-        if not self.dist.is_main:
-            self.dist.barrier()
-        model_dir = prepare_model_dir(self.cfg, self.run)
-        if self.dist.is_main:
-            self.dist.barrier()
-        return model_dir
 
     def _build_models(self) -> None:
         """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
@@ -123,10 +109,14 @@ class Trainer:
         self.ref = None
         if cfg.algorithm.kl_coef > 0:
             self.ensure_reference()
-        self.critic = (Critic(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
-                       if cfg.algorithm.name == "ppo" else None)  # fmt: skip
-        self.rollout = make_backend(cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer,
-                                    model_dir=self.model_dir)  # fmt: skip
+        self.critic = (
+            Critic(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
+            if cfg.algorithm.name == "ppo"
+            else None
+        )
+        self.rollout = make_backend(
+            cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer, model_dir=self.model_dir
+        )
 
     def ensure_reference(self) -> None:
         """The frozen reference model (the initial weights), loaded the first time a KL term needs it."""
@@ -175,10 +165,13 @@ class Trainer:
     def snapshot(self, good: bool) -> None:
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits (rank 0)
         self.snapshots.save(
-            self.state.step, self.stateful(), self.dir_stateful(), good=good,
+            self.state.step,
+            self.stateful(),
+            self.dir_stateful(),
+            good=good,
             extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
             meta={"metrics_offset": self.metrics.tell(), "tokens_seen": self.state.tokens_seen},
-        )  # fmt: skip
+        )
         self._snapshotted = self.state.step
 
     def request_stop(self, reason: str) -> None:
@@ -199,18 +192,23 @@ class Trainer:
                 passed = self._judge(row)
                 if not passed:
                     continue  # a step that fails a policy is never snapshotted
-                healthy = is_healthy(row)
+                healthy = row_is_finite(row)
                 if self.snapshots is not None and self.snapshots.should_save(self.state.step):
                     self.snapshot(good=healthy)
-                self._fault_drills()
+                faults.after_step(self.state.step, self.dist.rank, lambda: self.stop_signal is not None)
             committed = self._finish(passed, healthy)
         finally:
             self.metrics.close()
         if self.stop_signal is not None:
-            where = (f"snapshot of step {self.state.step} committed" if committed
-                     else "no new snapshot was committed; the previous one stands")  # fmt: skip
-            raise Preempted(f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
-                            f"Resume with: rlctl resume {self.run.url} --from latest")  # fmt: skip
+            where = (
+                f"snapshot of step {self.state.step} committed"
+                if committed
+                else "no new snapshot was committed; the previous one stands"
+            )
+            raise Preempted(
+                f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
+                f"Resume with: rlctl resume {self.run.url} --from latest"
+            )
 
     def _judge(self, row: dict[str, Any]) -> bool:
         """Log the step's row, let the policies judge it and carry out their verdict; whether it passed."""
@@ -232,12 +230,6 @@ class Trainer:
             self.snapshot(good=healthy)
         return self.snapshots.wait() if self.snapshots is not None else None
 
-    def _fault_drills(self) -> None:
-        if (pause := faults.value("sleep", self.state.step)) is not None:
-            self._drill_sleep(float(pause or 1))
-        if (rank := faults.value("crash", self.state.step)) is not None and int(rank or 0) == self.dist.rank:
-            raise RuntimeError(f"fault drill: rank {self.dist.rank} crashed after step {self.state.step}")
-
     def _metrics_log(self):
         return JsonlLog(self.run, METRICS) if self.dist.is_main else NullLog()
 
@@ -255,12 +247,6 @@ class Trainer:
             self.stop_signal = "a stop on another rank"
         return stop
 
-    def _drill_sleep(self, seconds: float) -> None:
-        """A fault drill's pause, cut short by a stop request (signal handlers do not end time.sleep)."""
-        deadline = time.monotonic() + seconds
-        while self.stop_signal is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
         t: dict[str, float] = {}
@@ -268,7 +254,9 @@ class Trainer:
             with timed(t, "gen"):
                 seqs, scores, sampling = self.experience.rollout_batch(step)
             old, ref, values, drift = self.forward_passes(seqs, t)
-            rewards, current_kl, advantages, returns = self.advantages(seqs, scores, old, ref, values)
+            rewards, current_kl, advantages, returns = advantages_of(
+                self.cfg.algorithm, seqs, scores, old, ref, values, self.kl_ctrl.value
+            )
             stats = self.update(step, seqs, advantages, returns, old, ref, values, t)
             kl_used = self.kl_ctrl.value
             stats = self.adapt_kl(stats, current_kl, ref, len(seqs))
@@ -277,7 +265,9 @@ class Trainer:
         tokens = int(seqs.attention_mask.sum())
         rest = {  # stats are reduced already
             **drift,
-            **batch_metrics(seqs, scores, rewards, advantages, returns, values, old, ref, self.cfg.rollout.max_new_tokens),
+            **batch_metrics(
+                seqs, scores, rewards, advantages, returns, values, old, ref, self.cfg.rollout.max_new_tokens
+            ),
             **sampling,
             "actor/kl_coef": kl_used,
             **t,
@@ -302,20 +292,6 @@ class Trainer:
             values = self.critic.values(seqs) if self.critic is not None else None
         return old, ref, values, drift
 
-    def advantages(self, seqs: Sequences, scores: torch.Tensor, old, ref, values):
-        """(B, T) token rewards (the score on the last token, less the KL penalty when it is folded into
-        the reward), the KL measured then (else None), (B, T) advantages and returns."""
-        a, mask = self.cfg.algorithm, seqs.response_mask
-        rewards = algos.scores_to_token_rewards(scores, mask)
-        current_kl = None
-        if a.kl_in_reward and ref is not None:
-            rewards, current_kl = algos.apply_kl_penalty(rewards, old, ref, mask, self.kl_ctrl.value, a.kl_estimator)
-        advantages, returns = algos.ADVANTAGES[a.estimator](algos.AdvantageInputs(
-            token_rewards=rewards, mask=mask, group_size=a.group_size, values=values, gamma=a.gamma,
-            lam=a.lam, eps=a.adv_eps,
-        ))  # fmt: skip
-        return rewards, current_kl, advantages, returns
-
     def update(self, step: int, seqs: Sequences, advantages, returns, old, ref, values, t) -> dict[str, float]:
         """The critic's update (PPO), then the actor's (after the critic's warm-up); their metrics."""
         stats: dict[str, float] = {}
@@ -326,8 +302,9 @@ class Trainer:
             with timed(t, "update_actor"):
                 drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
                 poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
-                stats.update(self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison=poison,
-                                               rollout_log_prob=seqs.rollout_log_probs if old is None else None))  # fmt: skip
+                rollout_lp = seqs.rollout_log_probs if old is None else None
+                actor = self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison, rollout_lp)
+                stats.update(actor)
         return stats
 
     def adapt_kl(self, stats: dict[str, float], current_kl, ref, batch: int) -> dict[str, float]:
@@ -346,8 +323,12 @@ class Trainer:
     def record(self, step: int, stats: dict[str, float], rest: dict[str, Any]) -> dict[str, Any]:
         """The step's row, identical on every rank (the policies decide the same everywhere), and the
         counters advanced."""
-        how = {**BATCH_METRICS, **SAMPLING_METRICS, **STEP_METRICS,
-               **{key: MAX for key in rest if key.startswith("timing_s/")}}  # a step takes its slowest rank's time
+        how = {
+            **BATCH_METRICS,
+            **SAMPLING_METRICS,
+            **STEP_METRICS,
+            **{key: MAX for key in rest if key.startswith("timing_s/")},
+        }  # a step takes its slowest rank's time
         row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.dist.reduce_row(rest, how)}
         self.state.step = step
         self.state.prompts_seen += self.cfg.trainer.prompts_per_step

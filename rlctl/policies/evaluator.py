@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.stateful import check_version
 from rlctl.errors import ConfigError
 from rlctl.policies.schema import (
     Action,
@@ -31,6 +30,7 @@ from rlctl.policies.schema import (
     ThresholdTrigger,
     WarnAction,
 )
+from rlctl.stateful import check_version
 
 STATE_VERSION = 1
 COUNTER_PREFIX = "actor/nonfinite/"  # counts of NaN/Inf in old_log_prob, ref_log_prob, log_prob, loss
@@ -305,8 +305,17 @@ class PolicyEngine:
         actions: tuple[Action, ...] = tuple(rule.actions)
         if escalated:
             actions = (HaltAction(type="halt"),) if rule.then == "halt" else (WarnAction(type="warn"),)
-        return Firing(rule.name, step, rule.describe_condition(warmup=False), observed.metric, observed.value,
-                      observed.limit, actions, escalated, state.triggers)  # fmt: skip
+        return Firing(
+            rule.name,
+            step,
+            rule.describe_condition(warmup=False),
+            observed.metric,
+            observed.value,
+            observed.limit,
+            actions,
+            escalated,
+            state.triggers,
+        )
 
     # -- rollbacks ---------------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.stateful import check_version
 from rlctl.policies.evaluator import Firing, PolicyEngine
 from rlctl.policies.schema import AdjustAction, HaltAction, RollbackAction, Rule, SkipAction
+from rlctl.stateful import check_version
 
 
 @dataclass

@@ -67,7 +67,9 @@ def validate_policy(data: Any, origins: Origins | None = None, source: str = "(i
     return policy
 
 
-def load_policies(specs: Iterable[PolicySpec | os.PathLike[str]], base_dir: str | os.PathLike[str] | None = None) -> list[Rule]:
+def load_policies(
+    specs: Iterable[PolicySpec | os.PathLike[str]], base_dir: str | os.PathLike[str] | None = None
+) -> list[Rule]:
     """The rules of several policies, in order: each spec is a path to a YAML file or an inline mapping.
 
     A relative path is looked up in ``base_dir`` (e.g. the run config's folder) first, then in the

@@ -15,7 +15,7 @@ too), because only they know where the rules came from. A run config names its p
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
@@ -107,7 +107,7 @@ class SpikeTrigger(PolicyModel):
         )
 
 
-Trigger = Annotated[Union[ThresholdTrigger, NonfiniteTrigger, SpikeTrigger], Field(discriminator="kind")]
+Trigger = Annotated[ThresholdTrigger | NonfiniteTrigger | SpikeTrigger, Field(discriminator="kind")]
 
 
 def parse_when(text: str) -> ThresholdTrigger:
@@ -127,8 +127,9 @@ def parse_when(text: str) -> ThresholdTrigger:
 # --------------------------------------------------------------------------------------------------
 # Actions
 
-AdjustKey = Literal["actor.lr", "algorithm.kl_coef", "algorithm.clip_ratio", "algorithm.entropy_coef",
-                    "rollout.temperature"]  # fmt: skip
+AdjustKey = Literal[
+    "actor.lr", "algorithm.kl_coef", "algorithm.clip_ratio", "algorithm.entropy_coef", "rollout.temperature"
+]
 
 
 class RollbackAction(PolicyModel):
@@ -212,9 +213,7 @@ class WarnAction(PolicyModel):
         return "log a warning"
 
 
-Action = Annotated[
-    Union[RollbackAction, AdjustAction, SkipAction, HaltAction, WarnAction], Field(discriminator="type")
-]
+Action = Annotated[RollbackAction | AdjustAction | SkipAction | HaltAction | WarnAction, Field(discriminator="type")]
 
 _ENDS_RUN_ALONE = {"rollback", "adjust", "skip"}  # what halt cannot be combined with
 
@@ -232,7 +231,7 @@ class Rule(PolicyModel):
         None, description="What fires the rule: a threshold, nonfinite or spike trigger, chosen by `kind`."
     )
     when: str | None = Field(
-        None, description="Shorthand for a threshold trigger, e.g. \"actor/ppo_kl > 0.05\" (instead of `trigger`)."
+        None, description='Shorthand for a threshold trigger, e.g. "actor/ppo_kl > 0.05" (instead of `trigger`).'
     )
     sustained: int = Field(1, ge=1, description="Fire only after the condition held this many consecutive steps.")
     warmup: int = Field(0, ge=0, description="Not armed until step > warmup (a spike's history is still collected).")
@@ -326,9 +325,15 @@ class PolicyFile(PolicyModel):
 PolicySpec = str | dict[str, Any]
 
 TRIGGER_KINDS: dict[str, type[PolicyModel]] = {
-    "threshold": ThresholdTrigger, "nonfinite": NonfiniteTrigger, "spike": SpikeTrigger,
-}  # fmt: skip
+    "threshold": ThresholdTrigger,
+    "nonfinite": NonfiniteTrigger,
+    "spike": SpikeTrigger,
+}
 ACTION_TYPES: dict[str, type[PolicyModel]] = {
-    "rollback": RollbackAction, "adjust": AdjustAction, "skip": SkipAction, "halt": HaltAction, "warn": WarnAction,
-}  # fmt: skip
+    "rollback": RollbackAction,
+    "adjust": AdjustAction,
+    "skip": SkipAction,
+    "halt": HaltAction,
+    "warn": WarnAction,
+}
 ALL_MODELS: tuple[type[PolicyModel], ...] = (PolicyFile, Rule, *TRIGGER_KINDS.values(), *ACTION_TYPES.values())

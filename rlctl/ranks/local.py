@@ -27,8 +27,17 @@ from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
 from rlctl.storage import Storage
 
 # what a rank's process must not inherit from a launcher around the driver
-_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # fmt: skip
+_DIST_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 class LocalRank:
@@ -69,8 +78,9 @@ def launch_local(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, r
             fh.write(orjson.dumps({**rank_spec(run, cfg, restore), "port": free_port()}))
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         for rank in range(cfg.world_size):
-            proc = subprocess.Popen([sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env,
-                                    preexec_fn=_die_with_parent)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env, preexec_fn=_die_with_parent
+            )
             ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
         return supervise(ranks, run, restore, cfg.trainer.total_steps, reporter)
     finally:
@@ -103,8 +113,11 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            result = {"code": int(ExitCode.INTERNAL), "message": f"rank {rank} crashed: {type(exc).__name__}: {exc}",
-                      "summary": None}  # fmt: skip
+            result = {
+                "code": int(ExitCode.INTERNAL),
+                "message": f"rank {rank} crashed: {type(exc).__name__}: {exc}",
+                "summary": None,
+            }
         with open(_result_path(spec_path, rank), "wb") as fh:
             fh.write(orjson.dumps(result))
         sys.stdout.flush()

@@ -22,8 +22,18 @@ from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
 from rlctl.storage import Storage
 
 READY_TIMEOUT_S = 120.0
-_PASS_ENV = ("RLCTL_", "HF_", "TRANSFORMERS_", "TORCH_EXTENSIONS_DIR", "TOKENIZERS_", "TORCH_DEVICE_BACKEND_AUTOLOAD",
-             "FSSPEC_", "AWS_", "GOOGLE_", "GCSFS_")  # fmt: skip
+_PASS_ENV = (
+    "RLCTL_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TORCH_EXTENSIONS_DIR",
+    "TOKENIZERS_",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "FSSPEC_",
+    "AWS_",
+    "GOOGLE_",
+    "GCSFS_",
+)
 
 
 class RankActor:
@@ -58,8 +68,11 @@ class RayRank:
                 self._result = ray.get(self.ref)
             except Exception as exc:  # the rank crashed: a bug, or its process died
                 last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-                self._result = {"code": 1, "message": f"rank {self.rank} crashed: {type(exc).__name__}: {last}",
-                                "summary": None}  # fmt: skip
+                self._result = {
+                    "code": 1,
+                    "message": f"rank {self.rank} crashed: {type(exc).__name__}: {last}",
+                    "summary": None,
+                }
             self._code = self._result["code"]
         return self._code
 
@@ -103,8 +116,13 @@ def launch_ray(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, rep
     started_here = not ray.is_initialized()
     if started_here:
         reporter.note(f"connecting to Ray at {cfg.cluster.address}" if cfg.cluster.address else "starting a local Ray")
-        ray.init(address=cfg.cluster.address, include_dashboard=False, log_to_driver=True,
-                 logging_level="ERROR", configure_logging=True)  # fmt: skip
+        ray.init(
+            address=cfg.cluster.address,
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level="ERROR",
+            configure_logging=True,
+        )
     accel = _device_resources(cfg, ray.cluster_resources())
     bundle = {k: v * per_node for k, v in {"CPU": cfg.cluster.cpus_per_rank, **accel}.items()}
     pg = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD" if nnodes > 1 else "PACK")
@@ -114,8 +132,10 @@ def launch_ray(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, rep
         _start_actors(actors, cfg, pg, accel, nnodes * per_node, per_node)
         addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
         spec = rank_spec(run, cfg, restore)
-        ranks = [RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
-                 for rank, a in enumerate(actors)]  # fmt: skip
+        ranks = [
+            RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
+            for rank, a in enumerate(actors)
+        ]
         return supervise(ranks, run, restore, t.total_steps, reporter)
     finally:
         for a in actors:
@@ -147,9 +167,13 @@ def _start_actors(actors: list, cfg: RunConfig, pg, accel: dict[str, float], wor
     env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
     remote = ray.remote(RankActor)
     for rank in range(world):
-        actors.append(remote.options(
-            num_cpus=cfg.cluster.cpus_per_rank, num_gpus=accel.get("GPU", 0),
-            resources={"NPU": accel["NPU"]} if "NPU" in accel else None, max_concurrency=2,
-            runtime_env={"env_vars": env},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank // per_node),
-        ).remote())  # fmt: skip
+        actors.append(
+            remote.options(
+                num_cpus=cfg.cluster.cpus_per_rank,
+                num_gpus=accel.get("GPU", 0),
+                resources={"NPU": accel["NPU"]} if "NPU" in accel else None,
+                max_concurrency=2,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank // per_node),
+            ).remote()
+        )

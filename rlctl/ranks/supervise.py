@@ -40,8 +40,9 @@ class RankHandle(Protocol):
         """Once ended: {"code", "message", "summary"}, or None when the rank left no result."""
 
 
-def supervise(ranks: Sequence[RankHandle], run: Storage, restore: dict[str, Any] | None, total: int,
-              reporter: Reporter) -> dict[str, Any]:  # fmt: skip
+def supervise(
+    ranks: Sequence[RankHandle], run: Storage, restore: dict[str, Any] | None, total: int, reporter: Reporter
+) -> dict[str, Any]:
     """Follow ``ranks`` to their end; the run's summary, or RankFailed with the rank that failed."""
     follower = Follower(run, reporter)
     with on_stop_signals(lambda name: [r.stop(name) for r in ranks]):
@@ -92,8 +93,12 @@ def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, A
     if failed_first is not None and failed_first != 0:
         r = results[failed_first] or {"code": 1, "message": None}
         if first is None or first["code"] in (0, 1):
-            raise RankFailed(r["message"] or f"rank {failed_first} failed (exit code {r['code']}); its "
-                             "error is above. The other ranks were stopped", r["code"] or 1)  # fmt: skip
+            raise RankFailed(
+                r["message"]
+                or f"rank {failed_first} failed (exit code {r['code']}); its "
+                "error is above. The other ranks were stopped",
+                r["code"] or 1,
+            )
     if first is None:
         raise RankFailed("rank 0 died without a result; see its error above", 1)
     if first["code"]:

@@ -65,8 +65,14 @@ STOPS = StopRequests()  # this process's
 
 
 # -- the session -------------------------------------------------------------------------------------
-def train_rank(run: Storage, cfg: RunConfig, events: EventLog | None, reporter: Reporter,
-               restore: dict[str, Any] | None, rank: int = 0) -> dict[str, Any]:  # fmt: skip
+def train_rank(
+    run: Storage,
+    cfg: RunConfig,
+    events: EventLog | None,
+    reporter: Reporter,
+    restore: dict[str, Any] | None,
+    rank: int = 0,
+) -> dict[str, Any]:
     """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files;
     ``events`` is None on the others). Returns the run's summary on rank 0, {} on the others."""
     main = rank == 0
@@ -104,19 +110,39 @@ def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:
     try:
         trainer.train()
     except Preempted:
-        emit({"event": "preempted", "step": trainer.state.step, "signal": trainer.stop_signal,
-              "snapshot": snapshots.last_committed})  # fmt: skip
+        emit(
+            {
+                "event": "preempted",
+                "step": trainer.state.step,
+                "signal": trainer.stop_signal,
+                "snapshot": snapshots.last_committed,
+            }
+        )
         raise
     except Halted:
         raise  # the trainer logged why
     except BaseException as exc:
-        emit({"event": "crashed", "step": trainer.state.step, "error": f"{type(exc).__name__}: {exc}",
-              **({"rank": rank} if rank is not None else {})})  # fmt: skip
+        emit(
+            {
+                "event": "crashed",
+                "step": trainer.state.step,
+                "error": f"{type(exc).__name__}: {exc}",
+                **({"rank": rank} if rank is not None else {}),
+            }
+        )
         raise
 
 
-def _resume(trainer, run: Storage, cfg: RunConfig, events: EventLog | None, snapshots: SnapshotManager,
-            reporter: Reporter, restore: dict[str, Any], main: bool) -> None:  # fmt: skip
+def _resume(
+    trainer,
+    run: Storage,
+    cfg: RunConfig,
+    events: EventLog | None,
+    snapshots: SnapshotManager,
+    reporter: Reporter,
+    restore: dict[str, Any],
+    main: bool,
+) -> None:
     """Restore the best usable snapshot named in ``restore``, apply the changed knobs, and (rank 0)
     record the config and turn the run away from the steps after the snapshot."""
     infos = {i.name: i for i in snapshots.scan()}
@@ -132,15 +158,23 @@ def _resume(trainer, run: Storage, cfg: RunConfig, events: EventLog | None, snap
     if main:
         run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
         moved = turn_away_after(run, snapshots, step, tag)
-        events.emit({
-            "event": "resume", "from": restore["wanted"], "step": step, "snapshot": info.name if info else None,
-            "location": snapshots.storage.url_of(info.name) if info else None, "changes": restore["changes"],
-            **moved,
-        })  # fmt: skip
+        events.emit(
+            {
+                "event": "resume",
+                "from": restore["wanted"],
+                "step": step,
+                "snapshot": info.name if info else None,
+                "location": snapshots.storage.url_of(info.name) if info else None,
+                "changes": restore["changes"],
+                **moved,
+            }
+        )
     trainer.dist.barrier()
 
 
-def _restore(trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter) -> SnapshotInfo | None:
+def _restore(
+    trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter
+) -> SnapshotInfo | None:
     for info in usable:
         try:
             trainer.restore(info)
@@ -171,10 +205,16 @@ def rank_spec(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None) -> d
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
     """Run rank ``rank`` of ``spec`` (from ``rank_spec``) to its end in this process; returns {"code",
     "message", "summary"}. A domain error is a result (with its exit code); a bug propagates."""
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(spec["world"]),
-        "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
-    })  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(spec["world"]),
+            "LOCAL_WORLD_SIZE": str(local_world),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+        }
+    )
     # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     cfg = validate_config(yaml.safe_load(spec["config"]), {})

@@ -45,9 +45,14 @@ def zero_topology(stage: int | None) -> Topology:
 
 
 def snapshot_manager(
-    run: Storage, cfg: RunConfig, events: EventLog | None = None, rank: int = 0, *,
-    collectives: Collectives | None = None, max_steps_back: int = 0,
-) -> SnapshotManager:  # fmt: skip
+    run: Storage,
+    cfg: RunConfig,
+    events: EventLog | None = None,
+    rank: int = 0,
+    *,
+    collectives: Collectives | None = None,
+    max_steps_back: int = 0,
+) -> SnapshotManager:
     """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention and
     topology. A rank passes its collectives and how far its policies may roll back (retention keeps a
     snapshot that far back); the driver, which only scans, passes neither."""

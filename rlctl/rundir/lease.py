@@ -72,9 +72,14 @@ class Lease:
         self.lost = False
 
     def _record(self) -> bytes:
-        return orjson.dumps({
-            "owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time(),
-        })  # fmt: skip
+        return orjson.dumps(
+            {
+                "owner": self.owner,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat": time.time(),
+            }
+        )
 
     def acquire(self, force: bool = False) -> Lease:
         for _ in range(3):
@@ -89,12 +94,12 @@ class Lease:
                 age = time.time() - float((held or {}).get("heartbeat", 0))
                 who = f"{(held or {}).get('host')} pid {(held or {}).get('pid')}, heartbeat {age:.0f}s ago"
                 if state == "live":
-                    raise LeaseError(f"run {self.storage.url} is being written by {who}; one writer per run")
+                    raise LeaseError(f"run {self.storage.url} is being written by {who}; one writer per run") from None
                 if state == "stale" and not force:
                     raise LeaseError(
                         f"run {self.storage.url} has a stale lease ({who}); if that process is really gone, "
                         "take it over with --force"
-                    )
+                    ) from None
                 # Takeover is itself exclusive: the first to create the marker named after this stale
                 # lease's bytes replaces it; a second taker fails here instead of deleting the winner's
                 # fresh lease. Markers are a few bytes each and are kept.

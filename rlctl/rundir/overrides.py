@@ -8,12 +8,26 @@ from typing import Any
 from rlctl.config import RunConfig, parse_set, validate_config
 from rlctl.errors import ConfigError
 
-SAFE_ON_RESUME = frozenset({
-    "trainer.total_steps", "trainer.num_threads", "trainer.lease_timeout", "trainer.lease_heartbeat",
-    "actor.lr", "actor.grad_clip", "algorithm.kl_coef", "algorithm.clip_ratio", "rollout.temperature",
-    "rollout.max_new_tokens", "checkpoint.every", "checkpoint.keep_last", "checkpoint.keep_every",
-    "checkpoint.asynchronous", "checkpoint.staging_dir", "cluster.address",
-})  # fmt: skip
+SAFE_ON_RESUME = frozenset(
+    {
+        "trainer.total_steps",
+        "trainer.num_threads",
+        "trainer.lease_timeout",
+        "trainer.lease_heartbeat",
+        "actor.lr",
+        "actor.grad_clip",
+        "algorithm.kl_coef",
+        "algorithm.clip_ratio",
+        "rollout.temperature",
+        "rollout.max_new_tokens",
+        "checkpoint.every",
+        "checkpoint.keep_last",
+        "checkpoint.keep_every",
+        "checkpoint.asynchronous",
+        "checkpoint.staging_dir",
+        "cluster.address",
+    }
+)
 
 
 def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, Any]]:

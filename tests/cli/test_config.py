@@ -38,15 +38,26 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
     [
         ("actor:\n  lrr: 0.1\n", [], "unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?"),
         ("actr:\n  lr: 0.1\n", [], "unknown key 'actr' (run.yaml line 1); did you mean 'actor'?"),
-        ("seed: 1\n", ["trainer.total_step=3"], "unknown key 'trainer.total_step' (--set trainer.total_step=3); "
-         "did you mean 'trainer.total_steps'?"),
+        (
+            "seed: 1\n",
+            ["trainer.total_step=3"],
+            "unknown key 'trainer.total_step' (--set trainer.total_step=3); did you mean 'trainer.total_steps'?",
+        ),
         ("actor:\n  lr: fast\n", [], "'actor.lr' (run.yaml line 2): input should be a valid number"),
         ("actor:\n  zero_stage: 4\n", [], "'actor.zero_stage' (run.yaml line 2): input should be 1, 2 or 3"),
-        ("algorithm:\n  kl_estimator: k4\n", [], "'algorithm.kl_estimator' (run.yaml line 2): input should be 'k1', 'k2' or 'k3'"),
+        (
+            "algorithm:\n  kl_estimator: k4\n",
+            [],
+            "'algorithm.kl_estimator' (run.yaml line 2): input should be 'k1', 'k2' or 'k3'",
+        ),
         ("model:\n  path: /no/such/dir\n", [], "'model.path' (run.yaml line 2): no such model directory: /no/such/dir"),
         ("data:\n  path: /no/such.jsonl\n", [], "'data.path' (run.yaml line 2): no such file: /no/such.jsonl"),
         ("reward:\n  function: just_a_name\n", [], "'reward.function' (run.yaml line 2): expected 'module:function'"),
-        ("trainer:\n  total_steps: 0\n", [], "'trainer.total_steps' (run.yaml line 2): input should be greater than or equal to 1"),
+        (
+            "trainer:\n  total_steps: 0\n",
+            [],
+            "'trainer.total_steps' (run.yaml line 2): input should be greater than or equal to 1",
+        ),
         ("trainer: 5\n", [], "'trainer' (run.yaml line 1): input should be a valid dictionary"),
         ("- a\n- b\n", [], "run.yaml must be a mapping of keys to values, got list"),
         ("actor: {lr: [1, 2\n", [], "run.yaml line 2 is not valid YAML"),
@@ -72,9 +83,7 @@ def test_cli_renders_config_error_without_traceback(tmp_path, capsys):
     assert exit_.value.code == ExitCode.CONFIG == 3
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == (
-        "Error: invalid config: unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?\n"
-    )
+    assert err == ("Error: invalid config: unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?\n")
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 

@@ -101,101 +101,146 @@ def test_inline_policies_and_names_unique_across_files(tmp_path):
 RULE = "rules:\n  - name: r\n"  # the head of a one-rule file; the cases below finish it
 
 BAD_FILES = [
-    ("unknown top-level key",
-     "descriptoin: x\n" + RULE + "    when: x > 1\n    actions: [{type: warn}]\n",
-     "unknown key 'descriptoin' (bad.yaml line 1); did you mean 'description'?"),
-    ("typo in a rule key",
-     RULE + "    when: x > 1\n    actoins: [{type: warn}]\n",
-     "unknown key 'rules.0.actoins' (bad.yaml line 4); did you mean 'rules.0.actions'?"),
-    ("unknown trigger kind",
-     RULE + "    trigger: {kind: treshold, metric: x}\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike); "
-     "did you mean 'threshold'?"),
-    ("missing trigger kind",
-     RULE + "    trigger: {metric: x}\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike)"),
-    ("unknown action type",
-     RULE + "    when: x > 1\n    actions:\n      - type: rollbak\n",
-     "'rules.0.actions.0.type' (bad.yaml line 5): unknown type 'rollbak' (one of rollback, adjust, skip, halt, "
-     "warn); did you mean 'rollback'?"),
-    ("unknown key in an action",
-     RULE + "    when: x > 1\n    actions:\n      - type: rollback\n        too: last-good\n",
-     "unknown key 'rules.0.actions.0.too' (bad.yaml line 6); did you mean 'rules.0.actions.0.to'?"),
-    ("misspelt choice",
-     RULE + "    when: x > 1\n    actions:\n      - type: rollback\n        to: last_good\n",
-     "'rules.0.actions.0.to' (bad.yaml line 6): input should be 'last-good' or 'steps_back' (got 'last_good'); "
-     "did you mean 'last-good'?"),
-    ("unknown adjust key",
-     RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        multiply:\n          actor.lrr: 0.5\n",
-     "'rules.0.actions.0.multiply' (bad.yaml line 7): unknown setting 'actor.lrr' (one of actor.lr, "
-     "algorithm.kl_coef, algorithm.clip_ratio, algorithm.entropy_coef, rollout.temperature); "
-     "did you mean 'actor.lr'?"),
-    ("adjust by a negative factor",
-     RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        set: {actor.lr: -1}\n",
-     "'rules.0.actions.0.set.actor.lr' (bad.yaml line 6): input should be greater than 0 (got -1)"),
-    ("spike with sigma and factor",
-     RULE + "    trigger: {kind: spike, metric: g, sigma: 6, factor: 10}\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger' (bad.yaml line 3): give exactly one of 'sigma' (mean + k x std) or 'factor'"),
-    ("spike with neither sigma nor factor",
-     RULE + "    trigger:\n      kind: spike\n      metric: g\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger' (bad.yaml line 3): give exactly one of 'sigma'"),
-    ("negative window",
-     RULE + "    trigger:\n      kind: spike\n      metric: g\n      sigma: 6\n      window: -4\n"
-     "    actions: [{type: warn}]\n",
-     "'rules.0.trigger.window' (bad.yaml line 7): input should be greater than or equal to 2 (got -4)"),
-    ("halt combined with rollback",
-     RULE + "    when: x > 1\n    actions: [{type: rollback}, {type: halt}]\n",
-     "'rules.0.actions' (bad.yaml line 4): halt ends the run, so it cannot be combined with rollback"),
-    ("steps_back without its K",
-     RULE + "    when: x > 1\n    actions: [{type: rollback, to: steps_back}]\n",
-     "'rules.0.actions.0' (bad.yaml line 4): to: steps_back needs 'min_steps_back'"),
-    ("empty actions",
-     RULE + "    when: x > 1\n    actions: []\n",
-     "'rules.0.actions' (bad.yaml line 4): list should have at least 1 item after validation, not 0"),
-    ("empty rules",
-     "description: nothing\nrules: []\n",
-     "'rules' (bad.yaml line 2): list should have at least 1 item after validation, not 0"),
-    ("no rules at all",
-     "description: nothing\n",
-     "'rules': field required"),
-    ("duplicate rule names",
-     RULE + "    when: x > 1\n    actions: [{type: warn}]\n  - name: r\n    when: y > 1\n    actions: [{type: warn}]\n",
-     "rule name 'r' is used twice: 'rules.0.name' (bad.yaml line 2) and 'rules.1.name' (bad.yaml line 5)"),
-    ("bad when expression",
-     RULE + "    when: actor/ppo_kl >> 0.1\n    actions: [{type: warn}]\n",
-     "'rules.0.when' (bad.yaml line 3): expected 'METRIC OP NUMBER' such as 'actor/ppo_kl > 0.05', "
-     "got 'actor/ppo_kl >> 0.1'"),
-    ("when and trigger both",
-     RULE + "    when: x > 1\n    trigger: {kind: nonfinite}\n    actions: [{type: warn}]\n",
-     "'rules.0' (bad.yaml line 2): give either 'trigger' or 'when', not both"),
-    ("neither when nor trigger",
-     RULE + "    actions: [{type: warn}]\n",
-     "'rules.0' (bad.yaml line 2): needs a 'trigger'"),
-    ("wrong type for value",
-     RULE + "    trigger:\n      kind: threshold\n      metric: actor/ppo_kl\n      op: '>'\n      value: high\n"
-     "    actions: [{type: warn}]\n",
-     "'rules.0.trigger.value' (bad.yaml line 7): input should be a valid number, unable to parse string as a "
-     "number (got 'high')"),
-    ("unknown comparison",
-     RULE + "    trigger: {kind: threshold, metric: x, op: '=', value: 1}\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger.op' (bad.yaml line 3): input should be '>', '>=', '<' or '<=' (got '=')"),
-    ("misspelt spike baseline",
-     RULE + "    trigger: {kind: spike, metric: g, factor: 10, baseline: medain}\n    actions: [{type: warn}]\n",
-     "'rules.0.trigger.baseline' (bad.yaml line 3): input should be 'median' or 'max' (got 'medain'); "
-     "did you mean 'median'?"),
-    ("max_triggers zero",
-     RULE + "    when: x > 1\n    actions: [{type: warn}]\n    max_triggers: 0\n",
-     "'rules.0.max_triggers' (bad.yaml line 5): input should be greater than or equal to 1 (got 0)"),
-    ("rule that is not a mapping",
-     "rules:\n  - just a string\n",
-     "'rules.0' (bad.yaml line 2): input should be a valid dictionary or instance of Rule"),
-    ("file that is not a mapping",
-     "- name: r\n",
-     "bad.yaml must be a mapping of keys to values, got list"),
-    ("invalid YAML syntax",
-     RULE + "    actions: [{type: warn\n",
-     "bad.yaml line 4 is not valid YAML"),
-]  # fmt: skip
+    (
+        "unknown top-level key",
+        "descriptoin: x\n" + RULE + "    when: x > 1\n    actions: [{type: warn}]\n",
+        "unknown key 'descriptoin' (bad.yaml line 1); did you mean 'description'?",
+    ),
+    (
+        "typo in a rule key",
+        RULE + "    when: x > 1\n    actoins: [{type: warn}]\n",
+        "unknown key 'rules.0.actoins' (bad.yaml line 4); did you mean 'rules.0.actions'?",
+    ),
+    (
+        "unknown trigger kind",
+        RULE + "    trigger: {kind: treshold, metric: x}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike); "
+        "did you mean 'threshold'?",
+    ),
+    (
+        "missing trigger kind",
+        RULE + "    trigger: {metric: x}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike)",
+    ),
+    (
+        "unknown action type",
+        RULE + "    when: x > 1\n    actions:\n      - type: rollbak\n",
+        "'rules.0.actions.0.type' (bad.yaml line 5): unknown type 'rollbak' (one of rollback, adjust, skip, halt, "
+        "warn); did you mean 'rollback'?",
+    ),
+    (
+        "unknown key in an action",
+        RULE + "    when: x > 1\n    actions:\n      - type: rollback\n        too: last-good\n",
+        "unknown key 'rules.0.actions.0.too' (bad.yaml line 6); did you mean 'rules.0.actions.0.to'?",
+    ),
+    (
+        "misspelt choice",
+        RULE + "    when: x > 1\n    actions:\n      - type: rollback\n        to: last_good\n",
+        "'rules.0.actions.0.to' (bad.yaml line 6): input should be 'last-good' or 'steps_back' (got 'last_good'); "
+        "did you mean 'last-good'?",
+    ),
+    (
+        "unknown adjust key",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        multiply:\n          actor.lrr: 0.5\n",
+        "'rules.0.actions.0.multiply' (bad.yaml line 7): unknown setting 'actor.lrr' (one of actor.lr, "
+        "algorithm.kl_coef, algorithm.clip_ratio, algorithm.entropy_coef, rollout.temperature); "
+        "did you mean 'actor.lr'?",
+    ),
+    (
+        "adjust by a negative factor",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        set: {actor.lr: -1}\n",
+        "'rules.0.actions.0.set.actor.lr' (bad.yaml line 6): input should be greater than 0 (got -1)",
+    ),
+    (
+        "spike with sigma and factor",
+        RULE + "    trigger: {kind: spike, metric: g, sigma: 6, factor: 10}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger' (bad.yaml line 3): give exactly one of 'sigma' (mean + k x std) or 'factor'",
+    ),
+    (
+        "spike with neither sigma nor factor",
+        RULE + "    trigger:\n      kind: spike\n      metric: g\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger' (bad.yaml line 3): give exactly one of 'sigma'",
+    ),
+    (
+        "negative window",
+        RULE + "    trigger:\n      kind: spike\n      metric: g\n      sigma: 6\n      window: -4\n"
+        "    actions: [{type: warn}]\n",
+        "'rules.0.trigger.window' (bad.yaml line 7): input should be greater than or equal to 2 (got -4)",
+    ),
+    (
+        "halt combined with rollback",
+        RULE + "    when: x > 1\n    actions: [{type: rollback}, {type: halt}]\n",
+        "'rules.0.actions' (bad.yaml line 4): halt ends the run, so it cannot be combined with rollback",
+    ),
+    (
+        "steps_back without its K",
+        RULE + "    when: x > 1\n    actions: [{type: rollback, to: steps_back}]\n",
+        "'rules.0.actions.0' (bad.yaml line 4): to: steps_back needs 'min_steps_back'",
+    ),
+    (
+        "empty actions",
+        RULE + "    when: x > 1\n    actions: []\n",
+        "'rules.0.actions' (bad.yaml line 4): list should have at least 1 item after validation, not 0",
+    ),
+    (
+        "empty rules",
+        "description: nothing\nrules: []\n",
+        "'rules' (bad.yaml line 2): list should have at least 1 item after validation, not 0",
+    ),
+    ("no rules at all", "description: nothing\n", "'rules': field required"),
+    (
+        "duplicate rule names",
+        RULE
+        + "    when: x > 1\n    actions: [{type: warn}]\n  - name: r\n    when: y > 1\n    actions: [{type: warn}]\n",
+        "rule name 'r' is used twice: 'rules.0.name' (bad.yaml line 2) and 'rules.1.name' (bad.yaml line 5)",
+    ),
+    (
+        "bad when expression",
+        RULE + "    when: actor/ppo_kl >> 0.1\n    actions: [{type: warn}]\n",
+        "'rules.0.when' (bad.yaml line 3): expected 'METRIC OP NUMBER' such as 'actor/ppo_kl > 0.05', "
+        "got 'actor/ppo_kl >> 0.1'",
+    ),
+    (
+        "when and trigger both",
+        RULE + "    when: x > 1\n    trigger: {kind: nonfinite}\n    actions: [{type: warn}]\n",
+        "'rules.0' (bad.yaml line 2): give either 'trigger' or 'when', not both",
+    ),
+    (
+        "neither when nor trigger",
+        RULE + "    actions: [{type: warn}]\n",
+        "'rules.0' (bad.yaml line 2): needs a 'trigger'",
+    ),
+    (
+        "wrong type for value",
+        RULE + "    trigger:\n      kind: threshold\n      metric: actor/ppo_kl\n      op: '>'\n      value: high\n"
+        "    actions: [{type: warn}]\n",
+        "'rules.0.trigger.value' (bad.yaml line 7): input should be a valid number, unable to parse string as a "
+        "number (got 'high')",
+    ),
+    (
+        "unknown comparison",
+        RULE + "    trigger: {kind: threshold, metric: x, op: '=', value: 1}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger.op' (bad.yaml line 3): input should be '>', '>=', '<' or '<=' (got '=')",
+    ),
+    (
+        "misspelt spike baseline",
+        RULE + "    trigger: {kind: spike, metric: g, factor: 10, baseline: medain}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger.baseline' (bad.yaml line 3): input should be 'median' or 'max' (got 'medain'); "
+        "did you mean 'median'?",
+    ),
+    (
+        "max_triggers zero",
+        RULE + "    when: x > 1\n    actions: [{type: warn}]\n    max_triggers: 0\n",
+        "'rules.0.max_triggers' (bad.yaml line 5): input should be greater than or equal to 1 (got 0)",
+    ),
+    (
+        "rule that is not a mapping",
+        "rules:\n  - just a string\n",
+        "'rules.0' (bad.yaml line 2): input should be a valid dictionary or instance of Rule",
+    ),
+    ("file that is not a mapping", "- name: r\n", "bad.yaml must be a mapping of keys to values, got list"),
+    ("invalid YAML syntax", RULE + "    actions: [{type: warn\n", "bad.yaml line 4 is not valid YAML"),
+]
 
 
 @pytest.mark.parametrize("text,message", [case[1:] for case in BAD_FILES], ids=[case[0] for case in BAD_FILES])
@@ -228,8 +273,9 @@ def test_missing_policy_file(tmp_path):
 
 def test_inline_policy_errors_name_the_source():
     with pytest.raises(ConfigError) as err:
-        validate_policy({"rules": [{"name": "r", "when": "x > 1", "actions": [{"type": "adjust"}]}]},
-                        source="run.yaml policies.0")  # fmt: skip
+        validate_policy(
+            {"rules": [{"name": "r", "when": "x > 1", "actions": [{"type": "adjust"}]}]}, source="run.yaml policies.0"
+        )
     assert err.value.message == (
         "invalid policy run.yaml policies.0: 'rules.0.actions.0': adjust needs 'set' or 'multiply' with at least "
         "one setting."
@@ -257,8 +303,9 @@ def test_threshold_fires_above_and_not_below():
 
 @pytest.mark.parametrize("op,expected", [(">", [3]), (">=", [2, 3]), ("<", [1]), ("<=", [1, 2])])
 def test_threshold_comparisons(op, expected):
-    eng = engine({"name": "t", "trigger": {"kind": "threshold", "metric": "m", "op": op, "value": 1.0},
-                  "actions": WARN})  # fmt: skip
+    eng = engine(
+        {"name": "t", "trigger": {"kind": "threshold", "metric": "m", "op": op, "value": 1.0}, "actions": WARN}
+    )
     assert fired(eng, [{"m": 0.5}, {"m": 1}, {"m": 1.5}]) == expected
 
 
@@ -281,8 +328,9 @@ def test_nonfinite(row, fires):
 
 
 def test_nonfinite_patterns_and_counters_switch():
-    eng = engine({"name": "nan", "trigger": {"kind": "nonfinite", "metrics": ["actor/*"], "counters": False},
-                  "actions": WARN})  # fmt: skip
+    eng = engine(
+        {"name": "nan", "trigger": {"kind": "nonfinite", "metrics": ["actor/*"], "counters": False}, "actions": WARN}
+    )
     assert fired(eng, [{"critic/score/mean": math.nan}, {"actor/nonfinite/loss": 2}, {"actor/pg_loss": "NaN"}]) == [3]
     [f] = engine({"name": "nan", "trigger": {"kind": "nonfinite"}, "actions": WARN}).evaluate(1, {"a": 1, "b": "NaN"})
     assert f.metric == "b" and math.isnan(f.value) and f.limit is None
@@ -354,8 +402,14 @@ def test_cooldown_skips_the_rule():
 
 
 def test_max_triggers_escalates_to_halt_or_warn():
-    eng = engine({"name": "kl", "when": "k > 1", "max_triggers": 2,
-                  "actions": [{"type": "rollback"}, {"type": "adjust", "multiply": {"actor.lr": 0.5}}]})  # fmt: skip
+    eng = engine(
+        {
+            "name": "kl",
+            "when": "k > 1",
+            "max_triggers": 2,
+            "actions": [{"type": "rollback"}, {"type": "adjust", "multiply": {"actor.lr": 0.5}}],
+        }
+    )
     firings = [eng.evaluate(step, {"k": 2})[0] for step in (1, 2, 3)]
     assert [f.action_types() for f in firings] == [["rollback", "adjust"], ["rollback", "adjust"], ["halt"]]
     assert [f.escalated for f in firings] == [False, False, True]
@@ -366,8 +420,10 @@ def test_max_triggers_escalates_to_halt_or_warn():
 
 
 def test_rules_fire_in_order_and_healthy_means_no_non_warn_firing():
-    eng = engine({"name": "a", "when": "k > 1", "actions": WARN},
-                 {"name": "b", "when": "k > 5", "actions": [{"type": "rollback"}]})  # fmt: skip
+    eng = engine(
+        {"name": "a", "when": "k > 1", "actions": WARN},
+        {"name": "b", "when": "k > 5", "actions": [{"type": "rollback"}]},
+    )
     assert [f.rule for f in eng.evaluate(1, {"k": 9})] == ["a", "b"]
     assert eng.healthy(1) is False
     assert [f.rule for f in eng.evaluate(2, {"k": 2})] == ["a"]
@@ -381,19 +437,32 @@ def test_rules_fire_in_order_and_healthy_means_no_non_warn_firing():
 def test_firing_event_is_json_serialisable_with_nonfinite_as_strings():
     import json
 
-    eng = engine({"name": "nan", "trigger": {"kind": "nonfinite"},
-                  "actions": [{"type": "rollback"}, {"type": "skip", "batches": 2}]})  # fmt: skip
+    eng = engine(
+        {
+            "name": "nan",
+            "trigger": {"kind": "nonfinite"},
+            "actions": [{"type": "rollback"}, {"type": "skip", "batches": 2}],
+        }
+    )
     [f] = eng.evaluate(12, {"actor/grad_norm": "Infinity"})
     event = firing_event(f)
     assert json.loads(json.dumps(event, allow_nan=False)) == event
     assert event == {
-        "event": "policy", "rule": "nan", "step": 12, "count": 1, "escalated": False,
+        "event": "policy",
+        "rule": "nan",
+        "step": 12,
+        "count": 1,
+        "escalated": False,
         "trigger": "any metric is NaN or Inf, or a NaN/Inf counter (actor/nonfinite/*, actor/skipped_updates) "
-                   "is above 0",
-        "metric": "actor/grad_norm", "value": "Infinity", "limit": None,
-        "actions": [{"type": "rollback", "to": "last-good", "min_steps_back": None},
-                    {"type": "skip", "batches": 2, "offending": True}],
-    }  # fmt: skip
+        "is above 0",
+        "metric": "actor/grad_norm",
+        "value": "Infinity",
+        "limit": None,
+        "actions": [
+            {"type": "rollback", "to": "last-good", "min_steps_back": None},
+            {"type": "skip", "batches": 2, "offending": True},
+        ],
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -537,8 +606,11 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
     assert load_config(str(tmp_path / "run.yaml"), []).policies[0]["rules"][0]["name"] == "r"
 
     (tmp_path / "run.yaml").write_text("policies: [defualt]\n")
-    with pytest.raises(ConfigError, match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
-                       r"conservative, default, warn-only \(did you mean 'default'\?\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
+        r"conservative, default, warn-only \(did you mean 'default'\?\)",
+    ):
         load_config(str(tmp_path / "run.yaml"), [])
 
 
@@ -551,8 +623,11 @@ def test_policies_stay_pure_python():
     files = [*(pkg / "policies").glob("*.py"), pkg / "commands" / "policy.py"]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])  # fmt: skip
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             for name in names:
                 assert not name.startswith(("torch", "numpy", "deepspeed", "transformers", "rlctl.engine")), (
                     f"{path.name} imports {name}"

@@ -13,18 +13,44 @@ VARIANTS = {
     "grpo": [],
     "drgrpo": ["algorithm.adv_estimator=drgrpo", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
-    "reinforce_plus_plus": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_coef=0.01",
-                            "algorithm.kl_in_reward=true"],
+    "reinforce_plus_plus": [
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "algorithm.kl_coef=0.01",
+        "algorithm.kl_in_reward=true",
+    ],
     "reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
-    "gspo": ["algorithm.importance_ratio=sequence", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
-             "algorithm.loss_agg_mode=seq-mean-token-mean", "actor.mini_batch_size=64"],
-    "dapo": ["algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.28", "algorithm.dynamic_sampling.enabled=true",
-             "algorithm.overlong.enabled=true", "algorithm.loss_agg_mode=token-mean", "algorithm.entropy_coef=0.001"],
-    "ppo": ["algorithm.name=ppo", "algorithm.group_size=4", "trainer.prompts_per_step=32", "critic.lr=1e-3",
-            "algorithm.lam=0.95", "actor.mini_batch_size=64", "actor.micro_batch_size=32", "critic.warmup_steps=2"],
-    "adaptive_kl": ["algorithm.kl_coef=0.05", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01",
-                    "algorithm.kl_ctrl.horizon=1000"],
-}  # fmt: skip
+    "gspo": [
+        "algorithm.importance_ratio=sequence",
+        "algorithm.clip_ratio_low=0.0003",
+        "algorithm.clip_ratio_high=0.0004",
+        "algorithm.loss_agg_mode=seq-mean-token-mean",
+        "actor.mini_batch_size=64",
+    ],
+    "dapo": [
+        "algorithm.clip_ratio_low=0.2",
+        "algorithm.clip_ratio_high=0.28",
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.overlong.enabled=true",
+        "algorithm.loss_agg_mode=token-mean",
+        "algorithm.entropy_coef=0.001",
+    ],
+    "ppo": [
+        "algorithm.name=ppo",
+        "algorithm.group_size=4",
+        "trainer.prompts_per_step=32",
+        "critic.lr=1e-3",
+        "algorithm.lam=0.95",
+        "actor.mini_batch_size=64",
+        "actor.micro_batch_size=32",
+        "critic.warmup_steps=2",
+    ],
+    "adaptive_kl": [
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.target_kl=0.01",
+        "algorithm.kl_ctrl.horizon=1000",
+    ],
+}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -54,9 +80,18 @@ def test_variant_learns(tmp_path, name):
 def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
     """The critic engine and the adaptive KL coefficient are in every snapshot: a resume from the middle
     reproduces the uninterrupted run's weights and every step's kl_coef and value loss."""
-    sets = ["trainer.total_steps=6", "checkpoint.every=3", "algorithm.name=ppo", "algorithm.group_size=2",
-            "trainer.prompts_per_step=8", "algorithm.kl_coef=0.05", "algorithm.kl_ctrl.type=adaptive",
-            "algorithm.kl_ctrl.target_kl=0.001", "algorithm.kl_ctrl.horizon=100", "actor.zero_stage=3"]  # fmt: skip
+    sets = [
+        "trainer.total_steps=6",
+        "checkpoint.every=3",
+        "algorithm.name=ppo",
+        "algorithm.group_size=2",
+        "trainer.prompts_per_step=8",
+        "algorithm.kl_coef=0.05",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.target_kl=0.001",
+        "algorithm.kl_ctrl.horizon=100",
+        "actor.zero_stage=3",
+    ]
     run = tmp_path / "run"
     r = run_cli("start", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
@@ -77,8 +112,12 @@ def test_dynamic_sampling_short_batch_is_topped_up(tmp_path):
     """One generation round and micro-batches: the random model ties many groups, so fewer than
     prompts_per_step informative groups exist; the batch is topped up with tied ones and every update
     completes its gradient accumulation (finite grad norm each step)."""
-    sets = ["trainer.total_steps=4", "algorithm.dynamic_sampling.enabled=true",
-            "algorithm.dynamic_sampling.max_gen_batches=1", "actor.micro_batch_size=32"]  # fmt: skip
+    sets = [
+        "trainer.total_steps=4",
+        "algorithm.dynamic_sampling.enabled=true",
+        "algorithm.dynamic_sampling.max_gen_batches=1",
+        "actor.micro_batch_size=32",
+    ]
     r = run_cli("start", "--run-dir", str(tmp_path / "r"), *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / "r")

@@ -7,18 +7,33 @@ import orjson
 import pytest
 import yaml
 
-from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
+
+from helpers import metrics_of, run_cli
 
 pytestmark = pytest.mark.slow
 
 REQUIRED = [
-    "step", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy",
-    "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/advantages/mean", "response_length/mean",
-    "timing_s/gen", "timing_s/update_actor", "timing_s/step", "perf/throughput",
-    "actor/nonfinite/old_log_prob", "actor/nonfinite/ref_log_prob", "actor/nonfinite/log_prob",
+    "step",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "actor/nonfinite/old_log_prob",
+    "actor/nonfinite/ref_log_prob",
+    "actor/nonfinite/log_prob",
     "actor/nonfinite/loss",
-]  # fmt: skip
+]
 
 
 def test_demo_learns(tmp_path):
@@ -48,11 +63,28 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
     separate pass): every metric finite, the policy drifts from the reference and the ratio from 1."""
     run_dir = tmp_path / "kl"
     r = run_cli(
-        "start", "--run-dir", str(run_dir),
-        "--set", "trainer.total_steps=6", "--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4",
-        "--set", "algorithm.kl_coef=0.1", "--set", "algorithm.kl_estimator=k3", "--set", "actor.zero_stage=3",
-        "--set", "algorithm.ppo_epochs=2", "--set", "actor.mini_batch_size=8", "--set", "rollout.max_new_tokens=6",
-    )  # fmt: skip
+        "start",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "trainer.total_steps=6",
+        "--set",
+        "trainer.prompts_per_step=4",
+        "--set",
+        "algorithm.group_size=4",
+        "--set",
+        "algorithm.kl_coef=0.1",
+        "--set",
+        "algorithm.kl_estimator=k3",
+        "--set",
+        "actor.zero_stage=3",
+        "--set",
+        "algorithm.ppo_epochs=2",
+        "--set",
+        "actor.mini_batch_size=8",
+        "--set",
+        "rollout.max_new_tokens=6",
+    )
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 6
@@ -68,18 +100,21 @@ def test_user_model_data_and_reward(tmp_path):
     first = tmp_path / "first"
     assert run_cli("start", "--run-dir", str(first), "--set", "trainer.total_steps=1").returncode == 0
     data = tmp_path / "math.jsonl"
-    data.write_bytes(b"".join(orjson.dumps({"question": f"{i}+{i}=", "answer": f"#### {2 * i}"}) + b"\n"
-                              for i in range(10)))  # fmt: skip
+    data.write_bytes(
+        b"".join(orjson.dumps({"question": f"{i}+{i}=", "answer": f"#### {2 * i}"}) + b"\n" for i in range(10))
+    )
     cfg = tmp_path / "real.yaml"
-    cfg.write_text(textwrap.dedent(f"""
+    cfg.write_text(
+        textwrap.dedent(f"""
         name: math
-        model: {{path: {first / 'model'}}}
+        model: {{path: {first / "model"}}}
         data: {{path: {data}, prompt_key: question}}
         reward: {{function: "rlctl.engine.reward.gsm8k:exact_match", kwargs: {{format_score: 0.1}}}}
         trainer: {{total_steps: 3, prompts_per_step: 2}}
         algorithm: {{group_size: 4}}
         rollout: {{max_new_tokens: 4}}
-    """))
+    """)
+    )
     run_dir = tmp_path / "math"
     r = run_cli("start", str(cfg), "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stderr
@@ -91,8 +126,16 @@ def test_user_model_data_and_reward(tmp_path):
 def test_reward_errors_are_sentences(tmp_path):
     mod = tmp_path / "badreward.py"
     mod.write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
-    r = run_cli("start", "--run-dir", str(tmp_path / "x"), "--set", "reward.function=badreward:f",
-                "--set", "trainer.total_steps=1", cwd=tmp_path)  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(tmp_path / "x"),
+        "--set",
+        "reward.function=badreward:f",
+        "--set",
+        "trainer.total_steps=1",
+        cwd=tmp_path,
+    )
     assert r.returncode == ExitCode.INPUT, r.stderr
     assert "reward function 'badreward:f' returned 1 scores for 128 completions" in r.stderr
     assert "Traceback" not in r.stderr

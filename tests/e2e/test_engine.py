@@ -5,18 +5,22 @@ import math
 import pytest
 import torch
 
-from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout import sample_seed
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for
+from rlctl.storage import Storage
 
 
 def make_cfg(**sets) -> RunConfig:
     cfg = RunConfig.model_validate(
-        {"trainer": {"prompts_per_step": 2}, "algorithm": {"group_size": 2},
-         "rollout": {"max_new_tokens": 6}, "actor": {"lr": 1e-2}}  # fmt: skip
+        {
+            "trainer": {"prompts_per_step": 2},
+            "algorithm": {"group_size": 2},
+            "rollout": {"max_new_tokens": 6},
+            "actor": {"lr": 1e-2},
+        }
     )
     for key, value in sets.items():
         section, field = key.split("__")
@@ -81,8 +85,10 @@ def test_seeded_sampler_samples_softmax_at_temperature():
 def test_sample_seed_depends_on_every_part():
     base = sample_seed(1, 2, 3, 4)
     assert base == sample_seed(1, 2, 3, 4)
-    assert len({base, sample_seed(0, 2, 3, 4), sample_seed(1, 0, 3, 4), sample_seed(1, 2, 0, 4),
-                sample_seed(1, 2, 3, 0)}) == 5  # fmt: skip
+    assert (
+        len({base, sample_seed(0, 2, 3, 4), sample_seed(1, 0, 3, 4), sample_seed(1, 2, 0, 4), sample_seed(1, 2, 3, 0)})
+        == 5
+    )
 
 
 def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtime, model_dir):
@@ -106,11 +112,17 @@ def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtim
     enc = rollout.encode(prompts)
     with torch.no_grad():
         out = actor.module.generate(
-            **enc, return_dict_in_generate=True, output_logits=True,
-            generation_config=GenerationConfig(do_sample=False, max_new_tokens=cfg.rollout.max_new_tokens,
-                                               eos_token_id=rollout.eos_ids, pad_token_id=rollout.tokenizer.pad_token_id),
+            **enc,
+            return_dict_in_generate=True,
+            output_logits=True,
+            generation_config=GenerationConfig(
+                do_sample=False,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                eos_token_id=rollout.eos_ids,
+                pad_token_id=rollout.tokenizer.pad_token_id,
+            ),
             logits_processor=[SeededGumbelSampler([sample_seed(0, 3, p, s) for p, s in keys], 0.9)],
-        )  # fmt: skip
+        )
         gen_lp = torch.stack(out.logits, 1).float().div(0.9).log_softmax(-1)
         gen_lp = gen_lp.gather(-1, a.responses[:, : gen_lp.shape[1]].unsqueeze(-1)).squeeze(-1)
         actor_lp, _ = sequence_log_probs(actor.engine, a, temperature=0.9)
@@ -127,7 +139,7 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     import time
 
     from rlctl.checkpoint.snapshots import SnapshotManager
-    from rlctl.engine.ds_module import zero_topology
+    from rlctl.rundir.directory import zero_topology
 
     monkeypatch.setenv("RLCTL_FAULTS", "write_delay=0.5")
     cfg = make_cfg(actor__zero_stage=2)
@@ -178,7 +190,9 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * response_mask
         stats = actor.update(seqs, adv, None, None, 0.0)
         with actor.full_parameters():
-            results.append((stats["actor/grad_norm"], torch.cat([p.detach().flatten() for p in actor.module.parameters()])))
+            results.append(
+                (stats["actor/grad_norm"], torch.cat([p.detach().flatten() for p in actor.module.parameters()]))
+            )
     (norm_whole, weights_whole), (norm_micro, weights_micro) = results
     assert norm_micro == pytest.approx(norm_whole, rel=1e-5)
     # Adam's first step moves every weight by about ±lr whatever its gradient's size, so the few weights

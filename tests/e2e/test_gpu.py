@@ -17,10 +17,28 @@ def test_half_billion_model_with_vllm_and_zero2_snapshots_and_resumes(tmp_path):
         pytest.skip("set RLCTL_GPU_MODEL to a local ~0.5B causal-LM directory")
     pytest.importorskip("vllm")
     run = tmp_path / "run"
-    args = ["--set", f"model.path={model}", "--set", "device=cuda", "--set", "rollout.backend=vllm",
-            "--set", "actor.zero_stage=2", "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2",
-            "--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4",
-            "--set", "rollout.max_new_tokens=64", "--set", "rollout.gpu_memory_utilization=0.3"]  # fmt: skip
+    args = [
+        "--set",
+        f"model.path={model}",
+        "--set",
+        "device=cuda",
+        "--set",
+        "rollout.backend=vllm",
+        "--set",
+        "actor.zero_stage=2",
+        "--set",
+        "trainer.total_steps=4",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "trainer.prompts_per_step=8",
+        "--set",
+        "algorithm.group_size=4",
+        "--set",
+        "rollout.max_new_tokens=64",
+        "--set",
+        "rollout.gpu_memory_utilization=0.3",
+    ]
     r = run_cli("start", "--run-dir", str(run), *args, env={"DS_ACCELERATOR": "cuda"})
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)

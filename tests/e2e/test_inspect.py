@@ -13,12 +13,12 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from helpers import metrics_of, run_cli
-from rlctl.storage import Storage
 from rlctl.cli import cli
 from rlctl.config import RunConfig
 from rlctl.inspect import CHECK_CODES, sparkline
-from helpers import SMALL, spawn, wait_for
+from rlctl.storage import Storage
+
+from helpers import SMALL, metrics_of, run_cli, spawn, wait_for
 
 
 def make_run(url, steps=5, events=(), tail=b""):
@@ -26,8 +26,17 @@ def make_run(url, steps=5, events=(), tail=b""):
     run = Storage(url)
     cfg = RunConfig.model_validate({"trainer": {"total_steps": steps}})
     run.write_bytes("config.yaml", cfg.to_yaml().encode())
-    rows = [{"step": i, "timestamp": 1_700_000_000.0 + i, "critic/score/mean": i / 10, "actor/ppo_kl": 0.001 * i,
-             "actor/grad_norm": 1.5, "actor/entropy": float("nan") if i == 3 else 2.0} for i in range(1, steps + 1)]  # fmt: skip
+    rows = [
+        {
+            "step": i,
+            "timestamp": 1_700_000_000.0 + i,
+            "critic/score/mean": i / 10,
+            "actor/ppo_kl": 0.001 * i,
+            "actor/grad_norm": 1.5,
+            "actor/entropy": float("nan") if i == 3 else 2.0,
+        }
+        for i in range(1, steps + 1)
+    ]
     from rlctl.metrics import dumps_row
 
     run.write_bytes("metrics.jsonl", b"".join(dumps_row(r) for r in rows) + tail)
@@ -46,7 +55,9 @@ def done_run(tmp_path):
 
 
 def test_csv_jsonl_json_and_table_goldens(done_run):
-    r = inspect(done_run, "--metrics", "critic/*,actor/entropy", "--since-step", "2", "--until-step", "4", "--format", "csv")
+    r = inspect(
+        done_run, "--metrics", "critic/*,actor/entropy", "--since-step", "2", "--until-step", "4", "--format", "csv"
+    )
     assert r.exit_code == 0
     assert r.stdout == "step,critic/score/mean,actor/entropy\n2,0.2,2\n3,0.3,NaN\n4,0.4,2\n"
 
@@ -92,7 +103,10 @@ def test_truncated_last_line_is_tolerated_and_reported(tmp_path):
 
 def test_memory_and_s3_run_directories(s3_env):
     url = make_run(f"memory://inspect-{uuid.uuid4().hex}/r", events=[{"event": "completed", "step": 5}])
-    assert inspect(url, "--metrics", "actor/ppo_kl", "--last", "1", "--format", "csv").stdout == "step,actor/ppo_kl\n5,0.005\n"
+    assert (
+        inspect(url, "--metrics", "actor/ppo_kl", "--last", "1", "--format", "csv").stdout
+        == "step,actor/ppo_kl\n5,0.005\n"
+    )
     assert inspect(url, "--check").exit_code == 0
 
     env, opts = s3_env
@@ -126,7 +140,10 @@ def test_plot_and_runs(tmp_path, done_run):
 
 def test_follow_prints_every_row_of_a_finished_run(done_run):
     r = inspect(done_run, "--follow", "--metrics", "actor/ppo_kl", "--format", "csv")
-    assert r.exit_code == 0 and r.stdout.splitlines() == ["step,actor/ppo_kl", *[f"{i},{i / 1000:g}" for i in range(1, 6)]]
+    assert r.exit_code == 0 and r.stdout.splitlines() == [
+        "step,actor/ppo_kl",
+        *[f"{i},{i / 1000:g}" for i in range(1, 6)],
+    ]
 
 
 def test_inspect_never_imports_torch(done_run):
@@ -152,15 +169,33 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     assert code == CHECK_CODES["healthy"] == 0 and line.startswith("OK ") and "completed at step 3/3" in line
 
     nan = tmp_path / "nan"
-    r = run_cli("start", "--run-dir", str(nan), *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2",
-                "--set", "policies=[policies/default.yaml]", env={"RLCTL_FAULTS": "nan_log_prob@3"})  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(nan),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=6",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "policies=[policies/default.yaml]",
+        env={"RLCTL_FAULTS": "nan_log_prob@3"},
+    )
     assert r.returncode == 0
     assert check(nan)[0] == CHECK_CODES["warning"] == 41
     assert check(nan, "--window", "2")[0] == 0  # the firing is older than the window
 
     cfg = tmp_path / "halt.yaml"
-    cfg.write_text(json.dumps({"checkpoint": {"every": 2}, "trainer": {"total_steps": 6}, "policies": [{"rules": [
-        {"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "halt"}]}]}]}))  # fmt: skip
+    cfg.write_text(
+        json.dumps(
+            {
+                "checkpoint": {"every": 2},
+                "trainer": {"total_steps": 6},
+                "policies": [{"rules": [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "halt"}]}]}],
+            }
+        )
+    )
     halted = tmp_path / "halted"
     r = run_cli("start", str(cfg), "--run-dir", str(halted), *SMALL, env={"RLCTL_FAULTS": "metric@3=actor/ppo_kl:9"})
     assert r.returncode == 20
@@ -168,8 +203,17 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     assert code == CHECK_CODES["halted"] == 42 and "by policy rule 'kl'" in line
 
     live = tmp_path / "live"
-    proc = spawn("start", "--run-dir", str(live), *SMALL, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=1",
-                 faults="sleep@2=120")  # fmt: skip
+    proc = spawn(
+        "start",
+        "--run-dir",
+        str(live),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=4",
+        "--set",
+        "checkpoint.every=1",
+        faults="sleep@2=120",
+    )
     wait_for(lambda: (live / "metrics.jsonl").exists() and any(r["step"] == 2 for r in metrics_of(live)), proc)
     assert check(live, "--stale-after", "1h")[0] == 0  # running, recently stepped
     time.sleep(2.5)

@@ -2,16 +2,24 @@
 
 import uuid
 
-from rlctl.storage import Storage
 from rlctl.config import load_config
 from rlctl.metrics import read_rows
 from rlctl.run import resume_run, start_run
+from rlctl.storage import Storage
 
 
 def test_start_and_resume_on_memory_storage(runtime):
     url = f"memory://runs-{uuid.uuid4().hex}/r"
-    cfg = load_config(None, ["trainer.total_steps=4", "checkpoint.every=2", "trainer.prompts_per_step=2",
-                             "algorithm.group_size=2", "rollout.max_new_tokens=4"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "trainer.total_steps=4",
+            "checkpoint.every=2",
+            "trainer.prompts_per_step=2",
+            "algorithm.group_size=2",
+            "rollout.max_new_tokens=4",
+        ],
+    )
     summary = start_run(cfg, url)
     assert summary["steps"] == 4 and summary["run_dir"] == url
     run = Storage(url)

@@ -5,13 +5,14 @@ snapshots every rank's files under one manifest and resumes bit-exactly after SI
 
 import os
 import signal
+from pathlib import Path
 
 import orjson
 import pytest
 
-from helpers import run_cli, metrics_of
 from rlctl.errors import ExitCode
-from helpers import completed_hash, events_of, has_step, spawn, stable, wait_for
+
+from helpers import completed_hash, events_of, has_step, metrics_of, run_cli, spawn, stable, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +77,13 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
     close_to_one_rank(metrics_of(ref), metrics_of(one_rank[2]))
     m = manifest(ref, 6)
     assert m["world_size"] == 2
-    for f in ("state.pt", "state.rank-1.pt", "ranks/rank-1.json",
-              "actor/zero_pp_rank_0_mp_rank_00_optim_states.pt",
-              "actor/zero_pp_rank_1_mp_rank_00_optim_states.pt"):  # fmt: skip
+    for f in (
+        "state.pt",
+        "state.rank-1.pt",
+        "ranks/rank-1.json",
+        "actor/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "actor/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ):
         assert f in m["files"], sorted(m["files"])
 
     # SIGKILL the driver after step 5 (last snapshot: 4): its ranks die with it, resume is exact
@@ -111,8 +116,8 @@ def _ranks_alive(run) -> bool:
         if not pid.isdigit():
             continue
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            status = open(f"/proc/{pid}/status").read()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
         if b"rlctl.ranks.local" in cmd and "State:\tZ" not in status:
@@ -169,8 +174,9 @@ def test_two_ranks_snapshot_to_s3_and_resume_exactly(tmp_path, s3_env):
     _, opts = s3_env
     run, cfg = tmp_path / "run", tmp_path / "cfg.yaml"
     url = "s3://rlctl-runs/ckpts/two-ranks"
-    cfg.write_text(json.dumps({"checkpoint": {"every": 2, "dir": url, "storage_options": opts},
-                               "trainer": {"total_steps": 4}}))  # fmt: skip
+    cfg.write_text(
+        json.dumps({"checkpoint": {"every": 2, "dir": url, "storage_options": opts}, "trainer": {"total_steps": 4}})
+    )
     r = run_cli("start", str(cfg), "--run-dir", str(run), "--nproc", "2", *BASE)
     assert r.returncode == 0, r.stderr
     fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
@@ -186,8 +192,17 @@ def test_a_nan_on_one_rank_is_rolled_back_by_every_rank(tmp_path):
     """Only rank 1's batch gets a NaN log-prob: the ranks agree to drop the update (backward and step
     are collectives), the reduced row shows the NaN to both, and default.yaml rolls both back."""
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, "--set", "policies=[policies/default.yaml]",
-                env={"RLCTL_FAULTS": "nan_log_prob@3=1"})  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        *COMMON,
+        "--set",
+        "policies=[policies/default.yaml]",
+        env={"RLCTL_FAULTS": "nan_log_prob@3=1"},
+    )
     assert r.returncode == 0, r.stderr
     rollbacks = [e for e in events_of(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["from_step"] == 3 and rollbacks[0]["to_step"] == 2

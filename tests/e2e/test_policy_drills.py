@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
-from helpers import SMALL, events_of, spawn, wait_for
+
+from helpers import SMALL, events_of, metrics_of, run_cli, spawn, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,16 +21,34 @@ def kinds(run_dir, kind):
 
 def policy_config(tmp_path, rules, every=2, steps=8):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(json.dumps({"trainer": {"total_steps": steps}, "checkpoint": {"every": every},
-                               "actor": {"lr": 2e-3}, "policies": [{"rules": rules}]}))  # fmt: skip
+    cfg.write_text(
+        json.dumps(
+            {
+                "trainer": {"total_steps": steps},
+                "checkpoint": {"every": every},
+                "actor": {"lr": 2e-3},
+                "policies": [{"rules": rules}],
+            }
+        )
+    )
     return str(cfg)
 
 
 def test_nan_log_prob_rolls_back_to_last_good_and_completes(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=10",
-                "--set", "checkpoint.every=3", "--set", "policies=[policies/default.yaml]",
-                env={"RLCTL_FAULTS": "nan_log_prob@5"})  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=10",
+        "--set",
+        "checkpoint.every=3",
+        "--set",
+        "policies=[policies/default.yaml]",
+        env={"RLCTL_FAULTS": "nan_log_prob@5"},
+    )
     assert r.returncode == 0, r.stderr
     (fired,) = kinds(run, "policy")
     assert fired["rule"] == "nonfinite" and fired["step"] == 5 and math.isnan(fired["value"])
@@ -50,8 +68,13 @@ def test_nan_log_prob_rolls_back_to_last_good_and_completes(tmp_path):
 
 
 def test_kl_spike_adjust_lowers_lr_and_it_survives_kill_and_resume(tmp_path):
-    rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0",
-              "actions": [{"type": "rollback"}, {"type": "adjust", "multiply": {"actor.lr": 0.5}}]}]  # fmt: skip
+    rules = [
+        {
+            "name": "kl",
+            "when": "actor/ppo_kl > 1.0",
+            "actions": [{"type": "rollback"}, {"type": "adjust", "multiply": {"actor.lr": 0.5}}],
+        }
+    ]
     cfg = policy_config(tmp_path, rules, every=4, steps=10)
     run = tmp_path / "run"
     proc = spawn("start", cfg, "--run-dir", str(run), *SMALL, faults="metric@5=actor/ppo_kl:5.0,sleep@6=120")
@@ -72,12 +95,25 @@ def test_kl_spike_adjust_lowers_lr_and_it_survives_kill_and_resume(tmp_path):
 
 
 def test_max_triggers_escalates_to_halt(tmp_path):
-    rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}],
-              "max_triggers": 1, "then": "halt"}]  # fmt: skip
+    rules = [
+        {
+            "name": "kl",
+            "when": "actor/ppo_kl > 1.0",
+            "actions": [{"type": "rollback"}],
+            "max_triggers": 1,
+            "then": "halt",
+        }
+    ]
     cfg = policy_config(tmp_path, rules, every=2, steps=8)
     run = tmp_path / "run"
-    r = run_cli("start", cfg, "--run-dir", str(run), *SMALL,
-                env={"RLCTL_FAULTS": "metric@3=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:7.0"})  # fmt: skip
+    r = run_cli(
+        "start",
+        cfg,
+        "--run-dir",
+        str(run),
+        *SMALL,
+        env={"RLCTL_FAULTS": "metric@3=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:7.0"},
+    )
     assert r.returncode == ExitCode.HALTED == 20, r.stderr
     assert "policy rule 'kl' halted the run at step 5" in r.stderr and "the last good snapshot is step 4" in r.stderr
     assert "Traceback" not in r.stderr
@@ -104,13 +140,15 @@ def test_warn_only_policy_logs_and_changes_nothing(tmp_path):
 
 def test_bad_policy_stops_before_anything_starts(tmp_path):
     bad = tmp_path / "mine.yaml"
-    bad.write_text(textwrap.dedent("""
+    bad.write_text(
+        textwrap.dedent("""
         rules:
           - name: kl
             when: "actor/ppo_kl > 0.1"
             actions:
               - type: rollbak
-    """))
+    """)
+    )
     r = run_cli("start", "--run-dir", str(tmp_path / "run"), "--set", f"policies=[{bad}]")
     assert r.returncode == ExitCode.CONFIG
     assert "mine.yaml line 6" in r.stderr and "did you mean 'rollback'" in r.stderr

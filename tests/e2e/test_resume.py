@@ -4,22 +4,40 @@ real signals. Faults come from RLCTL_FAULTS (rlctl/faults.py)."""
 import json
 import signal
 import subprocess
-import time
 
 import orjson
 import pytest
 
-from helpers import REPO, RLCTL, SMALL, child_env, completed_hash, events_of, has_step, metrics_of, run_cli, spawn, stable, wait_for
 from rlctl.errors import ExitCode
 
+from helpers import (
+    SMALL,
+    completed_hash,
+    events_of,
+    has_step,
+    metrics_of,
+    run_cli,
+    spawn,
+    stable,
+    wait_for,
+)
+
 pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sigkill_and_resume_is_exact(tmp_path, stage):
     """An uninterrupted run and one killed with SIGKILL after step 7 (last snapshot: 6) and resumed end
     with bit-identical weights and identical per-step metrics."""
-    common = [*SMALL, "--set", "trainer.total_steps=12", "--set", "checkpoint.every=3",
-              "--set", f"actor.zero_stage={stage}"]  # fmt: skip
+    common = [
+        *SMALL,
+        "--set",
+        "trainer.total_steps=12",
+        "--set",
+        "checkpoint.every=3",
+        "--set",
+        f"actor.zero_stage={stage}",
+    ]
     ref = tmp_path / "ref"
     assert run_cli("start", "--run-dir", str(ref), *common).returncode == 0
 
@@ -60,8 +78,17 @@ def test_sigkill_and_resume_is_exact(tmp_path, stage):
 
 def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=9",
-                 "--set", "checkpoint.every=3", faults="commit_delay@6=120")  # fmt: skip
+    proc = spawn(
+        "start",
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=9",
+        "--set",
+        "checkpoint.every=3",
+        faults="commit_delay@6=120",
+    )
     step6 = run / "checkpoints" / "step-000006"
     wait_for(lambda: (step6 / "state.pt").exists(), proc)
     proc.send_signal(signal.SIGKILL)
@@ -76,7 +103,9 @@ def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "continuing from step 3" in r.stderr
     events = events_of(run)
-    assert {"event": "uncommitted_removed", "steps": [6]}.items() <= [e for e in events if e["event"] == "uncommitted_removed"][0].items()
+    assert {"event": "uncommitted_removed", "steps": [6]}.items() <= [
+        e for e in events if e["event"] == "uncommitted_removed"
+    ][0].items()
     assert [r["step"] for r in metrics_of(run)] == list(range(1, 10))
     assert (step6 / "manifest.json").exists()  # re-made, committed, by the resumed run
 
@@ -105,8 +134,17 @@ def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
 
 def test_lease_refuses_second_writer_and_dead_owner_is_taken_over(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=4",
-                 "--set", "checkpoint.every=2", faults="sleep@2=120")  # fmt: skip
+    proc = spawn(
+        "start",
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=4",
+        "--set",
+        "checkpoint.every=2",
+        faults="sleep@2=120",
+    )
     wait_for(lambda: (run / "checkpoints" / "step-000002" / "manifest.json").exists(), proc)
     r = run_cli("resume", str(run))
     assert r.returncode == ExitCode.LEASE_HELD == 10
@@ -174,8 +212,9 @@ def test_resume_of_something_that_is_not_a_run(tmp_path):
 def test_run_and_snapshots_on_s3(tmp_path, s3_env):
     env, opts = s3_env
     url = "s3://rlctl-runs/exp/run1"
-    proc = spawn("start", "--run-dir", url, *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2",
-                 env=env)  # fmt: skip
+    proc = spawn(
+        "start", "--run-dir", url, *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", env=env
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     listed = run_cli("checkpoints", url, "--format", "json", env=env)
@@ -199,8 +238,14 @@ def test_local_run_with_checkpoint_dir_on_s3(tmp_path, s3_env):
     _, opts = s3_env
     run = tmp_path / "run"
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(json.dumps({"checkpoint": {"every": 2, "dir": "s3://rlctl-runs/ckpts/r2", "storage_options": opts},
-                               "trainer": {"total_steps": 4}}))  # fmt: skip
+    cfg.write_text(
+        json.dumps(
+            {
+                "checkpoint": {"every": 2, "dir": "s3://rlctl-runs/ckpts/r2", "storage_options": opts},
+                "trainer": {"total_steps": 4},
+            }
+        )
+    )
     r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL)
     assert r.returncode == 0, r.stderr
     assert not (run / "checkpoints").exists()

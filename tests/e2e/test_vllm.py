@@ -10,7 +10,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from rlctl.storage import Storage
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
@@ -18,6 +17,7 @@ from rlctl.engine.rollout import make_backend
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.rollout.vllm import VLLMRollout, process_state_kept
 from rlctl.errors import ConfigError
+from rlctl.storage import Storage
 
 TEMPERATURE = 0.9
 PROMPTS = ["abcd=", "e=", "fgh+ij=", "k"]
@@ -28,9 +28,12 @@ LONG = "the quick brown fox jumps over the lazy dog " * 4
 
 def make_cfg() -> RunConfig:
     return RunConfig.model_validate(
-        {"trainer": {"prompts_per_step": 2}, "algorithm": {"group_size": 2},
-         "rollout": {"backend": "vllm", "max_new_tokens": 12, "temperature": TEMPERATURE},
-         "actor": {"lr": 1e-2, "zero_stage": 3}}  # fmt: skip
+        {
+            "trainer": {"prompts_per_step": 2},
+            "algorithm": {"group_size": 2},
+            "rollout": {"backend": "vllm", "max_new_tokens": 12, "temperature": TEMPERATURE},
+            "actor": {"lr": 1e-2, "zero_stage": 3},
+        }
     )
 
 

@@ -6,21 +6,39 @@ step, and the default policy halts a run whose sync is broken."""
 
 import pytest
 
-from helpers import metrics_of, run_cli
 from rlctl.errors import ExitCode
-from helpers import events_of, stable
+
+from helpers import events_of, metrics_of, run_cli, stable
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-COMMON = ["--set", "rollout.backend=vllm", "--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4",
-          "--set", "rollout.max_new_tokens=10"]  # fmt: skip
+COMMON = [
+    "--set",
+    "rollout.backend=vllm",
+    "--set",
+    "trainer.prompts_per_step=8",
+    "--set",
+    "algorithm.group_size=4",
+    "--set",
+    "rollout.max_new_tokens=10",
+]
 
 
 def test_two_ranks_with_vllm_stay_in_sync_and_a_restore_regenerates_exactly(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON,
-                "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2")  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        *COMMON,
+        "--set",
+        "trainer.total_steps=4",
+        "--set",
+        "checkpoint.every=2",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run}\n"
     rows = metrics_of(run)
@@ -39,9 +57,21 @@ def test_a_broken_weight_sync_is_caught_by_the_default_policy(tmp_path):
     """The stale_rollout drill never pushes updated weights: vLLM keeps sampling from the initial
     policy, rollout/logprob_diff climbs, and default.yaml's rollout-sync rule halts the run (exit 20)."""
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *COMMON, "--set", "trainer.total_steps=60", "--set", "actor.lr=3e-3",
-                "--set", "checkpoint.every=10", "--set", "policies=[policies/default.yaml]",
-                env={"RLCTL_FAULTS": "stale_rollout"})  # fmt: skip
+    r = run_cli(
+        "start",
+        "--run-dir",
+        str(run),
+        *COMMON,
+        "--set",
+        "trainer.total_steps=60",
+        "--set",
+        "actor.lr=3e-3",
+        "--set",
+        "checkpoint.every=10",
+        "--set",
+        "policies=[policies/default.yaml]",
+        env={"RLCTL_FAULTS": "stale_rollout"},
+    )
     assert r.returncode == ExitCode.HALTED, r.stderr
     assert "policy rule 'rollout-sync' halted the run" in r.stderr
     diffs = [row["rollout/logprob_diff"] for row in metrics_of(run)]

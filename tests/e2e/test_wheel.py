@@ -32,8 +32,18 @@ def build_wheel(tmp_path: Path) -> Path:
     shutil.copytree(REPO / "rlctl", src / "rlctl", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    r = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-            "-w", tmp_path / "dist", src)  # fmt: skip
+    r = run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        tmp_path / "dist",
+        src,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = (tmp_path / "dist").glob("rlctl-*.whl")
     return wheel

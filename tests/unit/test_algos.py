@@ -58,7 +58,9 @@ def test_k3_is_clamped_and_cannot_overflow():
 def test_unknown_estimator_lists_valid_names():
     with pytest.raises(KeyError, match="valid: k1, k2, k3, low_var_kl"):
         algos.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
-    with pytest.raises(KeyError, match="valid: drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"):
+    with pytest.raises(
+        KeyError, match="valid: drgrpo, gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"
+    ):
         algos.ADVANTAGES["ppo2"]
 
 
@@ -81,8 +83,9 @@ def test_policy_loss_by_hand():
 def test_policy_loss_negative_advantage_clips_low():
     # ratio 0.5 with adv -1: unclipped 0.5, clipped -(-1)*0.8 = 0.8 -> loss 0.8, clipped
     lp = torch.tensor([[math.log(0.5)]])
-    out = algos.compute_policy_loss(lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_low=0.2,
-                                    clip_high=0.2, clip_c=None)  # fmt: skip
+    out = algos.compute_policy_loss(
+        lp, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), clip_low=0.2, clip_high=0.2, clip_c=None
+    )
     pg_loss, clipfrac = out.pg_loss, out.pg_clipfrac
     assert pg_loss.item() == pytest.approx(0.8)
     assert clipfrac.item() == 1.0

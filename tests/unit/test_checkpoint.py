@@ -11,12 +11,12 @@ import uuid
 import orjson
 import pytest
 
-from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
-from rlctl.rundir.directory import zero_topology
-from rlctl.storage import Storage, with_retries
 from rlctl.errors import LeaseError, SnapshotError
+from rlctl.rundir.directory import zero_topology
+from rlctl.rundir.lease import LEASE_FILE, Lease
+from rlctl.storage import Storage, with_retries
 
 
 class Counter:
@@ -204,9 +204,8 @@ def test_explicit_step_that_does_not_exist(storage):
 # -- lease ------------------------------------------------------------------------------------------
 def test_second_writer_is_refused_while_the_lease_is_live(tmp_path):
     run = Storage(str(tmp_path))
-    with Lease(run).acquire():
-        with pytest.raises(LeaseError, match="is being written by .* pid"):
-            Lease(run).acquire(force=True)  # --force never takes a live lease
+    with Lease(run).acquire(), pytest.raises(LeaseError, match="is being written by .* pid"):
+        Lease(run).acquire(force=True)  # --force never takes a live lease
     assert not run.exists(LEASE_FILE)  # released
 
 
@@ -215,8 +214,10 @@ def test_dead_owner_on_this_host_is_taken_over(tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     import socket
 
-    run.write_bytes(LEASE_FILE, orjson.dumps({"owner": "x", "host": socket.gethostname(), "pid": int(gone.stdout),
-                                              "heartbeat": time.time()}))  # fmt: skip
+    run.write_bytes(
+        LEASE_FILE,
+        orjson.dumps({"owner": "x", "host": socket.gethostname(), "pid": int(gone.stdout), "heartbeat": time.time()}),
+    )
     lease = Lease(run).acquire()
     assert lease.taken_over["owner"] == "x"
     lease.release()
@@ -224,8 +225,9 @@ def test_dead_owner_on_this_host_is_taken_over(tmp_path):
 
 def test_stale_lease_from_another_host_needs_force(tmp_path):
     run = Storage(str(tmp_path))
-    run.write_bytes(LEASE_FILE, orjson.dumps({"owner": "y", "host": "elsewhere", "pid": 1,
-                                              "heartbeat": time.time() - 600}))  # fmt: skip
+    run.write_bytes(
+        LEASE_FILE, orjson.dumps({"owner": "y", "host": "elsewhere", "pid": 1, "heartbeat": time.time() - 600})
+    )
     with pytest.raises(LeaseError, match="stale lease .* --force"):
         Lease(run, timeout=120).acquire()
     lease = Lease(run, timeout=120).acquire(force=True)
@@ -292,14 +294,17 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
     assert {"state.pt", "state.rank-1.pt", "ranks/rank-1.json"} <= set(files)
     assert files_of_rank(files, 0) == [f for f in files if f not in ("state.rank-1.pt", "ranks/rank-1.json")]
     assert "state.pt" not in files_of_rank(files, 1) and "state.rank-1.pt" in files_of_rank(files, 1)
-    assert files_of_rank(["a/zero_pp_rank_1_mp_rank_00_optim_states.pt", "a/zero_pp_rank_10_x.pt",
-                          "a/mp_rank_00_model_states.pt"], 1) == ["a/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                                                                  "a/mp_rank_00_model_states.pt"]  # fmt: skip
+    assert files_of_rank(
+        ["a/zero_pp_rank_1_mp_rank_00_optim_states.pt", "a/zero_pp_rank_10_x.pt", "a/mp_rank_00_model_states.pt"], 1
+    ) == ["a/zero_pp_rank_1_mp_rank_00_optim_states.pt", "a/mp_rank_00_model_states.pt"]
 
     fetched = []
     get_file = storage.fs.get_file  # (fsspec shares one memory filesystem: patched for this test only)
-    monkeypatch.setattr(storage.fs, "get_file", lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[-1]),
-                                                                        get_file(src, dst, **kw)))  # fmt: skip
+    monkeypatch.setattr(
+        storage.fs,
+        "get_file",
+        lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[-1]), get_file(src, dst, **kw)),
+    )
     counters = [Counter(), Counter()]
     managers[0].restore(info, {"counter": counters[0]}, {"blob": Blob()})
     assert sorted(fetched) == files_of_rank(files, 0)

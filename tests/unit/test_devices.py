@@ -23,8 +23,17 @@ from rlctl.engine.runtime import (
 )
 from rlctl.errors import ConfigError
 
-ENV_KEYS = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-            "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+ENV_KEYS = (
+    "DS_ACCELERATOR",
+    "OMP_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 needs_no_torch_npu = pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
 
@@ -255,10 +264,14 @@ def test_local_ranks_need_a_device_each_before_any_starts(fake_cuda, monkeypatch
     runtime.check_local_ranks("auto", 2)
     spawned = []
     monkeypatch.setattr(local.subprocess, "Popen", lambda *a, **k: spawned.append(a))
-    cfg = RunConfig.model_validate({"device": "cuda", "trainer": {"nproc": 3, "prompts_per_step": 6},
-                                    "algorithm": {"group_size": 2}})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"'trainer.nproc' is 3 but this machine has 2 cuda devices; every local "
-                       r"rank needs one of its own: use --nproc 2 or fewer"):  # fmt: skip
+    cfg = RunConfig.model_validate(
+        {"device": "cuda", "trainer": {"nproc": 3, "prompts_per_step": 6}, "algorithm": {"group_size": 2}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"'trainer.nproc' is 3 but this machine has 2 cuda devices; every local "
+        r"rank needs one of its own: use --nproc 2 or fewer",
+    ):
         local.launch_local(Storage(str(tmp_path / "run")), cfg, None, reporter=None)
     assert spawned == []
 
@@ -285,8 +298,14 @@ def test_the_resolved_device_wins_over_ds_accelerator_with_a_warning(no_cuda, qu
 
 
 def test_a_launchers_distributed_env_is_kept(no_cuda, quiet, monkeypatch):
-    launcher = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    launcher = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
     for key, value in launcher.items():
         monkeypatch.setenv(key, value)
     setup_runtime("cpu", "fp32", 1)

@@ -127,7 +127,11 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
 
 def test_checkpoint_never_imports_engine():
     graph = import_graph()
-    offenders = {m: sorted(t for t in graph[m] if t.startswith("rlctl.engine")) for m in graph if m.startswith("rlctl.checkpoint")}
+    offenders = {
+        m: sorted(t for t in graph[m] if t.startswith("rlctl.engine"))
+        for m in graph
+        if m.startswith("rlctl.checkpoint")
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

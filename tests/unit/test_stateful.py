@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO
 from rlctl.checkpoint.rng import RNGState
 from rlctl.engine.algos.kl import AdaptiveKLController, FixedKLController
 from rlctl.engine.data import PromptCursor
@@ -17,6 +16,8 @@ from rlctl.engine.trainer import TrainerState
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.stateful import StateMismatchError
+
+from helpers import REPO
 
 
 def through_storage(state: dict) -> dict:

@@ -18,13 +18,33 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "registry": ("ADVANTAGES", "AGG_MODES", "GROUP_ESTIMATORS", "KL_CONTROLLERS", "KL_ESTIMATORS",
-                 "POLICY_LOSS_LEVELS", "Registry"),
-    "core": ("AdvantageInputs", "PolicyLoss", "agg_loss", "apply_kl_penalty", "compute_policy_loss",
-             "compute_value_loss", "count_nonfinite", "entropy_from_logits", "kl_penalty", "masked_mean",
-             "masked_whiten", "overlong_penalty", "scores_to_token_rewards", "tied_groups"),
+    "registry": (
+        "ADVANTAGES",
+        "AGG_MODES",
+        "GROUP_ESTIMATORS",
+        "KL_CONTROLLERS",
+        "KL_ESTIMATORS",
+        "POLICY_LOSS_LEVELS",
+        "Registry",
+    ),
+    "core": (
+        "AdvantageInputs",
+        "PolicyLoss",
+        "agg_loss",
+        "apply_kl_penalty",
+        "compute_policy_loss",
+        "compute_value_loss",
+        "count_nonfinite",
+        "entropy_from_logits",
+        "kl_penalty",
+        "masked_mean",
+        "masked_whiten",
+        "overlong_penalty",
+        "scores_to_token_rewards",
+        "tied_groups",
+    ),
     "kl": ("AdaptiveKLController", "FixedKLController", "make_kl_controller"),
-}  # fmt: skip
+}
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)

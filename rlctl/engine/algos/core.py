@@ -29,9 +29,7 @@ def _real(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(B, T) values, (B, T) mask -> (B, T) values whitened over all masked-in positions of the batch.
 
     (x - mean) / sqrt(var + eps) with the masked mean and the unbiased (Bessel-corrected) masked

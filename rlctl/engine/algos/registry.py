@@ -53,14 +53,17 @@ class Registry:
 
 
 # fn(AdvantageInputs) -> (advantages, returns), all (B, T)
-ADVANTAGES = Registry("advantage estimator", {
-    "drgrpo": f"{_CORE}:drgrpo_outcome_advantage",
-    "gae": f"{_CORE}:gae_advantage",
-    "grpo": f"{_CORE}:grpo_outcome_advantage",
-    "reinforce_plus_plus": f"{_CORE}:reinforce_plus_plus_advantage",
-    "reinforce_plus_plus_baseline": f"{_CORE}:reinforce_plus_plus_baseline_advantage",
-    "rloo": f"{_CORE}:rloo_outcome_advantage",
-})  # fmt: skip
+ADVANTAGES = Registry(
+    "advantage estimator",
+    {
+        "drgrpo": f"{_CORE}:drgrpo_outcome_advantage",
+        "gae": f"{_CORE}:gae_advantage",
+        "grpo": f"{_CORE}:grpo_outcome_advantage",
+        "reinforce_plus_plus": f"{_CORE}:reinforce_plus_plus_advantage",
+        "reinforce_plus_plus_baseline": f"{_CORE}:reinforce_plus_plus_baseline_advantage",
+        "rloo": f"{_CORE}:rloo_outcome_advantage",
+    },
+)
 
 # the estimators that compare the samples of one prompt (they need a group of at least 2)
 GROUP_ESTIMATORS = ADVANTAGES.subset("drgrpo", "grpo", "reinforce_plus_plus_baseline", "rloo")
@@ -73,12 +76,15 @@ KL_ESTIMATORS = Registry(
 )
 
 # how per-token losses become one number: modes of agg_loss
-AGG_MODES = Registry("loss_agg_mode", {
-    "token-mean": f"{_CORE}:agg_loss",
-    "seq-mean-token-sum": f"{_CORE}:agg_loss",
-    "seq-mean-token-mean": f"{_CORE}:agg_loss",
-    "seq-mean-token-sum-norm": f"{_CORE}:agg_loss",
-})  # fmt: skip
+AGG_MODES = Registry(
+    "loss_agg_mode",
+    {
+        "token-mean": f"{_CORE}:agg_loss",
+        "seq-mean-token-sum": f"{_CORE}:agg_loss",
+        "seq-mean-token-mean": f"{_CORE}:agg_loss",
+        "seq-mean-token-sum-norm": f"{_CORE}:agg_loss",
+    },
+)
 
 # where the importance ratio is taken: levels of compute_policy_loss (token: PPO, sequence: GSPO)
 POLICY_LOSS_LEVELS = Registry(

@@ -45,8 +45,9 @@ class SeededGumbelSampler(LogitsProcessor):
 
 
 @torch.no_grad()
-def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-           sampler: SeededGumbelSampler) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def decode(
+    model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampler: SeededGumbelSampler
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
     pad after each sequence's eos, and the (B, R) fp32 log-probs of the sampled tokens (of logits / T).
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
@@ -56,8 +57,13 @@ def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[
     cache = DynamicCache()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(eos_ids, device=input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                past_key_values=cache, use_cache=True)  # fmt: skip
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     tokens, log_probs = [], []
     position = positions[:, -1:]
@@ -74,8 +80,13 @@ def decode(model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         position = position + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attention_mask, position_ids=position,
-                    past_key_values=cache, use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=attention_mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+        )
     return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
 
 
@@ -135,8 +146,15 @@ class HFRollout:
         module.eval()
         try:
             with self.actor.full_parameters():
-                responses, log_probs = decode(module, enc["input_ids"], enc["attention_mask"], self.cfg.rollout.max_new_tokens,
-                                   self.eos_ids, self.tokenizer.pad_token_id, sampler)  # fmt: skip
+                responses, log_probs = decode(
+                    module,
+                    enc["input_ids"],
+                    enc["attention_mask"],
+                    self.cfg.rollout.max_new_tokens,
+                    self.eos_ids,
+                    self.tokenizer.pad_token_id,
+                    sampler,
+                )
         finally:
             module.train(was_training)
         prompt_len = enc["input_ids"].shape[1]

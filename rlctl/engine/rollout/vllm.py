@@ -159,9 +159,13 @@ class VLLMRollout(HFRollout):
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, attn)]
         params = [
             self.vllm.SamplingParams(
-                max_tokens=r.max_new_tokens, temperature=r.temperature, seed=sample_seed(self.cfg.seed, step, p, s),
-                stop_token_ids=self.eos_ids, logprobs=0, detokenize=False,
-            )  # fmt: skip
+                max_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                seed=sample_seed(self.cfg.seed, step, p, s),
+                stop_token_ids=self.eos_ids,
+                logprobs=0,
+                detokenize=False,
+            )
             for p, s in keys
         ]
         with process_state_kept(self.cpu):
