@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
-def _encode(value: Any) -> Any:
+def encode_value(value: Any) -> Any:
+    """A non-finite float spelled as a string ("NaN", "Infinity", "-Infinity"); anything else as is."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return value
@@ -39,7 +40,7 @@ def _decode(value: Any) -> Any:
 
 def encode_row(row: dict[str, Any]) -> dict[str, Any]:
     """The row with non-finite floats spelled as strings (JSON has no NaN)."""
-    return {k: _encode(v) for k, v in row.items()}
+    return {k: encode_value(v) for k, v in row.items()}
 
 
 def dumps_row(row: dict[str, Any]) -> bytes:

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from rlctl.metrics import encode_row, encode_value
+
 FORMATS = ["table", "json", "jsonl", "csv"]
 
 
@@ -20,27 +22,21 @@ def cell(value: Any) -> str:
     """One value as the text of a table or CSV cell."""
     if value is None:
         return ""
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, float) and math.isfinite(value):
         return f"{value:.6g}"
     if isinstance(value, (dict, list)):
         return orjson.dumps(value).decode()
-    return str(value)
-
-
-def json_safe(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: cell(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    return str(encode_value(value))
 
 
 def emit(columns: list[str], rows: list[dict[str, Any]], fmt: str, header: bool = True) -> None:
     """Rows in ``fmt`` (one of FORMATS) on stdout; ``header`` off continues a table or CSV."""
     out = sys.stdout
     if fmt == "json":
-        out.write(orjson.dumps([json_safe(r) for r in rows], option=orjson.OPT_INDENT_2).decode() + "\n")
+        out.write(orjson.dumps([encode_row(r) for r in rows], option=orjson.OPT_INDENT_2).decode() + "\n")
     elif fmt == "jsonl":
         for r in rows:
-            out.write(orjson.dumps(json_safe(r)).decode() + "\n")
+            out.write(orjson.dumps(encode_row(r)).decode() + "\n")
     elif fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         if header:
