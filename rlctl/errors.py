@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
     HALTED = 20  # a rollback policy halted the run; the last good snapshot is there to resume from
     PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after a committed snapshot: resume me (EX_TEMPFAIL)
+    INTERRUPTED = 130  # Ctrl-C (SIGINT)
 
 
 class RlctlError(Exception):
@@ -47,6 +48,13 @@ class LeaseError(RlctlError):
 
 class SnapshotError(RlctlError):
     exit_code = ExitCode.SNAPSHOT
+
+
+class StorageError(RlctlError):
+    """Storage that cannot be reached, read or written (any backend), after its retries: one sentence
+    naming the URL and the cause."""
+
+    exit_code = ExitCode.STORAGE
 
 
 class Preempted(RlctlError):

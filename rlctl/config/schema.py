@@ -308,6 +308,18 @@ class CheckpointConfig(Strict):
     staging_dir: str | None = Field(
         None, description="Local directory for staging snapshots bound for remote storage (default: temp)."
     )
+    max_failures: int = Field(
+        3,
+        ge=1,
+        description="End the run with exit 12 after this many consecutive failed snapshots (a failed "
+        "final snapshot always ends it so).",
+    )
+    retry_timeout: float = Field(
+        120.0,
+        ge=0,
+        description="Seconds a transient storage failure (an unreachable or throttling object store, a "
+        "reset connection) is retried with backoff before it counts as failed; 0: no retries.",
+    )
 
 
 class ClusterConfig(Strict):
