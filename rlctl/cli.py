@@ -14,6 +14,7 @@ import click
 
 from rlctl import __version__
 from rlctl.errors import ExitCode, RlctlError
+from rlctl.ranks.signals import Stopped
 
 # name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -53,23 +54,25 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a command: a domain error is one sentence on stderr and its exit code (README), never a
+    traceback; a stop signal before a run began is exit 75, Ctrl-C 130."""
     try:
         cli.main(args=argv, prog_name="rlctl", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+        click.echo("Interrupted.", err=True)
+        sys.exit(int(ExitCode.INTERRUPTED))
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except RlctlError as exc:
         click.echo(f"Error: {exc.message}", err=True)
         sys.exit(int(exc.exit_code))
+    except Stopped as exc:  # before a run directory was taken: nothing to record
+        click.echo(f"Error: stopped by {exc.signal_name} before the run began; run the same command again", err=True)
+        sys.exit(int(ExitCode.PREEMPTED))
     except OSError as exc:
         # storage that cannot be reached, read or written: the environment, not a bug in rlctl
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         click.echo(f"Error: storage error{where}: {exc.strerror or exc}", err=True)
         sys.exit(int(ExitCode.STORAGE))
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
     sys.exit(int(ExitCode.OK))

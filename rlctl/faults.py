@@ -15,6 +15,9 @@ A comma-separated list of ``name[@step][=value]``:
 - ``stale_rollout``     never push the actor's weights into the rollout engine after an update (vllm): a
                         broken weight sync, which rollout/logprob_diff shows
 - ``crash@3=1``         rank 1 dies with an exception after step 3 (rank 0 without a value): a lost rank
+- ``enospc@4``          every file write of the snapshots of step 4 and later fails with ENOSPC ("No
+                        space left on device"), where the disk would say so (``enospc``: of every
+                        snapshot): a full disk
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
 
-KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric", "crash", "stale_rollout"}
+KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric", "crash", "stale_rollout", "enospc"}
 _fired: set[tuple[str, int | None]] = set()
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 
@@ -61,6 +64,11 @@ def value(name: str, step: int | None = None) -> str | None:
         if f.name == name and (f.step is None or f.step == step):
             return f.value if f.value is not None else ""
     return None
+
+
+def disk_full(step: int) -> bool:
+    """Whether the ``enospc`` drill fails the file writes of the snapshot of ``step``."""
+    return any(f.name == "enospc" and (f.step is None or step >= f.step) for f in active())
 
 
 def once(name: str, step: int) -> str | None:

@@ -1,8 +1,9 @@
 """Reading a run without touching it: status, summary, metric selections, health checks, plots.
 
 Everything here reads files through fsspec (local, s3://, memory://) and never imports torch: cron and
-Slurm scripts call it every few minutes. A truncated last line of metrics.jsonl (a crash mid-write) is
-skipped and reported, never fatal.
+Slurm scripts call it every few minutes. Every file read back may be malformed: a line of metrics.jsonl
+or events.jsonl that cannot be read (a crash mid-write, a hand edit) is skipped and reported once per
+file, never fatal; a config.yaml that cannot be read is a sentence naming it.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from rlctl.errors import ConfigError
-from rlctl.metrics import parse_rows
-from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
+from rlctl.metrics import BadLines, parse_rows
+from rlctl.rundir.directory import read_config_data
+from rlctl.rundir.layout import ABANDONED, CONFIG, EVENTS, METRICS
 from rlctl.rundir.lease import lease_state, read_lease
 from rlctl.storage import Storage
 
@@ -31,7 +31,7 @@ KEY_METRICS = (
     "response_length/mean",
     "perf/throughput",
 )
-TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed")
+TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed", "interrupted")
 
 
 @dataclass
@@ -41,11 +41,22 @@ class RunView:
     rows: list[dict[str, Any]]
     events: list[dict[str, Any]]
     lease: dict[str, Any] | None
-    bad_lines: list[int] = field(default_factory=list)
+    bad_lines: list[int] = field(default_factory=list)  # of metrics.jsonl
+    unreadable: list[BadLines] = field(default_factory=list)  # per file, for the warnings
 
     @property
     def total_steps(self) -> int:
-        return int(self.config.get("trainer", {}).get("total_steps", 0))
+        value = self.setting("trainer", "total_steps")
+        return value if isinstance(value, int) else 0
+
+    def setting(self, section: str, key: str) -> Any:
+        """``config[section][key]`` as the file has it (None where the file lacks it or is odd)."""
+        part = self.config.get(section)
+        return part.get(key) if isinstance(part, dict) else None
+
+    def warnings(self) -> list[str]:
+        """One warning per file with lines that could not be read."""
+        return [w for bad in self.unreadable if (w := bad.warning()) is not None]
 
     @property
     def step(self) -> int:
@@ -57,41 +68,41 @@ class RunView:
 
 def open_run(url: str) -> RunView:
     run = Storage(url)
-    try:
-        config = yaml.safe_load(run.read_bytes(CONFIG)) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{url} is not an rlctl run directory (it has no {CONFIG})") from None
-    bad: list[int] = []
-    rows = _read(run, METRICS, lambda lineno, _line: bad.append(lineno))
-    events = _read(run, EVENTS, None)
-    return RunView(url, config, rows, events, read_lease(run), bad)
+    config = read_config_data(run)
+    metrics, events = BadLines(run.url_of(METRICS)), BadLines(run.url_of(EVENTS))
+    rows = _read(run, METRICS, metrics, require_step=True)
+    view = RunView(url, config, rows, _read(run, EVENTS, events), read_lease(run), metrics.lines)
+    view.unreadable = [metrics, events]
+    return view
 
 
-def _read(run: Storage, rel: str, on_bad) -> list[dict[str, Any]]:
+def _read(run: Storage, rel: str, on_bad, require_step: bool = False) -> list[dict[str, Any]]:
     try:
         data = run.read_bytes(rel)
     except FileNotFoundError:
         return []
-    return list(parse_rows(data, on_bad))
+    return list(parse_rows(data, on_bad, require_step=require_step))
 
 
 # -- status -----------------------------------------------------------------------------------------
 def status(view: RunView, lease_timeout: float | None = None) -> str:
-    """running (a live lease), completed, halted (by a policy), preempted (stopped by a signal with a
-    snapshot: resume it), or crashed (no live lease and none of the above: killed, or an error)."""
-    timeout = lease_timeout or float(view.config.get("trainer", {}).get("lease_timeout", 120))
+    """running (a live lease), completed, halted (by a policy), preempted (stopped by a signal: resume
+    it), interrupted (Ctrl-C: resume it), or crashed (no live lease and none of the above: killed, or
+    an error)."""
+    configured = view.setting("trainer", "lease_timeout")
+    timeout = lease_timeout or (float(configured) if isinstance(configured, (int, float)) else 120.0)
     if lease_state(view.lease, timeout) == "live":
         return "running"
     last = next((e["event"] for e in reversed(view.events) if e.get("event") in TERMINAL), None)
-    return {"completed": "completed", "halted": "halted", "preempted": "preempted"}.get(last, "crashed")
+    return last if last in ("completed", "halted", "preempted", "interrupted") else "crashed"
 
 
 def snapshots(view: RunView) -> list[Any]:
     """The run's snapshots (needs the checkpoint storage, so it reads the validated config)."""
-    from rlctl.config import validate_config
-    from rlctl.rundir.directory import snapshot_manager
+    from rlctl.rundir.directory import snapshot_manager, validate_run_config
 
-    return snapshot_manager(Storage(view.url), validate_config(view.config)).scan()
+    run = Storage(view.url)
+    return snapshot_manager(run, validate_run_config(run, view.config)).scan()
 
 
 def summary(view: RunView) -> dict[str, Any]:
@@ -107,8 +118,8 @@ def summary(view: RunView) -> dict[str, Any]:
         "last_good_snapshot": good[-1].step if good else None,
         "rollbacks": len(view.events_of("rollback")),
         "policy_firings": len(view.events_of("policy")),
-        "skipped_batches": sum(e.get("batches", 0) for e in skips),
-        "skipped_prompts": sum(len(e.get("prompts", [])) for e in skips),
+        "skipped_batches": sum(e["batches"] for e in skips if isinstance(e.get("batches"), int)),
+        "skipped_prompts": sum(len(e["prompts"]) for e in skips if isinstance(e.get("prompts"), list)),
         "bad_lines": view.bad_lines,
         "metrics": {
             key: {"latest": series[-1], "trend": sparkline(series)}
@@ -164,14 +175,23 @@ def select(
 
 
 # -- health check for cron ----------------------------------------------------------------------------
-CHECK_CODES = {"healthy": 0, "warning": 41, "halted": 42, "crashed": 43, "stale": 44, "preempted": 45}
+CHECK_CODES = {
+    "healthy": 0,
+    "warning": 41,
+    "halted": 42,
+    "crashed": 43,
+    "stale": 44,
+    "preempted": 45,
+    "interrupted": 46,
+}
 
 
 def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=None, now=None) -> tuple[str, str]:
-    """(verdict, one line). halted, crashed and preempted come from the run's state; stale is a run that
-    claims to be running (live lease) but wrote no step for ``stale_after`` seconds; warning is a policy
-    that fired within the last ``window`` steps, in the run or, with ``rules`` (a policy file), when
-    the last ``window`` rows are replayed through it."""
+    """(verdict, one line). halted, crashed, preempted and interrupted come from the run's state; stale
+    is a run that claims to be running (live lease) but wrote no step for ``stale_after`` seconds;
+    warning is a snapshot that failed with none committed since, or a policy that fired within the
+    last ``window`` steps, in the run or, with ``rules`` (a policy file), when the last ``window`` rows
+    are replayed through it."""
     now = time.time() if now is None else now
     state = status(view)
     where = f"step {view.step}/{view.total_steps}"
@@ -182,10 +202,18 @@ def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=N
         return "crashed", f"CRASHED {view.url} at {where}: no live writer and no clean end"
     if state == "preempted":
         return "preempted", f"PREEMPTED {view.url} at {where}: resume it"
+    if state == "interrupted":
+        return "interrupted", f"INTERRUPTED {view.url} at {where} (Ctrl-C): resume it"
     if state == "running":
         last_time = _last_progress(view)
         if last_time is not None and now - last_time > stale_after:
             return "stale", f"STALE {view.url} at {where}: no new step for {_ago(now - last_time)}"
+    failed = failed_snapshot(view)
+    if failed is not None:
+        return "warning", (
+            f"WARNING {view.url} at {where}: snapshot of step {failed.get('step')} failed and none was "
+            f"committed since: {failed.get('error')}"
+        )
     fired = [e for e in view.events_of("policy") if e.get("step", 0) > view.step - window]
     if rules:
         fired += _replay(view.rows[-window:], rules)
@@ -195,10 +223,19 @@ def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=N
     return "healthy", f"OK {view.url} {state} at {where}"
 
 
-def _last_progress(view: RunView) -> float | None:
-    if view.rows and "timestamp" in view.rows[-1]:
-        return float(view.rows[-1]["timestamp"])
+def failed_snapshot(view: RunView) -> dict[str, Any] | None:
+    """The newest ``snapshot_failed`` event when no snapshot was committed after it, else None."""
+    for event in reversed(view.events):
+        if event.get("event") == "snapshot_committed":
+            return None
+        if event.get("event") == "snapshot_failed":
+            return event
     return None
+
+
+def _last_progress(view: RunView) -> float | None:
+    stamp = view.rows[-1].get("timestamp") if view.rows else None
+    return float(stamp) if isinstance(stamp, (int, float)) else None
 
 
 def _replay(rows: list[dict[str, Any]], rules) -> list[dict[str, Any]]:
@@ -225,13 +262,23 @@ def parse_duration(text: str) -> float:
 
 
 # -- runs under a root --------------------------------------------------------------------------------
-def list_runs(root: str) -> list[dict[str, Any]]:
+def list_runs(root: str, warn=None) -> list[dict[str, Any]]:
+    """The runs directly under ``root`` with their status; a run whose config cannot be read is listed
+    as ``unreadable``. ``warn`` receives one sentence per unreadable run or file."""
     base = Storage(root)
+    warn = warn or (lambda text: None)
     out = []
     for name in base.listdir():
         if not base.exists(name, CONFIG):
             continue
-        view = open_run(base.url_of(name))
+        try:
+            view = open_run(base.url_of(name))
+        except ConfigError as exc:
+            warn(f"warning: {exc.message}")
+            out.append({"run": base.url_of(name), "status": "unreadable", "step": 0, "total_steps": 0, "updated": None})
+            continue
+        for text in view.warnings():
+            warn(text)
         out.append(
             {
                 "run": view.url,
@@ -253,19 +300,19 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    abandoned = _read(Storage(view.url), "metrics.abandoned.jsonl", None)
+    abandoned = _read(Storage(view.url), ABANDONED, None, require_step=True)
     keys = [k for k in (metrics or KEY_METRICS[:4]) if any(isinstance(r.get(k), (int, float)) for r in view.rows)]
     if not keys:
         raise ConfigError(f"none of the metrics {', '.join(metrics)} is in {view.url}")
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True, squeeze=False)
-    commits = [e["step"] for e in view.events_of("snapshot_committed")]
+    commits = [e["step"] for e in view.events_of("snapshot_committed") if isinstance(e.get("step"), int)]
     for ax, key in zip(axes[:, 0], keys):
         steps = [r["step"] for r in view.rows if isinstance(r.get(key), (int, float))]
         ax.plot(steps, [r[key] for r in view.rows if isinstance(r.get(key), (int, float))], lw=1.2, label=key)
         gone = [r for r in abandoned if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         if gone:
             ax.scatter([r["step"] for r in gone], [r[key] for r in gone], s=10, c="0.6", label="rolled back")
-        for e in view.events_of("rollback"):
+        for e in (e for e in view.events_of("rollback") if _numbers(e.get("to_step"), e.get("from_step"))):
             ax.axvspan(e["to_step"], e["from_step"], color="tab:red", alpha=0.12)
             ax.axvline(e["from_step"], color="tab:red", lw=0.8)
         for s in commits:
@@ -278,3 +325,7 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return keys
+
+
+def _numbers(*values: Any) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)

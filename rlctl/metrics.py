@@ -2,8 +2,10 @@
 
 One line per step in ``metrics.jsonl``. JSON has no NaN or Infinity, and orjson would silently write them
 as null; rlctl writes them as the strings "NaN", "Infinity" and "-Infinity" (the spelling Python's json
-uses) so a poisoned metric stays visible, and ``parse_rows`` turns them back into floats. A truncated
-last line (a crash mid-write) is skipped and reported, never fatal.
+uses) so a poisoned metric stays visible, and ``parse_rows`` turns them back into floats. A line that
+cannot be read (a crash mid-write, a hand edit: not JSON, not an object, a metric row without an
+integer ``step``) is skipped and reported, never fatal; a log opened after a truncated last line starts
+on a line of its own.
 
 On a local disk every row is appended and flushed as it is written. Object stores cannot append, so
 there rows are buffered and the file is rewritten at most every ``flush_interval`` seconds, before every
@@ -17,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -47,32 +49,62 @@ def dumps_row(row: dict[str, Any]) -> bytes:
     return orjson.dumps(encode_row(row)) + b"\n"
 
 
-def parse_rows(data: bytes, on_bad_line=None) -> Iterator[dict[str, Any]]:
-    """Rows of JSONL bytes; a line that does not parse goes to ``on_bad_line(lineno, line)``."""
+def parse_rows(data: bytes, on_bad_line=None, *, require_step: bool = False) -> Iterator[dict[str, Any]]:
+    """Rows of JSONL bytes; a line that is not a JSON object (or, with ``require_step``, has no integer
+    ``step``: a metric row) goes to ``on_bad_line(lineno, line)``."""
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict) or (require_step and not _is_step(row.get("step"))):
             if on_bad_line is not None:
                 on_bad_line(lineno, line)
             continue
-        if isinstance(row, dict):
-            yield {k: _decode(v) for k, v in row.items()}
+        yield {k: _decode(v) for k, v in row.items()}
 
 
-def read_rows(storage: Storage, rel: str, on_bad_line=None) -> list[dict[str, Any]]:
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_rows(storage: Storage, rel: str, on_bad_line=None, *, require_step: bool = False) -> list[dict[str, Any]]:
+    """The rows of a JSONL file ([] when it does not exist); see ``parse_rows``."""
     try:
         data = storage.read_bytes(rel)
     except FileNotFoundError:
         return []
-    return list(parse_rows(data, on_bad_line))
+    return list(parse_rows(data, on_bad_line, require_step=require_step))
+
+
+class BadLines:
+    """The line numbers of a JSONL file that could not be read (an ``on_bad_line``), for one warning."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lines: list[int] = []
+
+    def __call__(self, lineno: int, _line: bytes) -> None:
+        self.lines.append(lineno)
+
+    def warning(self) -> str | None:
+        """'warning: skipped 2 unreadable lines of NAME (lines 6, 9): ...', or None when none was."""
+        if not self.lines:
+            return None
+        n = len(self.lines)
+        shown = ", ".join(map(str, self.lines[:5])) + (", ..." if n > 5 else "")
+        plural = "s" if n > 1 else ""
+        return (
+            f"warning: skipped {n} unreadable line{plural} of {self.name} (line{plural} {shown}): "
+            "a crash mid-write, or an edit by hand"
+        )
 
 
 def split_after_step(data: bytes, step: int) -> tuple[bytes, list[bytes]]:
-    """JSONL bytes -> (the lines of rows with step <= ``step``, the other lines). A line that does not
-    parse (a crash mid-write) counts as after."""
+    """JSONL bytes -> (the lines of rows with step <= ``step``, each ending in a newline; the other
+    lines). A line that does not parse (a crash mid-write) counts as after."""
     kept, moved = [], []
     for line in data.splitlines(keepends=True):
         if not line.strip():
@@ -81,16 +113,28 @@ def split_after_step(data: bytes, step: int) -> tuple[bytes, list[bytes]]:
             row_step = orjson.loads(line).get("step")
         except (orjson.JSONDecodeError, AttributeError):
             row_step = None
-        (kept if isinstance(row_step, int) and row_step <= step else moved).append(line)
+        if _is_step(row_step) and row_step <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+        else:
+            moved.append(line)
     return b"".join(kept), moved
 
 
-class JsonlLog:
-    """Appends rows to a JSONL file on a Storage. Thread-safe; ``tell()`` is the logical end offset."""
+class EventSink(Protocol):
+    """Where a run's events go: an ``EventLog``, or one that also shows them."""
 
-    def __init__(self, storage: Storage, rel: str, flush_interval: float = 10.0):
+    def emit(self, event: dict[str, Any]) -> None: ...
+
+
+class JsonlLog:
+    """Appends rows to a JSONL file on a Storage. Thread-safe; ``tell()`` is the logical end offset.
+    ``fence`` (the lease's check) is called before every row: it raises once this process may no
+    longer write the run."""
+
+    def __init__(self, storage: Storage, rel: str, flush_interval: float = 10.0, fence=None):
         self.storage, self.rel = storage, rel
         self.flush_interval = flush_interval
+        self.fence = fence
         self._lock = threading.Lock()
         self._buffer: list[bytes] = []
         self._last_flush = time.monotonic()
@@ -99,10 +143,16 @@ class JsonlLog:
             storage.makedirs()
             self._fh = open(storage.path(rel), "ab")  # noqa: SIM115 - held for the run
             self._offset = self._fh.tell()
+            if self._offset and not _ends_with_newline(storage.path(rel)):
+                self._fh.write(b"\n")  # a truncated last line stays alone: the next row is not lost with it
+                self._fh.flush()
+                self._offset += 1
         else:
             self._offset = storage.size(rel) if storage.exists(rel) else 0
 
     def write(self, row: dict[str, Any]) -> None:
+        if self.fence is not None:
+            self.fence()
         line = dumps_row(row)
         with self._lock:
             self._offset += len(line)
@@ -137,7 +187,13 @@ class JsonlLog:
     def reopen(self) -> None:
         """Open again after ``close`` (another process appended in between: the offset is re-read)."""
         self.close()
-        JsonlLog.__init__(self, self.storage, self.rel, self.flush_interval)
+        JsonlLog.__init__(self, self.storage, self.rel, self.flush_interval, self.fence)
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, 2)
+        return fh.read(1) == b"\n"
 
 
 class NullLog:
@@ -157,8 +213,8 @@ class EventLog(JsonlLog):
     """``events.jsonl``: snapshot commits, resumes, preemptions, completions. Each event is flushed at
     once, on every storage (events are rare and they are what a person reads after a bad night)."""
 
-    def __init__(self, storage: Storage, rel: str = "events.jsonl"):
-        super().__init__(storage, rel, flush_interval=0.0)
+    def __init__(self, storage: Storage, rel: str = "events.jsonl", fence=None):
+        super().__init__(storage, rel, flush_interval=0.0, fence=fence)
 
     def emit(self, event: dict[str, Any]) -> None:
         self.write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **event})

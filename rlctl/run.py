@@ -1,41 +1,66 @@
 """Starting and resuming a run under its lease.
 
-``start_run`` creates the run directory; ``resume_run`` applies the allowed ``--set`` changes and
-chooses the snapshots to try. Both then train while holding the run's lease: the one rank in this
-process, or several handed over to ``rlctl.ranks`` (local processes or Ray actors), which this process
-follows while rank 0 writes the events and metrics.
+``start_run`` checks what can be checked before any work, then takes its run directory: a new one, or
+one whose earlier start never trained a step. ``resume_run`` applies the allowed ``--set`` changes and
+chooses the snapshots to try: a run that never trained starts over, one that trained but has no usable
+snapshot is refused (never trained again silently from step 0). Both then train while holding the
+run's lease and fenced by it: the one rank in this process, or several handed over to ``rlctl.ranks``
+(local processes or Ray actors), which this process follows while rank 0 writes the events and metrics.
+
+How a run ends is recorded in events.jsonl whatever ends it: a stop signal that came before a trainer
+could take it (``preempted``), Ctrl-C (``interrupted``), a rank that died without saying; unless the
+session recorded it already, or nothing may be written (a lost lease).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from rlctl.checkpoint.snapshots import parse_step_spec
+from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.config import RunConfig
-from rlctl.errors import ExitCode, RankFailed, SnapshotError
+from rlctl.errors import ExitCode, Preempted, RankFailed, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
+from rlctl.ranks.signals import Stopped
 from rlctl.ranks.worker import train_rank
-from rlctl.rundir.directory import create_run_dir, load_run_config, run_summary, snapshot_manager
+from rlctl.rundir.directory import (
+    claim_run_dir,
+    last_step,
+    load_run_config,
+    refuse_used_run_dir,
+    run_storage,
+    run_summary,
+    snapshot_manager,
+)
 from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.storage import Storage
 
+ENDED = {"completed", "preempted", "halted", "crashed", "interrupted"}
+
 
 def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
-    run = create_run_dir(url, cfg)
-    events = EventLog(run)
-    try:
-        with Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire():
-            events.emit({"event": "start", "total_steps": cfg.trainer.total_steps})
-            snapshots = snapshot_manager(run, cfg, events)
+    _preflight(cfg)
+    reporter = reporter or SilentReporter()
+    run = run_storage(url, cfg)
+    refuse_used_run_dir(run)  # (again under the lease, before anything is written)
+    run.makedirs()
+    with _lease(run, cfg) as lease:
+        reused = claim_run_dir(run, cfg)
+        if reused:
+            reporter.note(f"reusing {url}: its earlier start never trained a step")
+        with _recording(run, cfg, lease) as events:
+            events.emit(
+                {"event": "start", "total_steps": cfg.trainer.total_steps, **({"reused": True} if reused else {})}
+            )
+            snapshots = snapshot_manager(run, cfg, events, fence=lease.check)
             snapshots.remove_uncommitted()
-            return _train(run, cfg, events, reporter or SilentReporter(), restore=None)
-    finally:
-        events.close()
+            return _train(run, cfg, events, reporter, None, lease)
 
 
 def resume_run(
@@ -46,61 +71,153 @@ def resume_run(
     force: bool = False,
     reporter: Reporter | None = None,
 ) -> dict[str, Any]:
+    wanted = parse_step_spec(spec)
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
-    wanted = parse_step_spec(spec)
+    _preflight(cfg)
+    run = run_storage(url, cfg)
     reporter = reporter or SilentReporter()
-    events = EventLog(run)
+    with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
+        if lease.taken_over is not None:
+            events.emit({"event": "lease_taken_over", "previous": lease.taken_over})
+        snapshots = snapshot_manager(run, cfg, events, fence=lease.check)
+        removed = snapshots.remove_uncommitted()
+        if removed:
+            events.emit({"event": "uncommitted_removed", "steps": removed})
+        restore = _choose(run, cfg, snapshots, wanted, changes, reporter)
+        if restore is None:
+            reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
+            return run_summary(run)
+        return _train(run, cfg, events, reporter, restore, lease)
+
+
+def _preflight(cfg: RunConfig) -> None:
+    """Everything that can be checked before any work (the reward function, the device, the model's
+    context), before the run directory is touched."""
+    from rlctl.engine.preflight import check_before_start  # imports the reward module
+
+    check_before_start(cfg)
+
+
+def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:
+    return Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire(force)
+
+
+# -- which snapshot ------------------------------------------------------------------------------------
+def _choose(
+    run: Storage, cfg: RunConfig, snapshots: SnapshotManager, wanted: int | str, changes: dict, reporter: Reporter
+) -> dict[str, Any] | None:
+    """The restore to train from (the usable snapshots for ``wanted``, best first; none: start over), or
+    None when ``--from latest`` finds the run complete."""
+    candidates = snapshots.candidates(wanted)
+    if isinstance(wanted, int) and candidates[0].problem:
+        raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
+    if wanted == "last-good" and not candidates:
+        raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
+    if wanted == "latest" and _completed(run, cfg, candidates):
+        return None
+    for bad in (c for c in candidates if not c.usable):
+        reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
+    names = [c.name for c in candidates if c.usable]
+    if not names:
+        trained = last_step(run)
+        if trained:
+            raise SnapshotError(
+                f"no usable snapshot in {snapshots.storage.url}, but the run trained {trained} step(s): "
+                "resuming would train them again from step 0. Start a new run (rlctl start), or set "
+                "checkpoint.every so that a run can resume"
+            )
+        reporter.note("no snapshot yet: the run never trained a step; starting it over")
+    return {"names": names, "wanted": wanted, "changes": changes}
+
+
+def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> bool:
+    """Whether the run's last recorded outcome is ``completed`` at its total steps, with its final
+    snapshot committed (when it snapshots at all): only then is there nothing to resume."""
+    events = [e for e in read_rows(run, EVENTS) if e.get("event") in ENDED | {"start", "resume"}]
+    last = events[-1] if events else {}
+    step = last.get("step")
+    if last.get("event") != "completed" or not isinstance(step, int) or step < cfg.trainer.total_steps:
+        return False
+    snapshots_kept = cfg.checkpoint.every > 0 or any(c.committed for c in candidates)
+    return not snapshots_kept or any(c.usable and c.step >= step for c in candidates)
+
+
+# -- training and how it ended -------------------------------------------------------------------------
+def _train(
+    run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter, restore: dict[str, Any] | None, lease: Lease
+) -> dict[str, Any]:
+    """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
+    actors; rank 0 then writes the events and metrics while this process keeps the lease). Either is
+    fenced by the lease: it stops before its next write once the lease is lost."""
+    if cfg.world_size == 1:
+        return train_rank(run, cfg, events, reporter, restore, fence=lease.check)
+    launch = launch_ray if cfg.cluster.backend == "ray" else launch_local
+    events.close()  # rank 0 appends to it now: one writer at a time
     try:
-        with Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire(force) as lease:
-            if lease.taken_over is not None:
-                events.emit({"event": "lease_taken_over", "previous": lease.taken_over})
-            snapshots = snapshot_manager(run, cfg, events)
-            removed = snapshots.remove_uncommitted()
-            if removed:
-                events.emit({"event": "uncommitted_removed", "steps": removed})
-            candidates = snapshots.candidates(wanted)
-            if isinstance(wanted, int) and candidates[0].problem:
-                raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
-            if wanted == "last-good" and not candidates:
-                raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
-            if wanted == "latest" and _completed(run, cfg):
-                reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
-                return run_summary(run)
-            for bad in (c for c in candidates if not c.usable):
-                reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
-            restore = {"names": [c.name for c in candidates if c.usable], "wanted": wanted, "changes": changes}
-            return _train(run, cfg, events, reporter, restore)
+        return launch(run, cfg, restore, reporter, fence=lease.check, lease_owner=lease.owner)
+    finally:
+        events.reopen()
+
+
+@contextlib.contextmanager
+def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]:
+    """The run's event log for the block, fenced by the lease; how the block ended is recorded unless
+    the session did: a stop signal before a trainer took it (then raised as Preempted, naming the
+    snapshot a resume starts from), Ctrl-C, or a rank that died without saying."""
+    events = EventLog(run, fence=lease.check)
+    offset = events.tell()
+    try:
+        yield events
+    except Stopped as stop:
+        raise _stopped_early(run, cfg, events, stop.signal_name) from None
+    except KeyboardInterrupt:
+        if not _ended_since(run, offset):
+            _record(events, {"event": "interrupted"})
+        raise
+    except RankFailed as exc:
+        if not _ended_since(run, offset):
+            kind = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "crashed"
+            _record(events, {"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
+        raise
     finally:
         events.close()
 
 
-def _completed(run: Storage, cfg: RunConfig) -> bool:
-    return any(
-        e.get("event") == "completed" and e.get("step", 0) >= cfg.trainer.total_steps for e in read_rows(run, EVENTS)
+def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: str) -> Preempted:
+    """Record a stop that came before training began as a preemption; the error that says so."""
+    try:
+        usable = [i for i in snapshot_manager(run, cfg).scan() if i.usable]
+        trained = last_step(run)
+    except Exception:  # the storage is failing too: say what is known
+        usable, trained = [], 0
+    last = usable[-1] if usable else None
+    _record(
+        events,
+        {"event": "preempted", "step": last.step if last else 0, "signal": signal_name, "snapshot": last and last.step},
+    )
+    if last is not None:
+        where = f"the last committed snapshot is {last.name}"
+    elif trained:
+        where = "the run has no committed snapshot to resume from"
+    else:
+        where = "no snapshot yet; resume will start over"
+    return Preempted(
+        f"stopped by {signal_name} before training began; {where}. Resume with: rlctl resume {run.url} --from latest"
     )
 
 
-def _train(
-    run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter, restore: dict[str, Any] | None
-) -> dict[str, Any]:
-    """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
-    actors; rank 0 then writes the events and metrics while this process keeps the lease)."""
-    if cfg.world_size == 1:
-        return train_rank(run, cfg, events, reporter, restore)
-    launch = launch_ray if cfg.cluster.backend == "ray" else launch_local
-    offset = events.tell()
-    events.close()  # rank 0 appends to it now: one writer at a time
+def _ended_since(run: Storage, offset: int) -> bool:
+    """Whether an outcome was recorded in events.jsonl after ``offset`` (by this process or rank 0)."""
     try:
-        return launch(run, cfg, restore, reporter)
-    except RankFailed as exc:
-        # rank 0 may not have lived to record how the run ended: then the driver does
-        ended = {"completed", "preempted", "halted", "crashed"}
         since = run.read_bytes(EVENTS)[offset:] if run.exists(EVENTS) else b""
-        if not any(e.get("event") in ended for e in parse_rows(since)):
-            events.reopen()
-            kind = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "crashed"
-            events.emit({"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
-        raise
-    finally:
-        events.reopen()
+    except Exception:  # unreadable now: do not write either
+        return True
+    return any(e.get("event") in ENDED for e in parse_rows(since))
+
+
+def _record(events: EventLog, event: dict[str, Any]) -> None:
+    """Record how the run ended; a record that cannot be written does not replace the error that ended
+    the run (the storage may be what failed)."""
+    with contextlib.suppress(Exception):
+        events.emit(event)

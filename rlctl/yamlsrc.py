@@ -1,7 +1,7 @@
 """YAML sources and the error sentences that point into them.
 
 Where each key of a YAML document was written (``yaml_lines``: key path -> "FILE line N"), reading a
-YAML mapping with located syntax errors (``read_yaml``), and ONE explainer that turns a pydantic
+YAML mapping with located encoding and syntax errors (``read_yaml``, ``parse_yaml_mapping``), and ONE explainer that turns a pydantic
 ValidationError of any strict model (the run config, a rollback policy) into sentences: the dotted key
 people wrote (list items by index, union tags left out), where it came from, and a "did you mean" for
 an unknown key, an unknown ``kind`` / ``type`` of a discriminated union, or a misspelt choice.
@@ -53,27 +53,43 @@ def yaml_lines(text: str, source: str) -> Origins:
     return origins
 
 
-def read_yaml(path: Path) -> tuple[dict[str, Any], Origins]:
+def read_yaml(path: Path, what: str = "config file") -> tuple[dict[str, Any], Origins]:
     """A YAML file's mapping (empty for an empty file) and the origin of each key; ConfigError names
-    the file (and line) when it is missing, unreadable, not YAML or not a mapping."""
+    the file (and line, or byte offset) when it is missing, unreadable, not UTF-8, not YAML or not a
+    mapping. ``what`` names the kind of file in messages ("config file", "policy file")."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} not found: {path}") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return parse_yaml_mapping(raw, str(path), what)
+
+
+def parse_yaml_mapping(raw: bytes, source: str, what: str = "config file") -> tuple[dict[str, Any], Origins]:
+    """``read_yaml`` of bytes already read from ``source`` (a path or URL): the mapping and the origin
+    of each key; ConfigError naming ``source`` when they are not UTF-8, not YAML or not a mapping."""
+    name = source.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"{what} {source} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at offset {exc.start} (line {line}) "
+            "cannot be decoded; save it as UTF-8"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path.name}{where} is not valid YAML: {problem}") from None
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"{name}{where} is not valid YAML: {problem}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path.name} must be a mapping of keys to values, got {type(data).__name__}")
-    return data, yaml_lines(text, path.name)
+        raise ConfigError(f"{name} must be a mapping of keys to values, got {type(data).__name__}")
+    return data, yaml_lines(text, name)
 
 
 def origin_for(key: tuple[str, ...], origins: Origins) -> str:

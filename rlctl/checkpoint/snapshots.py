@@ -8,16 +8,26 @@ Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.d
       <extra files>       the resolved config, the model's HF config and tokenizer
       manifest.json       written last, created exclusively: the only proof the snapshot exists
     abandoned/<time>/step-000700/   snapshots of a branch a resume turned away from (never deleted)
+    quarantine/step-000600.<time>/  a snapshot whose manifest could not be read (never deleted)
 
 The manifest lists every file with its size and sha256, the rlctl version, the world size and the
 run's other topology facts (each a ``Topology`` its caller names, such as the engine's partitioning).
-A directory without a manifest is not a snapshot: discovery ignores it and start-up removes it.
-"latest" is found by listing, never from a pointer file.
+A directory without a manifest file is not a snapshot but this protocol's own unfinished temporary:
+discovery ignores it and start-up removes it. A directory whose manifest exists but cannot be read
+(garbage, truncated, fields of the wrong shape) is not chosen either, and the run's writer moves it to
+``quarantine/`` and says so: rlctl deletes only what it can prove is its own. "latest" is found by
+listing, never from a pointer file.
 
 With several ranks every rank writes its own files into the same step directory (its engine shards
 and ``state.rank-N.pt``, its own RNG and counters), then ``ranks/rank-N.json`` listing them with size
 and sha256. Rank 0 commits: it waits for every rank's list, checks each listed file is on storage with
 the listed size, and only then creates the manifest covering all of them.
+
+A commit either happens or the run hears about it: every failed snapshot is a ``snapshot_failed``
+event (``rlctl.checkpoint.failures``), ``max_failures`` in a row end the run with a StorageError, and
+``wait()`` says whether the last snapshot was committed. Whatever the background commit raises, and
+what the ``fence`` raises right before a manifest would be written (a lost lease), reaches the training
+thread at its next ``save()`` or ``wait()``.
 """
 
 from __future__ import annotations
@@ -39,12 +49,23 @@ import orjson
 
 from rlctl import __version__, faults
 from rlctl.checkpoint.collectives import Collectives, Local
-from rlctl.checkpoint.writer import DurableFile
+from rlctl.checkpoint.failures import FailureCount, describe
+from rlctl.checkpoint.manifest import (
+    FORMAT,
+    MANIFEST,
+    UnreadableManifest,
+    checksum_problem,
+    parse_manifest,
+    parse_rank_list,
+    sha256_file,
+    stored_checksum_problem,
+)
+from rlctl.checkpoint.writer import DurableFile, no_space
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
-from rlctl.storage import Storage, with_retries
+from rlctl.storage import Storage
 
-MANIFEST = "manifest.json"
+QUARANTINE = "quarantine"
 STATE_FILE = "state.pt"
 RANKS_DIR = "ranks"
 
@@ -80,7 +101,6 @@ def files_of_rank(files, rank: int, file_rank: FileRank | None = None) -> list[s
     return out
 
 
-FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 EventFn = Callable[[dict[str, Any]], None]
@@ -153,6 +173,7 @@ class SnapshotInfo:
     name: str
     manifest: dict[str, Any] | None = None
     problem: str | None = None  # why the snapshot is not usable
+    unreadable: bool = False  # its manifest exists but cannot be read: quarantined, never deleted
 
     @property
     def committed(self) -> bool:
@@ -164,28 +185,21 @@ class SnapshotInfo:
 
     @property
     def good(self) -> bool:
-        return bool(self.manifest and self.manifest.get("good"))
+        return bool(self.manifest) and self.manifest.get("good") is True
 
     def as_row(self) -> dict[str, Any]:
         m = self.manifest or {}
+        created, size = m.get("created"), m.get("total_bytes")  # (a manifest of another format: any shape)
         return {
             "step": self.step,
             "name": self.name,
-            "time": m.get("created"),
-            "bytes": m.get("total_bytes"),
+            "time": created if isinstance(created, str) else None,
+            "bytes": size if isinstance(size, int) and not isinstance(size, bool) else None,
             "committed": self.committed,
             "good": self.good,
             "usable": self.usable,
             "problem": self.problem,
         }
-
-
-def sha256_file(path: str, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _local_files(
@@ -212,16 +226,18 @@ def _durable_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def _write_deferred(stage: str, deferred, staged: threading.Event, hold: float = 0.0) -> dict[str, dict[str, Any]]:
+def _write_deferred(
+    stage: str, deferred, staged: threading.Event, hold: float = 0.0, full: bool = False
+) -> dict[str, dict[str, Any]]:
     """Write the deferred files (each hashed and synced as it goes), then release training at
     ``staged``, even on failure. Returns their sizes and sha256 by path relative to ``stage``.
-    ``hold`` is the write_delay fault drill."""
+    ``hold`` and ``full`` are the write_delay and enospc fault drills."""
     known = {}
     try:
         if deferred and hold:
             time.sleep(hold)
         for path, write in deferred:
-            with DurableFile(path) as fh:
+            with DurableFile(path, full=full) as fh:
                 write(fh)
             size, digest = fh.close()
             known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
@@ -245,11 +261,27 @@ class Retention:
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
 
 
+@dataclass
+class _Job:
+    """A snapshot staged by ``save`` for the background thread to finish and commit."""
+
+    step: int
+    stage: str
+    manifest: dict[str, Any]
+    stall: float
+    deferred: list[tuple[str, Callable[[Any], None]]]
+    staged: threading.Event
+    own: list[str]
+    full: bool  # the enospc fault drill
+
+
 class SnapshotManager:
     """One run's snapshots: when to take them (``should_save``), writing and committing them, which to
     keep (``Retention``, and ``protect``: never the one a rollback of ``max_steps_back`` steps needs),
     discovery and restore. ``collectives`` are the ranks' (``Local()`` for one process); ``topology`` the
-    facts besides the world size a snapshot must have been written for to be usable here."""
+    facts besides the world size a snapshot must have been written for to be usable here.
+    ``max_failures``: failed snapshots in a row that end the run (StorageError); ``fence``: called right
+    before any manifest is written, it raises when this process may no longer write (a lost lease)."""
 
     def __init__(
         self,
@@ -265,8 +297,9 @@ class SnapshotManager:
         on_event: EventFn | None = None,
         staging_dir: str | None = None,
         asynchronous: bool = True,
-        retry_delay: float = 0.5,
         rank_timeout: float = 1800.0,
+        max_failures: int = 3,
+        fence: Callable[[], None] | None = None,
     ):
         self.storage = storage
         self.world_size = world_size
@@ -280,13 +313,17 @@ class SnapshotManager:
         self.on_event = on_event or (lambda event: None)
         self.staging_dir = staging_dir
         self.asynchronous = asynchronous
-        self.retry_delay = retry_delay
+        self.fence = fence
+        self.failures = FailureCount(max_failures, storage.url)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-snapshot")
         self._pending: Future | None = None
         self._staged = threading.Event()
         self._staged.set()
         self._lock = threading.Lock()
-        self.last_committed: int | None = None
+        self._outcome: bool | None = None  # of the last snapshot taken: committed or not
+        self._fenced: BaseException | None = None  # what the fence raised: raised again at every wait
+        self.last_committed: int | None = None  # the newest step committed or restored by this manager
+        self.quarantined: list[SnapshotInfo] = []  # moved aside by remove_uncommitted, with the reason
         self.commit_delay = 0.0  # fault drills: seconds to wait before committing
 
     # -- cadence and protection ----------------------------------------------------------------------
@@ -305,7 +342,8 @@ class SnapshotManager:
 
     # -- discovery ---------------------------------------------------------------------------------
     def scan(self, deep: bool = False) -> list[SnapshotInfo]:
-        """Every step directory, committed or not, oldest first. ``deep`` also checks every sha256."""
+        """Every step directory, committed or not, oldest first. ``deep`` also checks every sha256 (on
+        any storage, streamed)."""
         infos = []
         for name in self.storage.listdir():
             m = _STEP_DIR.match(name)
@@ -323,51 +361,71 @@ class SnapshotManager:
             info.problem = "no manifest: never committed (interrupted or in progress)"
             return
         try:
-            info.manifest = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            info.problem = "manifest.json is not valid JSON"
+            info.manifest = parse_manifest(raw)
+        except UnreadableManifest as exc:
+            info.problem, info.unreadable = str(exc), True
             return
         info.problem = self._problem(info, deep)
 
     def _problem(self, info: SnapshotInfo, deep: bool) -> str | None:
         m = info.manifest or {}
-        if m.get("format") != FORMAT:
-            return f"manifest format {m.get('format')!r}; this rlctl reads format {FORMAT}"
-        if m.get("world_size") != self.world_size:
-            return f"written by {m.get('world_size')} rank(s); this run has {self.world_size}"
+        if m["format"] != FORMAT:
+            return f"manifest format {m['format']!r}; this rlctl reads format {FORMAT}"
+        if m["step"] != info.step:
+            return f"its manifest is of step {m['step']}, not of step {info.step}"
+        if m["world_size"] != self.world_size:
+            return f"written by {m['world_size']} rank(s); this run has {self.world_size}"
         for fact in self.topology:
             if (problem := fact.problem(m)) is not None:
                 return problem
         existing = set(self.storage.walk_files(info.name))
-        for rel, meta in m.get("files", {}).items():
+        for rel, meta in m["files"].items():
             if rel not in existing:
                 return f"file {rel} is missing"
-            if self.storage.size(info.name, rel) != meta["size"]:
-                return f"file {rel} has {self.storage.size(info.name, rel)} bytes; the manifest says {meta['size']}"
-        if deep and self.storage.is_local:
-            return checksum_problem(self.storage.path(info.name), m)
-        return None
+            if (size := self.storage.size(info.name, rel)) != meta["size"]:
+                return f"file {rel} has {size} bytes; the manifest says {meta['size']}"
+        return stored_checksum_problem(self.storage, info.name, m) if deep else None
 
     def remove_uncommitted(self) -> list[int]:
-        """Delete step directories without a manifest (left by a crash). Call only as the run's writer."""
+        """Tidy up before choosing a snapshot (call only as the run's writer): delete the step
+        directories without a manifest file, this protocol's own unfinished temporaries, and move those
+        whose manifest cannot be read to quarantine/ (never deleted; each is reported and listed in
+        ``quarantined``, with the reason and where it went in its ``problem``). Returns the steps
+        deleted."""
         removed = []
         for info in self.scan():
-            if not info.committed:
+            if info.unreadable:
+                self._quarantine(info)
+            elif not info.committed:
                 self.storage.rm(info.name, recursive=True)
                 removed.append(info.step)
         return removed
 
+    def _quarantine(self, info: SnapshotInfo) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest, n = f"{QUARANTINE}/{info.name}.{stamp}", 1
+        while self.storage.exists(dest):
+            dest, n = f"{QUARANTINE}/{info.name}.{stamp}-{n}", n + 1
+        self.storage.move_dir(info.name, dest)
+        reason, location = info.problem, self.storage.url_of(dest)
+        info.problem = f"{reason}; moved to {location}"
+        self.quarantined.append(info)
+        self.on_event({"event": "snapshot_quarantined", "step": info.step, "reason": reason, "location": location})
+
     def candidates(self, spec: int | str) -> list[SnapshotInfo]:
-        """Snapshots to try for ``spec``, best first. An explicit step gives that one only."""
+        """Snapshots to try for ``spec``, best first. An explicit step gives that one only. Those that
+        cannot be read (in place, or quarantined by this manager) come with their ``problem`` and are
+        never usable: the caller says why it skips them."""
         infos = self.scan()
         if isinstance(spec, int):
-            match = [i for i in infos if i.step == spec]
+            match = [i for i in infos if i.step == spec] or [i for i in self.quarantined if i.step == spec][-1:]
             if not match:
                 steps = ", ".join(str(i.step) for i in infos if i.usable) or "none"
                 raise SnapshotError(f"no snapshot of step {spec} in {self.storage.url} (usable steps: {steps})")
             return match
-        committed = [i for i in reversed(infos) if i.committed]
-        return [i for i in committed if i.good] if spec == "last-good" else committed
+        found = [i for i in infos if i.committed or i.unreadable] + self.quarantined
+        ordered = sorted(found, key=lambda i: i.step, reverse=True)
+        return [i for i in ordered if i.good] if spec == "last-good" else ordered
 
     # -- saving ------------------------------------------------------------------------------------
     def save(
@@ -382,32 +440,21 @@ class SnapshotManager:
     ) -> float:
         """Stage the snapshot of ``step`` (training waits only for this), then upload and commit it in
         the background. A snapshot still in flight is awaited first, never overlapped. Returns the
-        seconds training stalled."""
-        import torch
-
+        seconds training stalled. A snapshot that fails is reported and counted, not raised; raises
+        (StorageError) once ``max_failures`` in a row have failed, or what the fence raised."""
         t0 = time.perf_counter()
-        self.protect(step)
         self.wait()
-        name = step_name(step)
-        if self.rank == 0 and not self.storage.exists(name, MANIFEST):
-            self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
-        self.collectives.barrier()  # no rank writes before the leftover is gone
-        if self.storage.exists(name, MANIFEST):  # (rank 0 left it alone: every rank sees it and stops)
-            raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
-        if self.storage.is_local:
-            stage = self.storage.path(name)  # stage in place: the manifest still commits it
-        else:
-            stage = tempfile.mkdtemp(prefix=f"rlctl-{name}-", dir=self.staging_dir)
-        os.makedirs(stage, exist_ok=True)
-        deferred: list[tuple[str, Callable[[Any], None]]] = []
-        for key, obj in dirs.items():
-            obj.save_to_dir(os.path.join(stage, key), lambda path, write: deferred.append((path, write)))
-        buf = io.BytesIO()
-        torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
-        own = [state_file(self.rank)]  # what this rank wrote besides the deferred files
-        _write(os.path.join(stage, own[0]), buf.getvalue())
-        for rel, data in (extra_files or {}).items() if self.rank == 0 else ():
-            _write(os.path.join(stage, *rel.split("/")), data)
+        name, stage, full = step_name(step), None, faults.disk_full(step)
+        try:
+            stage = self._stage_dir(step, name)
+            deferred, own = self._stage_files(stage, states, dirs, extra_files, full)
+        except SnapshotError:
+            raise
+        except Exception as exc:
+            self._failed(step, exc, stage)
+            self._outcome = False
+            self._raise_if_stopping()
+            return time.perf_counter() - t0
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -418,88 +465,159 @@ class SnapshotManager:
             "good": good,
             **(meta or {}),
         }
-        stall = time.perf_counter() - t0
-        staged = threading.Event()
+        job = _Job(step, stage, manifest, time.perf_counter() - t0, deferred, threading.Event(), own, full)
         with self._lock:
-            self._staged = staged
-            self._pending = self._pool.submit(self._commit, step, stage, manifest, stall, deferred, staged, own)
+            self._staged = job.staged
+            self._pending = self._pool.submit(self._commit, job)
         if not self.asynchronous:
             self.wait()
-        return stall
+        return job.stall
 
-    def _commit(self, step, stage, manifest, stall, deferred, staged, own) -> bool:
+    def _stage_dir(self, step: int, name: str) -> str:
+        """The directory this rank stages the snapshot in, after rank 0 chose what retention protects
+        and removed an uncommitted leftover of the same step (every rank waits for that, even when it
+        failed)."""
+        failed = None
+        if self.rank == 0:
+            try:
+                self.protect(step)
+                if not self.storage.exists(name, MANIFEST):
+                    self.storage.rm(name, recursive=True)  # an uncommitted leftover of the same step
+            except Exception as exc:
+                failed = exc
+        self.collectives.barrier()  # no rank writes before the leftover is gone
+        if failed is not None:
+            raise failed
+        if self.storage.exists(name, MANIFEST):  # (rank 0 left it alone: every rank sees it and stops)
+            raise SnapshotError(f"a committed snapshot of step {step} already exists in {self.storage.url}")
+        if self.storage.is_local:
+            stage = self.storage.path(name)  # stage in place: the manifest still commits it
+        else:
+            stage = tempfile.mkdtemp(prefix=f"rlctl-{name}-", dir=self.staging_dir)
+        os.makedirs(stage, exist_ok=True)
+        return stage
+
+    def _stage_files(self, stage, states, dirs, extra_files, full: bool):
+        """Every directory-Stateful saved (or deferred), this rank's state file and (rank 0) the extra
+        files written. Returns the deferred writes and this rank's own files."""
+        import torch
+
+        deferred: list[tuple[str, Callable[[Any], None]]] = []
+        for key, obj in dirs.items():
+            obj.save_to_dir(os.path.join(stage, key), lambda path, write: deferred.append((path, write)))
+        buf = io.BytesIO()
+        torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
+        own = [state_file(self.rank)]  # what this rank wrote besides the deferred files
+        _write(os.path.join(stage, own[0]), buf.getvalue(), full)
+        for rel, data in (extra_files or {}).items() if self.rank == 0 else ():
+            _write(os.path.join(stage, *rel.split("/")), data, full)
+        return deferred, own
+
+    def _commit(self, job: _Job) -> bool:
+        """The background half of a snapshot: finish, upload and commit it (rank 0), or list this
+        rank's files for rank 0 (the others). Its outcome; a failure is reported and counted here."""
         if self.rank != 0:
-            return self._write_rank_files(step, stage, deferred, staged, own)
-        name = step_name(step)
-        t0 = time.perf_counter()
+            return self._write_rank_files(job)
+        name, t0 = step_name(job.step), time.perf_counter()
         try:
-            known = _write_deferred(stage, deferred, staged, hold=float(faults.value("write_delay", step) or 0))
-            manifest["write_s"] = round(time.perf_counter() - t0, 4)
-            others = self._other_ranks_files(name) if self.world_size > 1 else {}
-            manifest["files"] = dict(sorted({**_local_files(stage, known, skip=set(others)), **others}.items()))
-            manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
-            if not self.storage.is_local:
-                with_retries(
-                    lambda: self.storage.put_dir(stage, name),
-                    base_delay=self.retry_delay,
-                    on_retry=lambda n, exc: self._retry_event(step, n, exc),
-                )
-            delay = self.commit_delay or float(faults.value("commit_delay", step) or 0)
-            if delay:
-                time.sleep(delay)
-            data = orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
-            with_retries(
-                lambda: self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True),
-                base_delay=self.retry_delay,
-                on_retry=lambda n, exc: self._retry_event(step, n, exc),
-            )
+            data = self._complete(job, name, t0)
+            if self.fence is not None:
+                try:
+                    self.fence()
+                except BaseException as exc:  # nothing is committed, nothing cleaned: we may no longer write
+                    self._fenced = exc
+                    return False
+            self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True)
         except Exception as exc:
-            self.on_event({"event": "snapshot_failed", "step": step, "error": f"{type(exc).__name__}: {exc}"})
-            if not self.storage.exists(name, MANIFEST):
-                self.storage.rm(name, recursive=True)  # never half-visible, and no litter
+            self._failed(job.step, exc, job.stage)
             return False
         finally:
             if not self.storage.is_local:
-                shutil.rmtree(stage, ignore_errors=True)
-        self.last_committed = step
+                shutil.rmtree(job.stage, ignore_errors=True)
+        self._committed(job, t0)
+        return True
+
+    def _complete(self, job: _Job, name: str, t0: float) -> bytes:
+        """Write the deferred files, gather every file's size and sha256 (the other ranks' from their
+        lists) and upload them; the manifest to commit."""
+        hold = float(faults.value("write_delay", job.step) or 0)
+        known = _write_deferred(job.stage, job.deferred, job.staged, hold, job.full)
+        manifest = job.manifest
+        manifest["write_s"] = round(time.perf_counter() - t0, 4)
+        others = self._other_ranks_files(name) if self.world_size > 1 else {}
+        manifest["files"] = dict(sorted({**_local_files(job.stage, known, skip=set(others)), **others}.items()))
+        manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
+        if not self.storage.is_local:
+            self.storage.put_dir(job.stage, name)
+        delay = self.commit_delay or float(faults.value("commit_delay", job.step) or 0)
+        if delay:
+            time.sleep(delay)
+        return orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
+
+    def _committed(self, job: _Job, t0: float) -> None:
+        name = step_name(job.step)
+        self.failures.committed()
+        self.last_committed = job.step
         self.on_event(
             {
                 "event": "snapshot_committed",
-                "step": step,
-                "good": manifest["good"],
-                "bytes": manifest["total_bytes"],
-                "stall_s": round(stall, 4),
+                "step": job.step,
+                "good": job.manifest["good"],
+                "bytes": job.manifest["total_bytes"],
+                "stall_s": round(job.stall, 4),
                 "commit_s": round(time.perf_counter() - t0, 4),
                 "location": self.storage.url_of(name),
             }
         )
-        self.purge()
-        return True
+        try:
+            self.purge()
+        except Exception as exc:  # the snapshot stands; retention tries again after the next commit
+            self.on_event({"event": "snapshots_purge_failed", "step": job.step, "error": describe(exc)})
 
-    def _write_rank_files(self, step, stage, deferred, staged, own) -> bool:
+    def _failed(self, step: int, exc: BaseException, stage: str | None) -> None:
+        """A snapshot of ``step`` failed: rank 0 counts and reports it, and removes what it wrote (never
+        half-visible, no litter); another rank tells rank 0 through its list."""
+        cause = describe(exc, stage)
+        name = step_name(step)
+        if stage is not None and not self.storage.is_local:
+            shutil.rmtree(stage, ignore_errors=True)
+        if self.rank != 0:
+            self._list_error(name, cause)
+            return
+        event = self.failures.failed(step, cause)
+        try:
+            if not self.storage.exists(name, MANIFEST):
+                self.storage.rm(name, recursive=True)
+        except Exception as cleanup:
+            event["cleanup_error"] = describe(cleanup)
+        self.on_event(event)
+
+    def _list_error(self, name: str, cause: str) -> None:
+        try:
+            self.storage.write_bytes(
+                f"{name}/{rank_list(self.rank)}", orjson.dumps({"rank": self.rank, "error": cause})
+            )
+        except Exception:
+            pass  # then rank 0 times out waiting for the list, and says so
+
+    def _write_rank_files(self, job: _Job) -> bool:
         """A rank other than 0: write, hash and upload this rank's files, then list them in
         ranks/rank-N.json for rank 0 to verify and commit. Rank 0 reports the outcome."""
-        name = step_name(step)
+        name = step_name(job.step)
         try:
-            known = _write_deferred(stage, deferred, staged)
-            known.update({rel: _durable_meta(os.path.join(stage, rel)) for rel in own})
+            known = _write_deferred(job.stage, job.deferred, job.staged, full=job.full)
+            known.update({rel: _durable_meta(os.path.join(job.stage, rel)) for rel in job.own})
             if not self.storage.is_local:
-                with_retries(lambda: self.storage.put_dir(stage, name), base_delay=self.retry_delay)
+                self.storage.put_dir(job.stage, name)
             data = orjson.dumps({"rank": self.rank, "files": known})
-            with_retries(
-                lambda: self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data), base_delay=self.retry_delay
-            )
+            self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data)
             return True
         except Exception as exc:  # rank 0 reads the error from the list and reports the snapshot failed
-            error = orjson.dumps({"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"})
-            try:
-                self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", error)
-            except Exception:
-                pass  # then rank 0 times out waiting for the list
+            self._failed(job.step, exc, job.stage)
             return False
         finally:
             if not self.storage.is_local:
-                shutil.rmtree(stage, ignore_errors=True)
+                shutil.rmtree(job.stage, ignore_errors=True)
 
     def _other_ranks_files(self, name: str) -> dict[str, dict[str, Any]]:
         """Wait for every other rank's file list, then check each listed file is on storage with its
@@ -513,7 +631,7 @@ class SnapshotManager:
                 time.sleep(0.05)
             raw = self.storage.read_bytes(name, rank_list(rank))
             files[rank_list(rank)] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-            listed = orjson.loads(raw)
+            listed = parse_rank_list(raw, rank)
             if "error" in listed:
                 raise RuntimeError(f"rank {rank} could not write its files: {listed['error']}")
             for rel, meta in listed["files"].items():
@@ -526,40 +644,74 @@ class SnapshotManager:
                 files[rel] = meta
         return files
 
-    def _retry_event(self, step: int, attempt: int, exc: Exception) -> None:
-        self.on_event({"event": "snapshot_retry", "step": step, "attempt": attempt, "error": str(exc)})
-
     def wait_staged(self) -> None:
         """Block until the snapshot in flight no longer reads live state (its deferred files are
         written). Cheap when nothing is in flight."""
         self._staged.wait()
 
     def wait(self) -> bool | None:
-        """Block until the snapshot in flight (if any) is committed or has failed; its outcome."""
+        """Block until the snapshot in flight (if any) is committed or has failed. Returns whether the
+        last snapshot this manager took was committed (None before its first). Raises what the
+        background commit raised, what the fence raised, or a StorageError once ``max_failures``
+        snapshots in a row have failed."""
         with self._lock:
             job, self._pending = self._pending, None
-        return None if job is None else job.result()
+        if job is not None:
+            self._outcome = job.result()
+        self._raise_if_stopping()
+        return self._outcome
+
+    def failed(self, step: int) -> bool:
+        """Whether the last snapshot taken was of ``step`` and failed (rank 0 knows)."""
+        return self.failures.last is not None and self.failures.last.step == step
+
+    def outcome(self, step: int) -> str:
+        """What became of the snapshot of ``step``, in words, and which snapshot a resume starts from."""
+        last = self.last_committed
+        if last == step:
+            return f"snapshot of step {step} committed"
+        previous = (
+            f"the last committed snapshot is step {last}"
+            if last is not None
+            else "no snapshot yet; resume will start over"
+        )
+        if self.failed(step):
+            return f"the snapshot of step {step} was not committed ({self.failures.last.cause}); {previous}"
+        return f"no snapshot of step {step} was taken; {previous}"
+
+    def _raise_if_stopping(self) -> None:
+        if self._fenced is not None:
+            raise self._fenced
+        if (error := self.failures.stop_error(self.last_committed)) is not None:
+            raise error
 
     def close(self) -> None:
-        self.wait()
-        self._pool.shutdown(wait=True)
+        """Finish the snapshot in flight (raising what its thread raised) and stop the thread."""
+        try:
+            with self._lock:
+                job, self._pending = self._pending, None
+            if job is not None:
+                self._outcome = job.result()
+        finally:
+            self._pool.shutdown(wait=True)
 
     # -- retention ---------------------------------------------------------------------------------
     def purge(self) -> list[int]:
-        """Apply keep_last / keep_every to committed snapshots. Never removes the newest snapshot, the
-        newest good one, nor a protected step. Runs only after a commit."""
+        """Apply keep_last / keep_every to the usable snapshots. Never removes the newest snapshot, the
+        newest good one, a protected step, nor any snapshot that is not usable (unreadable, damaged or
+        of another format: what cannot be read is never deleted). Runs only after a commit."""
         r = self.retention
-        committed = [i for i in self.scan() if i.committed]
-        if r.keep_last is None or not committed:
+        usable = [i for i in self.scan() if i.usable]
+        if r.keep_last is None or not usable:
             return []
-        keep = {i.step for i in committed[-r.keep_last :]} | set(r.protected) | {committed[-1].step}
-        good = [i for i in committed if i.good]
+        keep = {i.step for i in usable[-r.keep_last :]} | set(r.protected) | {usable[-1].step}
+        good = [i for i in usable if i.good]
         if good:
             keep.add(good[-1].step)
         if r.keep_every:
-            keep |= {i.step for i in committed if i.step % r.keep_every == 0}
+            keep |= {i.step for i in usable if i.step % r.keep_every == 0}
         removed = []
-        for info in committed:
+        for info in usable:
             if info.step not in keep:
                 # un-commit first (the manifest goes), so a crash mid-delete leaves no broken snapshot
                 self.storage.rm(info.name, MANIFEST)
@@ -609,23 +761,13 @@ class SnapshotManager:
                 obj.load_state_dict(saved[key])
         finally:
             cleanup()
+        self.last_committed = info.step
 
 
-def checksum_problem(local_dir: str, manifest: dict[str, Any], only: list[str] | None = None) -> str | None:
-    """The first file (of ``only``, or of all) missing or unlike its sha256 in the manifest, said."""
-    wanted = None if only is None else set(only)
-    for rel, meta in manifest.get("files", {}).items():
-        if wanted is not None and rel not in wanted:
-            continue
-        path = os.path.join(local_dir, *rel.split("/"))
-        if not os.path.exists(path):
-            return f"file {rel} is missing"
-        if sha256_file(path) != meta["sha256"]:
-            return f"file {rel} does not match its sha256 (corrupt)"
-    return None
-
-
-def _write(path: str, data: bytes) -> None:
+def _write(path: str, data: bytes, full: bool = False) -> None:
+    """Write a staged file (``full``: fail as on a full disk, the enospc fault drill)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as fh:
+        if full:
+            raise no_space(path)
         fh.write(data)

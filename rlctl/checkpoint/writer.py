@@ -8,12 +8,16 @@
 - every 64 MiB it asks the kernel to start writing back what is dirty (``sync_file_range``), so the
   disk works while serialization goes on instead of all at the final fsync;
 - ``close()`` fsyncs and returns the size and sha256, so the commit never reads the file again.
+
+``full=True`` makes every write fail as on a full disk (the ``enospc`` fault drill), where a real one
+would: in ``os.write``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import os
 import queue
@@ -40,8 +44,9 @@ _sync_file_range = _load_sync_file_range()
 class DurableFile:
     PARALLEL_MIN = 1 << 20  # smaller chunks are hashed inline: a thread hand-off would cost more
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, full: bool = False):
         self.path = path
+        self.full = full
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._kicked = 0
@@ -66,16 +71,23 @@ class DurableFile:
             self._todo.put(view)
         else:
             self._hash.update(view)
-        rest = view
-        while rest:
-            rest = rest[os.write(self._fd, rest) :]
-        if parallel:
-            self._done.get()  # the hash has finished reading the caller's buffer
+        try:
+            rest = view
+            while rest:
+                rest = rest[self._write(rest) :]
+        finally:
+            if parallel:
+                self._done.get()  # the hash has finished reading the caller's buffer
         self._size += n
         if _sync_file_range is not None and self._size - self._kicked >= _KICK_EVERY:
             _sync_file_range(self._fd, self._kicked, self._size - self._kicked, _SYNC_FILE_RANGE_WRITE)
             self._kicked = self._size
         return n
+
+    def _write(self, data: memoryview) -> int:
+        if self.full:
+            raise no_space(self.path)
+        return os.write(self._fd, data)
 
     def flush(self) -> None:
         pass
@@ -90,13 +102,15 @@ class DurableFile:
         return False
 
     def close(self) -> tuple[int, str]:
-        """fsync, finish the hash; (size, sha256 hex)."""
+        """fsync, finish the hash; (size, sha256 hex). The file is closed even when the fsync fails."""
         if not self.closed:
             self.closed = True
             self._todo.put(None)
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._hasher.join()
+            try:
+                os.fsync(self._fd)
+            finally:
+                os.close(self._fd)
+                self._hasher.join()
         return self._size, self._hash.hexdigest()
 
     def __enter__(self) -> DurableFile:
@@ -104,3 +118,8 @@ class DurableFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def no_space(path: str) -> OSError:
+    """The error a write to ``path`` on a full disk raises."""
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)

@@ -64,10 +64,8 @@ def inspect(
     from rlctl import inspect as lib
 
     view = lib.open_run(run_dir)
-    if view.bad_lines:
-        click.echo(
-            f"warning: skipped unreadable line(s) {view.bad_lines} of metrics.jsonl (a crash mid-write?)", err=True
-        )
+    for warning in view.warnings():
+        click.echo(warning, err=True)
     globs = [p.strip() for p in (patterns or "").split(",") if p.strip()]
     if check:
         check_run(view, window, stale_after, policy_file)

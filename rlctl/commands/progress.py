@@ -46,10 +46,10 @@ class StepProgress:
         self.task = self.progress.add_task("train", total=total, completed=step, info="")
 
     def step(self, row: dict[str, Any]) -> None:
-        kl = row.get("actor/ppo_kl")  # absent while a critic warms up and the actor does not step
         info = (
-            f"reward {row['critic/score/mean']:.3f}  kl {'-' if kl is None else format(kl, '+.2e')}  "
-            f"{row['timing_s/step']:.2f}s/step"
+            f"reward {_num(row.get('critic/score/mean'), '.3f')}  "
+            f"kl {_num(row.get('actor/ppo_kl'), '+.2e')}  "  # absent while a critic warms up
+            f"{_num(row.get('timing_s/step'), '.2f')}s/step"
         )
         if self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=info)
@@ -57,7 +57,7 @@ class StepProgress:
             self.console.print(f"step {row['step']}/{self.total}  {info}", highlight=False)
 
     def note(self, text: str) -> None:
-        self.console.print(text, highlight=False, markup=False)
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)  # one line in a log: greppable
 
     def __exit__(self, *exc) -> None:
         self.progress.stop()
@@ -73,3 +73,8 @@ class StepProgress:
             f"(mean of last {w})\nrun: {summary['run_dir']}",
             highlight=False,
         )
+
+
+def _num(value: Any, spec: str) -> str:
+    """A metric for the progress line; '-' when the row lacks it (or it is not a number)."""
+    return format(value, spec) if isinstance(value, (int, float)) else "-"

@@ -5,7 +5,19 @@ from __future__ import annotations
 import click
 
 from rlctl.commands.options import set_option
-from rlctl.commands.progress import StepProgress
+from rlctl.ranks.signals import stops_from_the_start
+
+
+def _step_spec(_ctx, _param, value: str) -> str:
+    """--from: a usage error (exit 2) unless latest, last-good, step-N or N."""
+    from rlctl.checkpoint.snapshots import parse_step_spec
+    from rlctl.errors import SnapshotError
+
+    try:
+        parse_step_spec(value)
+    except SnapshotError:
+        raise click.BadParameter(f"expected latest, last-good, step-N or N; got {value!r}") from None
+    return value
 
 
 @click.command("resume")
@@ -13,6 +25,7 @@ from rlctl.commands.progress import StepProgress
 @click.option(
     "--from",
     "from_",
+    callback=_step_spec,
     default="latest",
     show_default=True,
     help="latest, last-good, step-N or N. latest falls back to an older snapshot when the newest is "
@@ -25,8 +38,16 @@ def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) ->
 
     Idempotent: a run that is already complete exits 0 without training, so a requeued Slurm job can
     always call `rlctl resume RUN --from latest`. Only safe keys may change with --set (total steps,
-    lr, KL coefficient, ...); each change is recorded in events.jsonl.
+    lr, KL coefficient, ...); each change is recorded in events.jsonl. A run that never trained a step
+    starts over; one that trained steps but has no usable snapshot exits 11. A SIGTERM or SIGUSR1 at any
+    moment ends it with exit 75.
     """
+    with stops_from_the_start():
+        _resume(run_dir, from_, overrides, force)
+
+
+def _resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) -> None:
+    from rlctl.commands.progress import StepProgress
     from rlctl.run import resume_run
 
     with StepProgress(run_dir) as progress:

@@ -19,7 +19,7 @@ def runs(root: str, fmt: str) -> None:
     """List the runs under ROOT (a path or fsspec URL; default: runs) with their status."""
     from rlctl.inspect import list_runs
 
-    rows = list_runs(root)
+    rows = list_runs(root, warn=lambda text: click.echo(text, err=True))
     if fmt != "table":
         emit(COLUMNS, rows, fmt)
         return

@@ -7,7 +7,7 @@ import time
 import click
 
 from rlctl.commands.options import set_option
-from rlctl.commands.progress import StepProgress
+from rlctl.ranks.signals import stops_from_the_start
 
 
 @click.command("start")
@@ -31,7 +31,17 @@ def start(
     built-in demo when CONFIG is omitted.
 
     Prints the run directory on stdout when the run completes; progress and the summary go to stderr.
+    A SIGTERM or SIGUSR1 at any moment ends it with exit 75 (resume it); a start that failed before its
+    first step can be run again into the same --run-dir.
     """
+    with stops_from_the_start():
+        _start(config, run_dir, nproc, ray_address, overrides)
+
+
+def _start(
+    config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None, overrides: tuple[str, ...]
+) -> None:
+    from rlctl.commands.progress import StepProgress
     from rlctl.config import load_config
     from rlctl.run import start_run
 

@@ -1,7 +1,14 @@
 """The run config: the strict schema (``schema``, choices derived from the registries of
 ``rlctl.engine.algos``) and its loading from YAML and ``--set`` with located errors (``load``)."""
 
-from rlctl.config.load import DEMO_CONFIG, inline_policies, load_config, parse_set, validate_config
+from rlctl.config.load import (
+    DEMO_CONFIG,
+    check_policies_fit,
+    inline_policies,
+    load_config,
+    parse_set,
+    validate_config,
+)
 from rlctl.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -37,6 +44,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "TrainerConfig",
+    "check_policies_fit",
     "inline_policies",
     "load_config",
     "parse_set",

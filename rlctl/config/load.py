@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.policies.loader import load_policies, resolve_policy_path
+from rlctl.policies.schema import RollbackAction, Rule
 from rlctl.yamlsrc import Origins, explain, read_yaml
 
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "demo.yaml"
@@ -68,9 +69,23 @@ def validate_config(data: dict[str, Any], origins: Origins | None = None) -> Run
 
 
 def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
-    """Check every policy (located errors) and that what it adjusts exists in this run; replace file
-    references by their contents so the run directory does not depend on where the files lived."""
-    rules = load_policies(cfg.policies, base_dir)
+    """Check every policy (located errors) and that it fits this run (``check_policies_fit``); replace
+    file references by their contents so the run directory does not depend on where the files lived."""
+    check_policies_fit(cfg, load_policies(cfg.policies, base_dir))
+    inline = []
+    for spec in cfg.policies:
+        if isinstance(spec, dict):
+            inline.append(spec)
+        else:
+            path = resolve_policy_path(Path(spec), base_dir)
+            inline.append(read_yaml(path, "policy file")[0])
+    cfg.policies = inline
+    return cfg
+
+
+def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
+    """ConfigError when a rule adjusts a setting this run does not have, or rolls back while
+    ``checkpoint.every`` is 0 (there would be no snapshot to return to)."""
     for rule in rules:
         for action in rule.actions:
             for key in [*(getattr(action, "set", None) or {}), *(getattr(action, "multiply", None) or {})]:
@@ -81,11 +96,8 @@ def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
                         f"policy rule '{rule.name}' adjusts '{key}', which this run does not have "
                         f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
                     )
-    inline = []
-    for spec in cfg.policies:
-        if isinstance(spec, dict):
-            inline.append(spec)
-        else:
-            inline.append(yaml.safe_load(resolve_policy_path(Path(spec), base_dir).read_text()))
-    cfg.policies = inline
-    return cfg
+            if isinstance(action, RollbackAction) and cfg.checkpoint.every == 0:
+                raise ConfigError(
+                    f"policy rule '{rule.name}' rolls back, but 'checkpoint.every' is 0: there would be no "
+                    "snapshot to roll back to; set checkpoint.every to N > 0 (snapshot every N steps)"
+                )

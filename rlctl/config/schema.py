@@ -8,10 +8,13 @@ aggregation modes, importance-ratio levels, KL controllers) are the names of the
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
+import fsspec
 import yaml
+from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlctl.engine.algos.registry import (
@@ -321,6 +324,25 @@ class CheckpointConfig(Strict):
         "reset connection) is retried with backoff before it counts as failed; 0: no retries.",
     )
 
+    @field_validator("dir")
+    @classmethod
+    def _known_protocol(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_protocol(v)
+        return v
+
+
+def check_protocol(url: str) -> None:
+    """ValueError naming the protocols nearest to an unknown one of ``url`` (``s4://b``, or any link of
+    a chained ``simplecache::s3://b``). Only fsspec's registry is read: nothing is imported."""
+    for part in url.split("::"):
+        protocol = split_protocol(part)[0]
+        known = fsspec.available_protocols()
+        if protocol is not None and protocol not in known:
+            close = difflib.get_close_matches(protocol, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(f'{c}://' for c in close)}?" if close else ""
+            raise ValueError(f"unknown storage protocol '{protocol}://' in {url!r}{hint}")
+
 
 class ClusterConfig(Strict):
     backend: Literal["local", "ray"] = Field(
@@ -336,7 +358,9 @@ class ClusterConfig(Strict):
 
 class RunConfig(Strict):
     name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
-    seed: int = Field(0, description="Seed of everything: model init, data order, sampling.")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed of everything: model init, data order, sampling (0 to 2^63-1)."
+    )
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="auto: CUDA when present, else an Ascend NPU (torch_npu) when present, else CPU."
     )

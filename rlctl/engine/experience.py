@@ -9,7 +9,6 @@ metric made here declares how the ranks reduce it (``METRICS``, ``SAMPLING_METRI
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -19,8 +18,8 @@ from rlctl.engine import algos
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
+from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
-from rlctl.errors import InputError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
 METRICS = {
@@ -144,19 +143,11 @@ class Experience:
         return keys, [r[key] for r in expanded], columns
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
-        """(B,) float32 scores from the reward function; an InputError that names it when it fails."""
-        spec = self.cfg.reward.function
-        try:
-            scores = self.reward_fn(prompts, completions, **columns, **self.cfg.reward.kwargs)
-        except Exception as exc:
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            raise InputError(
-                f"reward function '{spec}' raised {type(exc).__name__}: {exc} ({frame.filename}:{frame.lineno})"
-            ) from None
-        if scores is None or len(scores) != len(completions):
-            got = "None" if scores is None else f"{len(scores)} scores"
-            raise InputError(f"reward function '{spec}' returned {got} for {len(completions)} completions")
-        return torch.as_tensor([float(s) for s in scores], dtype=torch.float32)
+        """(B,) float32 scores from the reward function, called as untrusted code: an InputError names
+        it, and the value and completion index, for anything but one finite number per completion."""
+        reward = self.cfg.reward
+        scores = score_completions(self.reward_fn, reward.function, prompts, completions, columns, reward.kwargs)
+        return torch.as_tensor(scores, dtype=torch.float32)
 
 
 def batch_metrics(

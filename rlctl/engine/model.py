@@ -3,28 +3,43 @@
 The tiny model is a Llama- or Qwen2-style transformer with head_dim 32 (vLLM's CPU attention backend
 needs it), built from a transformers config with seeded random weights and saved with
 ``save_pretrained`` into the run directory, so a run is self-contained and any HF tool can reload it.
+It is never seen half-written: on a local disk it is written into a temporary sibling and renamed into
+place; on object storage a completion marker (``.rlctl-complete``) is written last, and a directory
+without it is checked, and moved aside and built again (from the seed) when it does not load.
+
+A model directory that does not load (no or a broken config.json, no weights, no tokenizer) is an
+InputError naming the directory and the cause.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import secrets
 import shutil
 import string
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.engine.dist import Dist
 from rlctl.errors import InputError
+from rlctl.rundir.layout import MODEL
 from rlctl.storage import Storage
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.digits + " =+-*/:.,?!#")
 HEAD_DIM = 32
+# Positions the built-in model takes (its tokenizer's model_max_length too). RoPE has no weights, so
+# the number changes no parameter: a model an earlier rlctl saved with 256 has the same weights.
+BUILTIN_CONTEXT = 1024
+COMPLETE = ".rlctl-complete"  # written last into the built-in model's directory
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -43,7 +58,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         unk_token="<unk>",
         padding_side="left",
-        model_max_length=1024,
+        model_max_length=BUILTIN_CONTEXT,
     )
 
 
@@ -57,7 +72,7 @@ def build_tiny_model(spec: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFas
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.hidden_size // HEAD_DIM,
         num_key_value_heads=spec.hidden_size // HEAD_DIM,
-        max_position_embeddings=256,
+        max_position_embeddings=BUILTIN_CONTEXT,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -92,18 +107,110 @@ def prepare_model_dir(cfg: RunConfig, run: Storage) -> Path:
     if cfg.model.path is not None:
         return Path(cfg.model.path).expanduser()
     if run.is_local:
-        out = Path(run.path("model"))
-        if not (out / "config.json").exists():
-            _save_builtin(cfg, out)
-        return out
+        return _builtin_local(cfg, run, Path(run.path(MODEL)))
     out = Path(tempfile.mkdtemp(prefix="rlctl-model-"))
     atexit.register(shutil.rmtree, out, True)
-    if run.exists("model", "config.json"):
-        run.get_dir(str(out), "model")
-    else:
-        _save_builtin(cfg, out)
-        run.put_dir(str(out), "model")
+    return _builtin_remote(cfg, run, out)
+
+
+def _builtin_local(cfg: RunConfig, run: Storage, out: Path) -> Path:
+    """RUN_DIR/model, written whole into a temporary sibling and renamed into place (one atomic step):
+    it exists complete or not at all. Temporaries of a writer that was killed are removed."""
+    if (out / COMPLETE).exists():
+        return out
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if out.exists():
+        if _adopted(run, out):
+            return out
+        _quarantine(run, out.name)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir(parents=True)  # with the umask's permissions, as the directory it becomes
+    try:
+        _save_builtin(cfg, tmp)
+        _write_durably(tmp / COMPLETE, b"")
+        for f in tmp.iterdir():
+            _fsync(f)
+        os.rename(tmp, out)
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
+
+
+def _builtin_remote(cfg: RunConfig, run: Storage, out: Path) -> Path:
+    """The built-in model in ``out``, fetched from RUN_DIR/model when its completion marker (written
+    last) is there, else built and uploaded, the marker last: object stores have no atomic rename."""
+    if run.exists(MODEL, COMPLETE):
+        run.get_dir(str(out), MODEL)
+        return out
+    if run.listdir(MODEL):
+        run.get_dir(str(out), MODEL)
+        if _adopted(run, out):
+            return out
+        _quarantine(run, MODEL)
+        shutil.rmtree(out)
+        out.mkdir()
+    _save_builtin(cfg, out)
+    run.put_dir(str(out), MODEL)
+    run.write_bytes(f"{MODEL}/{COMPLETE}", b"")
+    return out
+
+
+def _adopted(run: Storage, local: Path) -> bool:
+    """A built-in model directory without the completion marker (written by an rlctl that wrote none,
+    or cut off): when every file of it loads, it is whole and gets its marker; else False."""
+    problem = builtin_problem(local)
+    if problem is not None:
+        print(f"warning: {run.url_of(MODEL)} is incomplete ({problem}); building the model again", file=sys.stderr)
+        return False
+    if run.is_local:
+        _write_durably(local / COMPLETE, b"")
+    else:
+        run.write_bytes(f"{MODEL}/{COMPLETE}", b"")
+    return True
+
+
+def builtin_problem(model_dir: Path) -> str | None:
+    """Why a model directory is not whole (its config, tokenizer or weights do not load), or None."""
+    from safetensors import safe_open
+
+    try:
+        AutoConfig.from_pretrained(model_dir)
+        AutoTokenizer.from_pretrained(model_dir)
+        weights = sorted(model_dir.glob("*.safetensors"))
+        if not weights:
+            return "no model.safetensors"
+        for path in weights:
+            with safe_open(str(path), "pt"):  # checks the header covers the whole file
+                pass
+    except Exception as exc:  # any way a cut-off file fails to load
+        return one_line(exc)
+    return None
+
+
+def _quarantine(run: Storage, name: str) -> None:
+    """Move an unreadable RUN_DIR/<name> aside (nothing is deleted) and say where."""
+    aside = f"{name}.incomplete-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    run.move_dir(name, aside)
+    print(f"warning: moved it aside to {run.url_of(aside)}", file=sys.stderr)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk (a rename is only as durable as what it publishes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _save_builtin(cfg: RunConfig, out: Path) -> None:
@@ -127,11 +234,49 @@ def hf_metadata_files(model_dir: Path) -> dict[str, bytes]:
     return out
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (transformers' span several), cut to ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_model_config(model_dir: Path, trust_remote_code: bool = False):
+    """The transformers config of a model directory, without its weights; an InputError naming the
+    directory when config.json is missing or broken."""
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # OSError, ValueError, JSONDecodeError, ...
+        raise InputError(f"cannot read the model config in {model_dir}: {one_line(exc)}") from None
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.h5", "*.msgpack")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def check_weights_present(model_dir: Path) -> None:
+    """An InputError naming the directory when it holds no weight file transformers could load."""
+    if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise InputError(
+            f"the model directory {model_dir} holds no weights (model.safetensors, pytorch_model.bin or a "
+            "sharded index)"
+        )
+
+
+def context_length(config) -> tuple[str, int] | None:
+    """(the config key, the number) of the positions a model takes, or None when it declares none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in CONTEXT_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
 def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types for a bad directory
-        raise InputError(f"cannot load a tokenizer from 'model.path' {model_dir}: {exc}") from None
+        raise InputError(f"cannot load a tokenizer from {model_dir}: {one_line(exc)}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -144,4 +289,4 @@ def load_causal_lm(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool 
     try:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise InputError(f"cannot load a causal LM from 'model.path' {model_dir}: {exc}") from None
+        raise InputError(f"cannot load a causal LM from {model_dir}: {one_line(exc)}") from None

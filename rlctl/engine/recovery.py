@@ -1,12 +1,23 @@
 """Carrying out a step's policy verdict: log every firing, then halt, or adjust knobs, roll back to a
-good snapshot and skip prompts or batches; the policy state is persisted after each verdict.
+good snapshot and skip prompts or batches.
 
 A rollback restores the newest usable good snapshot old enough, then turns the run away from the
 later steps (``rlctl.rundir.history``): their metric rows and snapshots move aside, tagged.
+
+The policy state outlives a turn: a rollback keeps the live trigger counts (so ``max_triggers`` runs
+out), and so does a resume after a rollback or a halt. For that, every rollback and every halt writes
+the policy state to RUN_DIR/policy_state.json with the step it belongs to (the step rolled back to, or
+the halted one). A resume restores the snapshot's own policy state, which holds every firing up to its
+step; it takes the file instead only when the file is of that very step (a rollback to it, then a
+kill before the next snapshot), and carries the file's counts back to it when the file is of a later
+step (a resume from before a halt or a rollback), as a rollback would. Firings that turn nothing are
+not written: a resume replays their steps and they fire again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -17,7 +28,7 @@ from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
-from rlctl.errors import Halted, SnapshotError
+from rlctl.errors import Halted, SnapshotError, StorageError
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.history import turn_away_after, turn_tag
 from rlctl.rundir.layout import CONFIG, POLICY_STATE
@@ -75,15 +86,66 @@ class Recovery:
                     "batches": verdict.skip_batches,
                 }
             )
-        self.persist_policy_state()
+        if verdict.rollback is not None:
+            self.persist_policy_state()
 
     def persist_policy_state(self) -> None:
+        """Write the policy state, as of the trainer's step, to RUN_DIR/policy_state.json (rank 0)."""
         h = self.host
         if h.dist.is_main:
-            h.run.write_bytes(POLICY_STATE, orjson.dumps(h.guard.state_dict()))
+            h.run.write_bytes(POLICY_STATE, orjson.dumps({"step": h.state.step, **h.guard.state_dict()}))
+
+    def carry_policy_state(self, step: int) -> None:
+        """After a resume restored the snapshot of ``step`` (and its policy state): take the state of
+        RUN_DIR/policy_state.json when it is of ``step``; when it is of a later step, take its counts
+        and rewind its history to ``step`` (then write it as of ``step``); when it is older, keep the
+        snapshot's. A file that cannot be read is a warning, and the snapshot's state stays."""
+        h = self.host
+        saved = self._read_policy_state()
+        if saved is None or saved[0] < step:
+            return
+        at, state = saved
+        own = h.guard.state_dict()
+        try:
+            h.guard.load_state_dict(state)
+        except (ValueError, LookupError, TypeError, AttributeError) as exc:
+            h.guard.load_state_dict(own)
+            self._ignore_policy_state(f"it does not fit this run's policies ({exc})")
+            return
+        if at > step:
+            h.guard.rewind(step)
+            self.persist_policy_state()
+
+    def _read_policy_state(self) -> tuple[int, dict[str, Any]] | None:
+        """(the step it belongs to, the policy state) from RUN_DIR/policy_state.json; None when there is
+        none or it cannot be read (said)."""
+        try:
+            raw = self.host.run.read_bytes(POLICY_STATE)
+        except FileNotFoundError:
+            return None
+        try:
+            saved = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return self._ignore_policy_state("it is not valid JSON")
+        if not isinstance(saved, dict):
+            return self._ignore_policy_state("it is not a JSON object")
+        at = saved.pop("step", None)
+        if not isinstance(at, int) or isinstance(at, bool):
+            return self._ignore_policy_state(f"it names no step it belongs to (step: {at!r})")
+        return at, saved
+
+    def _ignore_policy_state(self, reason: str) -> None:
+        h = self.host
+        url = h.run.url_of(POLICY_STATE)
+        h.emit({"event": "policy_state_ignored", "file": url, "reason": reason})
+        if h.dist.is_main:
+            print(f"warning: ignoring {url}: {reason}; the snapshot's policy state is used", file=sys.stderr)
 
     def halt(self, firing) -> None:
         h = self.host
+        if h.snapshots is not None:
+            with contextlib.suppress(StorageError):  # (failed snapshots were reported; the halt says more)
+                h.snapshots.wait()  # the snapshot in flight is committed, or not, before the last good is named
         good = [i.step for i in h.snapshots.scan() if i.usable and i.good] if h.snapshots else []
         where = f"the last good snapshot is step {good[-1]}" if good else "there is no good snapshot"
         h.emit({"event": "halted", "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None})

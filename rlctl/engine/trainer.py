@@ -14,7 +14,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-import orjson
 import torch
 
 from rlctl import faults
@@ -37,11 +36,11 @@ from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.state import TrainerState
-from rlctl.errors import ConfigError, Preempted
+from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.layout import METRICS, POLICY_STATE
+from rlctl.rundir.layout import METRICS
 from rlctl.storage import Storage
 
 StepCallback = Callable[[dict[str, Any]], None]
@@ -67,10 +66,12 @@ class Trainer:
         snapshots: SnapshotManager | None = None,
         on_step: StepCallback | None = None,
         on_event: EventCallback | None = None,
+        fence: Callable[[], None] | None = None,
     ):
         """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
-        with its collectives."""
+        with its collectives; ``fence`` (the lease's check) is called before every metrics row."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
+        self.fence = fence
         self.emit = on_event or (lambda event: None)
         self.guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
         if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
@@ -148,15 +149,17 @@ class Trainer:
     def restore(self, info, rollback: bool = False) -> None:
         """Load a snapshot into every Stateful and the engine, then re-apply the config's knobs and
         re-sync the rollout weights. A rollback keeps the live policy state (its trigger counts must
-        survive); a resume takes the newest policy state, RUN_DIR/policy_state.json, over the snapshot's."""
+        survive) and rewinds its history to the snapshot's step; a resume takes the snapshot's, or the
+        counts of a later rollback or halt (``Recovery.carry_policy_state``)."""
         states = self.stateful()
         if rollback:
             states.pop("policy", None)
         self.snapshots.restore(info, states, self.dir_stateful())
         if self.guard is not None:
-            if not rollback and self.run.exists(POLICY_STATE):
-                self.guard.load_state_dict(orjson.loads(self.run.read_bytes(POLICY_STATE)))
-            self.guard.rewind(info.step)
+            if rollback:
+                self.guard.rewind(info.step)
+            else:
+                self.recovery.carry_policy_state(info.step)
             self.data.exclude = self.guard.skipped_prompts
         self._snapshotted = self.state.step
         self.apply_knobs()
@@ -181,7 +184,9 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> None:
         """Steps until total_steps; snapshots when the manager's schedule says, at the end of a run that
-        snapshots, and when a stop is requested (then raises Preempted once the snapshot is committed)."""
+        snapshots, and when a stop is requested (then raises Preempted, saying whether that snapshot
+        was committed). A run whose final snapshot was not committed raises StorageError: it is not
+        complete, and a resume continues it."""
         total, self.metrics = self.cfg.trainer.total_steps, self._metrics_log()
         healthy, passed = True, True  # the last step's metrics are finite; it passed the policies
         try:
@@ -196,19 +201,20 @@ class Trainer:
                 if self.snapshots is not None and self.snapshots.should_save(self.state.step):
                     self.snapshot(good=healthy)
                 faults.after_step(self.state.step, self.dist.rank, lambda: self.stop_signal is not None)
-            committed = self._finish(passed, healthy)
+            self._finish(passed, healthy)
         finally:
             self.metrics.close()
         if self.stop_signal is not None:
-            where = (
-                f"snapshot of step {self.state.step} committed"
-                if committed
-                else "no new snapshot was committed; the previous one stands"
-            )
             raise Preempted(
-                f"stopped by {self.stop_signal} after step {self.state.step}; {where}. "
+                f"stopped by {self.stop_signal} after step {self.state.step}; {self._stop_outcome()}. "
                 f"Resume with: rlctl resume {self.run.url} --from latest"
             )
+        self._check_final_commit()
+
+    def _stop_outcome(self) -> str:
+        if self.snapshots is None:
+            return "this run takes no snapshots; a resume starts over"
+        return self.snapshots.outcome(self.state.step)
 
     def _judge(self, row: dict[str, Any]) -> bool:
         """Log the step's row, let the policies judge it and carry out their verdict; whether it passed."""
@@ -220,18 +226,31 @@ class Trainer:
             self.recovery.act_on(verdict, self.experience.drawn)  # may halt, roll back, adjust, skip
         return verdict is None or verdict.good
 
-    def _finish(self, passed: bool, healthy: bool) -> bool | None:
-        """The last step is snapshotted by a run that snapshots at all (or was restored from one); the
-        outcome of the last snapshot."""
+    def _finish(self, passed: bool, healthy: bool) -> None:
+        """The last step is snapshotted by a run that snapshots at all (or was restored from one), and
+        that snapshot finished. On a stop, snapshots failing over and over still end in Preempted: the
+        previous snapshot is where a resume continues."""
         self._stopping()  # a stop that came during the last step: every rank takes it, or none
-        every = self.snapshots.every if self.snapshots is not None else 0
-        wanted = passed and (self.stop_signal is not None or every > 0 or self._snapshotted >= 0)
-        if self.snapshots is not None and wanted and self.state.step > max(self._snapshotted, 0):
-            self.snapshot(good=healthy)
-        return self.snapshots.wait() if self.snapshots is not None else None
+        if self.snapshots is None:
+            return
+        wanted = passed and (self.stop_signal is not None or self.snapshots.every > 0 or self._snapshotted >= 0)
+        try:
+            if wanted and self.state.step > max(self._snapshotted, 0):
+                self.snapshot(good=healthy)
+            self.snapshots.wait()
+        except StorageError:
+            if self.stop_signal is None:
+                raise
+
+    def _check_final_commit(self) -> None:
+        """Raise StorageError on every rank when rank 0 could not commit the snapshot of the last step."""
+        s, step = self.snapshots, self.state.step
+        failed = s is not None and self._snapshotted == step and s.failed(step)
+        if self.dist.any(failed):
+            raise StorageError(f"the run is not complete: {s.outcome(step)}. Resume with: rlctl resume {self.run.url}")
 
     def _metrics_log(self):
-        return JsonlLog(self.run, METRICS) if self.dist.is_main else NullLog()
+        return JsonlLog(self.run, METRICS, fence=self.fence) if self.dist.is_main else NullLog()
 
     @contextmanager
     def metrics_closed(self):

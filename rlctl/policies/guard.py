@@ -15,7 +15,12 @@ from typing import Any
 
 from rlctl.policies.evaluator import Firing, PolicyEngine
 from rlctl.policies.schema import AdjustAction, HaltAction, RollbackAction, Rule, SkipAction
-from rlctl.stateful import check_version
+from rlctl.stateful import StateMismatchError, check_version
+
+
+class PolicyStateError(StateMismatchError):
+    """A policy state (RUN_DIR/policy_state.json, or a snapshot's) that this guard cannot load: another
+    version, or not the shape it writes. Nothing was changed; the caller may warn and go on."""
 
 
 @dataclass
@@ -98,7 +103,16 @@ class PolicyGuard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_version("policy guard", state, self.VERSION)
-        self.engine.load_state_dict(state["engine"])
-        self.skipped_prompts = set(state["skipped_prompts"])
-        self.adjustments = list(state["adjustments"])
+        """Restore the evaluator, the skipped prompts and the adjustments, all or nothing: a state of
+        another version or shape raises PolicyStateError and leaves the guard as it was."""
+        try:
+            check_version("policy guard", state, self.VERSION)
+            engine = PolicyEngine(self.rules)
+            engine.load_state_dict(state["engine"])
+            skipped = {int(i) for i in state["skipped_prompts"]}
+            adjustments = [dict(a) for a in state["adjustments"]]
+        except StateMismatchError as exc:  # another version
+            raise PolicyStateError(str(exc)) from None
+        except (LookupError, TypeError, ValueError, AttributeError) as exc:  # a hand-edited or cut-off state
+            raise PolicyStateError(f"policy state is not readable ({type(exc).__name__}: {exc})") from None
+        self.engine, self.skipped_prompts, self.adjustments = engine, skipped, adjustments

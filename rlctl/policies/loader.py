@@ -46,7 +46,7 @@ def _load_file(path: Path) -> tuple[PolicyFile, Origins]:
             hint = f"; a bare name picks a ready-made policy: {', '.join(names)}"
             hint += f" (did you mean '{close}'?)" if close else ""
         raise ConfigError(f"policy file not found: {path}{hint}")
-    data, origins = read_yaml(path)  # YAML syntax and "not a mapping" errors, located
+    data, origins = read_yaml(path, "policy file")  # encoding, YAML syntax and "not a mapping" errors, located
     return validate_policy(data, origins, source=f"file {path}"), origins
 
 

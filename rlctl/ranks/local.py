@@ -2,7 +2,8 @@
 
 The driver writes the ranks' spec to a temporary directory and starts ``python -m rlctl.ranks.local
 SPEC RANK`` once per rank; each runs the rank's session and writes its result next to the spec. A rank
-process dies with the driver (no orphans training on).
+process dies with the driver (no orphans training on), holds a stop signal sent while it starts until
+it can take it, and leaves Ctrl-C to the driver.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,9 +23,9 @@ import orjson
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode
 from rlctl.ranks.report import Reporter
-from rlctl.ranks.signals import on_stop_signals
-from rlctl.ranks.supervise import supervise
-from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
+from rlctl.ranks.signals import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
+from rlctl.ranks.supervise import StopForwarder, supervise
+from rlctl.ranks.worker import free_port, rank_main, rank_spec
 from rlctl.storage import Storage
 
 # what a rank's process must not inherit from a launcher around the driver
@@ -65,8 +67,17 @@ class LocalRank:
             return None
 
 
-def launch_local(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, reporter: Reporter) -> dict[str, Any]:
-    """Run the ranks of ``cfg`` as processes on this machine and follow them to the run's outcome."""
+def launch_local(
+    run: Storage,
+    cfg: RunConfig,
+    restore: dict[str, Any] | None,
+    reporter: Reporter,
+    *,
+    fence: Callable[[], None] | None = None,
+    lease_owner: str | None = None,
+) -> dict[str, Any]:
+    """Run the ranks of ``cfg`` as processes on this machine and follow them to the run's outcome
+    (``fence`` and ``lease_owner``: the driver's lease, see ``supervise`` and ``rank_spec``)."""
     from rlctl.engine.runtime import check_local_ranks
 
     check_local_ranks(cfg.device, cfg.world_size)
@@ -75,14 +86,16 @@ def launch_local(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, r
     try:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "wb") as fh:
-            fh.write(orjson.dumps({**rank_spec(run, cfg, restore), "port": free_port()}))
+            fh.write(orjson.dumps({**rank_spec(run, cfg, restore, lease_owner), "port": free_port()}))
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-        for rank in range(cfg.world_size):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env, preexec_fn=_die_with_parent
-            )
-            ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
-        return supervise(ranks, run, restore, cfg.trainer.total_steps, reporter)
+        with StopForwarder().installed() as stops:
+            for rank in range(cfg.world_size):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env, preexec_fn=_prepare_rank
+                )
+                ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
+                stops.add(ranks[-1])
+            return supervise(ranks, run, restore, cfg.trainer.total_steps, reporter, fence)
     finally:
         for r in ranks:
             r.kill()
@@ -93,18 +106,21 @@ def _result_path(spec_path: str, rank: int) -> str:
     return os.path.join(os.path.dirname(spec_path), f"result-{rank}.json")
 
 
-def _die_with_parent() -> None:
-    """In a rank's process before exec: SIGKILL it when the driver dies (no orphans training on)."""
+def _prepare_rank() -> None:
+    """In a rank's process before exec: SIGKILL it when the driver dies (no orphans training on), and
+    hold the stop signals until it can take them."""
     import ctypes
 
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    block_stop_signals()
 
 
 def main() -> None:
     """``python -m rlctl.ranks.local SPEC RANK``: a local rank; writes its result next to the spec."""
     spec_path, rank = sys.argv[1], int(sys.argv[2])
     with on_stop_signals(STOPS.request):  # a stop while the rank still loads is kept for later
+        unblock_stop_signals()  # (one sent since the process started arrives now)
         with open(spec_path, "rb") as fh:
             spec = orjson.loads(fh.read())
         try:

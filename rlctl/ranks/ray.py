@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.ranks.report import Reporter
-from rlctl.ranks.supervise import supervise
-from rlctl.ranks.worker import STOPS, free_port, rank_main, rank_spec
+from rlctl.ranks.signals import STOPS
+from rlctl.ranks.supervise import StopForwarder, supervise
+from rlctl.ranks.worker import free_port, rank_main, rank_spec
 from rlctl.storage import Storage
 
 READY_TIMEOUT_S = 120.0
@@ -50,6 +52,17 @@ class RankActor:
 
     def stop(self, reason: str) -> None:
         STOPS.request(reason)
+
+
+class ActorStop:
+    """A rank's actor as a stop forwarder's target, before its ``run`` starts (the actor keeps the stop
+    for its trainer)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def stop(self, signal_name: str) -> None:
+        self.actor.stop.remote(signal_name)
 
 
 class RayRank:
@@ -100,9 +113,18 @@ def _device_resources(cfg: RunConfig, cluster: dict[str, float]) -> dict[str, fl
     return {}
 
 
-def launch_ray(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, reporter: Reporter) -> dict[str, Any]:
+def launch_ray(
+    run: Storage,
+    cfg: RunConfig,
+    restore: dict[str, Any] | None,
+    reporter: Reporter,
+    *,
+    fence: Callable[[], None] | None = None,
+    lease_owner: str | None = None,
+) -> dict[str, Any]:
     """Run the ranks of ``cfg`` as Ray actors (connecting to ``cluster.address`` or starting a local
-    Ray) and follow them to the run's outcome."""
+    Ray) and follow them to the run's outcome (``fence`` and ``lease_owner``: the driver's lease, see
+    ``supervise`` and ``rank_spec``)."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -129,14 +151,17 @@ def launch_ray(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, rep
     actors = []
     try:
         _wait_placed(pg, nnodes, per_node, bundle)
-        _start_actors(actors, cfg, pg, accel, nnodes * per_node, per_node)
-        addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
-        spec = rank_spec(run, cfg, restore)
-        ranks = [
-            RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
-            for rank, a in enumerate(actors)
-        ]
-        return supervise(ranks, run, restore, t.total_steps, reporter)
+        with StopForwarder().installed() as stops:  # a stop from here on waits for each rank's trainer
+            _start_actors(actors, cfg, pg, accel, nnodes * per_node, per_node)
+            for a in actors:
+                stops.add(ActorStop(a))
+            addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
+            spec = rank_spec(run, cfg, restore, lease_owner)
+            ranks = [
+                RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
+                for rank, a in enumerate(actors)
+            ]
+            return supervise(ranks, run, restore, t.total_steps, reporter, fence)
     finally:
         for a in actors:
             ray.kill(a)

@@ -1,5 +1,6 @@
 """How a run shows its progress: the Reporter protocol (``rlctl.commands.progress`` draws one on
-stderr) and a reporter that shows nothing (library calls, ranks other than the driver)."""
+stderr), a reporter that shows nothing (library calls, ranks other than the driver), and the events a
+person must hear about at once (a failed snapshot), said through a reporter."""
 
 from __future__ import annotations
 
@@ -22,3 +23,28 @@ class SilentReporter:
     def step(self, row: dict[str, Any]) -> None: ...
 
     def note(self, text: str) -> None: ...
+
+
+def report_event(reporter: Reporter, event: dict[str, Any]) -> None:
+    """Say what an event means for the run when a person must hear it now: a failed snapshot."""
+    if event.get("event") == "snapshot_failed":
+        reporter.note(snapshot_failed_note(event))
+
+
+def snapshot_failed_note(event: dict[str, Any]) -> str:
+    """'warning: snapshot of step N failed: CAUSE (k of max_failures)'."""
+    count = ""
+    if event.get("consecutive") is not None and event.get("max_failures") is not None:
+        count = f" ({event['consecutive']} of {event['max_failures']})"
+    return f"warning: snapshot of step {event.get('step')} failed: {event.get('error')}{count}"
+
+
+class ReportedEvents:
+    """An event log whose events also pass ``report_event`` (rank 0 of a run shown in this process)."""
+
+    def __init__(self, events, reporter: Reporter):
+        self.events, self.reporter = events, reporter
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.emit(event)
+        report_event(self.reporter, event)

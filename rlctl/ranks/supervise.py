@@ -1,20 +1,23 @@
 """One supervisor for the ranks of a run, whatever runs them (local processes, Ray actors), through a
-small handle protocol: it polls every rank, forwards SIGTERM/SIGUSR1 to them, gives the others a grace
-period when one fails and then kills them, and decides the run's outcome from the ranks' results.
-Meanwhile it shows rank 0's metric rows as they land (the driver's progress)."""
+small handle protocol: it polls every rank, gives the others a grace period when one fails and then
+kills them, ends them all at once when the run's lease is lost, and decides the run's outcome from the
+ranks' results. Meanwhile it shows rank 0's metric rows and snapshot failures as they land (the
+driver's progress). ``StopForwarder`` passes SIGTERM/SIGUSR1 on to every rank from the moment the
+first one starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from rlctl.errors import ExitCode, RankFailed
 from rlctl.metrics import parse_rows
-from rlctl.ranks.report import Reporter
-from rlctl.ranks.signals import on_stop_signals
-from rlctl.rundir.layout import METRICS
+from rlctl.ranks.report import Reporter, report_event
+from rlctl.ranks.signals import STOPS, on_stop_signals
+from rlctl.rundir.layout import EVENTS, METRICS
 from rlctl.storage import Storage
 
 GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped
@@ -40,23 +43,63 @@ class RankHandle(Protocol):
         """Once ended: {"code", "message", "summary"}, or None when the rank left no result."""
 
 
+class StopForwarder:
+    """Stop signals to the driver, passed on to every rank: also to a rank added after the signal came
+    (a local rank holds it until it can take it; a Ray actor keeps it for its trainer)."""
+
+    def __init__(self) -> None:
+        self.ranks: list[Any] = []
+        self.reason: str | None = None
+
+    def add(self, rank: Any) -> None:
+        """Follow ``rank`` (anything with ``stop(signal_name)``)."""
+        self.ranks.append(rank)
+        if self.reason is not None:
+            rank.stop(self.reason)
+
+    def __call__(self, signal_name: str) -> None:
+        self.reason = signal_name
+        for rank in self.ranks:
+            rank.stop(signal_name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopForwarder]:
+        """Within the block, SIGTERM/SIGUSR1 go to the ranks (and never raise here again: ranks were
+        started whose snapshot a stop must not cut short)."""
+        STOPS.keep()
+        with on_stop_signals(self):
+            yield self
+
+
 def supervise(
-    ranks: Sequence[RankHandle], run: Storage, restore: dict[str, Any] | None, total: int, reporter: Reporter
+    ranks: Sequence[RankHandle],
+    run: Storage,
+    restore: dict[str, Any] | None,
+    total: int,
+    reporter: Reporter,
+    fence: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Follow ``ranks`` to their end; the run's summary, or RankFailed with the rank that failed."""
+    """Follow ``ranks`` to their end; the run's summary, or RankFailed with the rank that failed.
+    ``fence`` (the lease's check) is called at every poll: when it raises, every rank is killed at once
+    (none may commit after the lease is lost) and its error is raised."""
     follower = Follower(run, reporter)
-    with on_stop_signals(lambda name: [r.stop(name) for r in ranks]):
-        follower.poll(force=True)
-        reporter.ready(start_step(restore), total)
-        failed_first = _wait(ranks, follower)
-        follower.poll(force=True)
+    follower.poll(force=True)
+    reporter.ready(start_step(restore), total)
+    try:
+        failed_first = _wait(ranks, follower, fence or (lambda: None))
+    except BaseException:
+        for r in ranks:
+            r.kill()
+        raise
+    follower.poll(force=True)
     return outcome([r.result() for r in ranks], failed_first)
 
 
-def _wait(ranks: Sequence[RankHandle], follower: Follower) -> int | None:
+def _wait(ranks: Sequence[RankHandle], follower: Follower, fence: Callable[[], None]) -> int | None:
     """Poll every rank until all have ended; the first rank whose end started the grace clock."""
     failed_first, failed_at = None, None
     while True:
+        fence()
         codes = [r.poll() for r in ranks]  # every rank, every time
         for rank, code in enumerate(codes):
             if failed_first is None and starts_grace(code):
@@ -107,10 +150,14 @@ def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, A
 
 
 class Follower:
-    """Shows rank 0's metric rows as they land (the driver's progress bar)."""
+    """Shows rank 0's metric rows (the driver's progress bar) and snapshot failures as they land."""
 
     def __init__(self, run: Storage, reporter: Reporter):
-        self.run, self.reporter, self.offset = run, reporter, None
+        self.reporter = reporter
+        self.tails = [
+            Tail(run, METRICS, reporter.step, require_step=True),
+            Tail(run, EVENTS, lambda event: report_event(reporter, event)),
+        ]
         self._last = 0.0
 
     def poll(self, force: bool = False) -> None:
@@ -118,6 +165,18 @@ class Follower:
         if not force and now - self._last < 0.5:
             return
         self._last = now
+        for tail in self.tails:
+            tail.poll()
+
+
+class Tail:
+    """The rows appended to a JSONL file of the run since the first poll, each passed to ``show``."""
+
+    def __init__(self, run: Storage, rel: str, show: Callable[[dict[str, Any]], None], require_step: bool = False):
+        self.run, self.rel, self.show, self.require_step = run, rel, show, require_step
+        self.offset: int | None = None
+
+    def poll(self) -> None:
         try:
             size, tail = self._read_from(self.offset or 0)
         except FileNotFoundError:
@@ -130,16 +189,16 @@ class Follower:
         end = tail.rfind(b"\n") + 1  # whole lines only
         if end:
             self.offset += end
-            for row in parse_rows(tail[:end]):
-                self.reporter.step(row)
+            for row in parse_rows(tail[:end], require_step=self.require_step):
+                self.show(row)
 
     def _read_from(self, offset: int) -> tuple[int, bytes]:
-        """The metrics file's size and its bytes from ``offset``: a local file is read from there only,
-        an object (no ranged append semantics to rely on) whole."""
+        """The file's size and its bytes from ``offset``: a local file is read from there only, an
+        object (no ranged append semantics to rely on) whole."""
         if self.run.is_local:
-            with open(self.run.path(METRICS), "rb") as fh:
+            with open(self.run.path(self.rel), "rb") as fh:
                 size = fh.seek(0, os.SEEK_END)
                 fh.seek(min(offset, size))
                 return size, fh.read()
-        data = self.run.read_bytes(METRICS)
+        data = self.run.read_bytes(self.rel)
         return len(data), data[offset:]

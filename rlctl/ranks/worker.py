@@ -3,10 +3,10 @@ a Ray actor): build the trainer, restore it on resume and turn the run away from
 snapshot, train, and record how it ended.
 
 A restore is described by what can travel to another process: ``{"names": [snapshot names, best
-first], "wanted": the --from spec, "changes": the resume --set changes}``; every rank scans the
-snapshots itself. Rank 0 alone writes the run's files (config, metrics, events); the other ranks wait
-at barriers. A stop that does not come as a signal to the running session (from a Ray driver, or a
-signal to a local rank still loading) goes through ``STOPS``.
+first; none: start over], "wanted": the --from spec, "changes": the resume --set changes}``; every rank
+scans the snapshots itself. Rank 0 alone writes the run's files (config, metrics, events); the other
+ranks wait at barriers. Stops go through ``signals.STOPS``: raised at once while the trainer is built,
+kept for it from then on. A fence (the lease's check) is called before every step and every commit.
 """
 
 from __future__ import annotations
@@ -15,53 +15,26 @@ import contextlib
 import os
 import socket
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig, validate_config
-from rlctl.errors import Halted, Preempted, RlctlError, SnapshotError
+from rlctl.errors import Halted, LeaseError, Preempted, RlctlError, SnapshotError
 from rlctl.metrics import EventLog
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
-from rlctl.ranks.report import Reporter, SilentReporter
-from rlctl.ranks.signals import on_stop_signals
+from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
+from rlctl.ranks.signals import STOPS, on_stop_signals
 from rlctl.rundir.directory import run_summary, snapshot_manager
 from rlctl.rundir.history import turn_away_after, turn_tag
 from rlctl.rundir.layout import CONFIG
+from rlctl.rundir.lease import read_lease
 from rlctl.storage import Storage
 
-
-class StopRequests:
-    """The stop requests of this process's trainer: passed on while it trains, kept until it is ready
-    when one comes earlier (it then snapshots where it is and stops)."""
-
-    def __init__(self) -> None:
-        self._running = None
-        self._pending: str | None = None
-
-    def request(self, reason: str) -> None:
-        if self._running is not None:
-            self._running.request_stop(reason)
-        else:
-            self._pending = reason
-
-    @contextlib.contextmanager
-    def running(self, trainer) -> Iterator[None]:
-        """Within the block, requests go to ``trainer`` (one kept from before goes at once)."""
-        self._running = trainer
-        if self._pending is not None:
-            trainer.request_stop(self._pending)
-            self._pending = None
-        try:
-            yield
-        finally:
-            self._running = None
-
-
-STOPS = StopRequests()  # this process's
+Fence = Callable[[], None]  # raises (LeaseError) once this process may no longer write the run
 
 
 # -- the session -------------------------------------------------------------------------------------
@@ -72,16 +45,20 @@ def train_rank(
     reporter: Reporter,
     restore: dict[str, Any] | None,
     rank: int = 0,
+    *,
+    fence: Fence | None = None,
 ) -> dict[str, Any]:
     """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files;
-    ``events`` is None on the others). Returns the run's summary on rank 0, {} on the others."""
+    ``events`` is None on the others). ``fence`` is called before every step and every snapshot commit.
+    Returns the run's summary on rank 0, {} on the others."""
     main = rank == 0
-    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank)
-    if restore is not None:
-        _resume(trainer, run, cfg, events, snapshots, reporter, restore, main)
-    reporter.ready(trainer.state.step, cfg.trainer.total_steps)
-    emit = events.emit if main else (lambda event: None)
+    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence)
+    STOPS.keep()  # from here a stop waits for the trainer: it snapshots where it is, then stops
     try:
+        if restore is not None:
+            _resume(trainer, run, cfg, events, snapshots, reporter, restore, main)
+        reporter.ready(trainer.state.step, cfg.trainer.total_steps)
+        emit = events.emit if main else (lambda event: None)
         with STOPS.running(trainer), on_stop_signals(STOPS.request):
             _train(trainer, snapshots, emit, rank if cfg.world_size > 1 else None)
     finally:
@@ -91,46 +68,61 @@ def train_rank(
     return run_summary(run) if main else {}
 
 
-def _build_trainer(cfg: RunConfig, run: Storage, events: EventLog | None, reporter: Reporter, rank: int):
+def _build_trainer(
+    cfg: RunConfig, run: Storage, events: EventLog | None, reporter: Reporter, rank: int, fence: Fence | None
+):
     """This process as a rank of the run (device, threads, seeds, process group), then its snapshot
-    manager (with the rank's collectives), then the trainer."""
+    manager (with the rank's collectives and the fence), then the trainer. Rank 0's events also reach
+    the reporter (a failed snapshot is said at once); the fence is checked before every step."""
     from rlctl.engine.runtime import open_rank  # heavy: torch, DeepSpeed, transformers
     from rlctl.engine.trainer import Trainer
 
     context = open_rank(cfg)
     reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
-    snapshots = snapshot_manager(run, cfg, events, rank=rank, collectives=context.dist, max_steps_back=reach)
-    on_event = events.emit if rank == 0 else None
-    trainer = Trainer(cfg, run, context, snapshots=snapshots, on_step=reporter.step, on_event=on_event)
+    shown = ReportedEvents(events, reporter) if events is not None else None
+    snapshots = snapshot_manager(
+        run, cfg, shown, rank=rank, collectives=context.dist, max_steps_back=reach, fence=fence
+    )
+
+    def on_step(row: dict[str, Any]) -> None:
+        reporter.step(row)
+        if fence is not None:
+            fence()  # before the next step writes anything
+
+    on_event = shown.emit if shown is not None else None
+    trainer = Trainer(cfg, run, context, snapshots=snapshots, on_step=on_step, on_event=on_event, fence=fence)
     return trainer, snapshots
 
 
 def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:
-    """``trainer.train()``, recording a preemption or a crash (a halt the trainer has recorded)."""
+    """``trainer.train()``, recording how it ended unless the trainer did (a halt) or nothing may be
+    written (a lost lease)."""
     try:
         trainer.train()
     except Preempted:
-        emit(
-            {
-                "event": "preempted",
-                "step": trainer.state.step,
-                "signal": trainer.stop_signal,
-                "snapshot": snapshots.last_committed,
-            }
-        )
+        record = {"event": "preempted", "signal": trainer.stop_signal, "snapshot": snapshots.last_committed}
+        _record(emit, {**record, "step": trainer.state.step})
         raise
-    except Halted:
-        raise  # the trainer logged why
+    except (Halted, LeaseError):
+        raise  # the trainer logged why; a writer that lost its lease writes nothing more
+    except KeyboardInterrupt:
+        _record(emit, {"event": "interrupted", "step": trainer.state.step})
+        raise
     except BaseException as exc:
-        emit(
-            {
-                "event": "crashed",
-                "step": trainer.state.step,
-                "error": f"{type(exc).__name__}: {exc}",
-                **({"rank": rank} if rank is not None else {}),
-            }
-        )
+        error = f"{type(exc).__name__}: {exc}"
+        _record(emit, {"event": "crashed", "step": trainer.state.step, "error": error, **_rank(rank)})
         raise
+
+
+def _rank(rank: int | None) -> dict[str, int]:
+    return {"rank": rank} if rank is not None else {}
+
+
+def _record(emit, event: dict[str, Any]) -> None:
+    """Record how the run ended; a record that cannot be written does not replace the error that ended
+    it (the storage may be what failed)."""
+    with contextlib.suppress(RlctlError, OSError):  # (a lost lease writes nothing either)
+        emit(event)
 
 
 def _resume(
@@ -146,10 +138,13 @@ def _resume(
     """Restore the best usable snapshot named in ``restore``, apply the changed knobs, and (rank 0)
     record the config and turn the run away from the steps after the snapshot."""
     infos = {i.name: i for i in snapshots.scan()}
-    info = _restore(trainer, snapshots, [infos[n] for n in restore["names"] if n in infos], reporter)
+    usable = [infos[n] for n in restore["names"] if n in infos]
+    if restore["names"] and not usable:
+        raise SnapshotError(
+            f"the snapshots to resume from ({', '.join(restore['names'])}) are no longer in {snapshots.storage.url}"
+        )
+    info = _restore(trainer, snapshots, usable, reporter)  # None: the run never trained; it starts over
     step = info.step if info else 0
-    if info is None:
-        reporter.note("warning: no snapshot to resume from; starting again from step 0")
     tag = turn_tag("resume", from_step=step)
     if "algorithm.kl_coef" in restore["changes"]:  # also for an adaptive controller: the user said so
         trainer.kl_ctrl.value = cfg.algorithm.kl_coef
@@ -196,10 +191,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_spec(run: Storage, cfg: RunConfig, restore: dict[str, Any] | None) -> dict[str, Any]:
-    """What every rank of a run needs to know, as plain data (it travels as JSON or by Ray)."""
+def rank_spec(
+    run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, lease_owner: str | None = None
+) -> dict[str, Any]:
+    """What every rank of a run needs to know, as plain data (it travels as JSON or by Ray). With
+    ``lease_owner`` (the driver's lease), rank 0 commits a snapshot only while that lease is the run's."""
     url = run.url if "://" in run.url else os.path.abspath(run.url)  # ranks may not share our cwd
-    return {"run_url": url, "config": cfg.to_yaml(), "restore": restore, "world": cfg.world_size}
+    return {
+        "run_url": url,
+        "config": cfg.to_yaml(),
+        "restore": restore,
+        "world": cfg.world_size,
+        "lease_owner": lease_owner,
+    }
+
+
+def owner_fence(run: Storage, owner: str) -> Fence:
+    """A fence for a rank that does not hold the lease itself: it raises LeaseError once the run's lease
+    is no longer ``owner``'s (taken over, or gone)."""
+
+    def check() -> None:
+        held = read_lease(run)
+        if held is None or held.get("owner") != owner:
+            now = "it is gone" if held is None else f"it is now held by {held.get('host')} pid {held.get('pid')}"
+            raise LeaseError(f"the driver of run {run.url} lost its lease ({now}); stopping before the next write")
+
+    return check
 
 
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
@@ -219,9 +236,11 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     cfg = validate_config(yaml.safe_load(spec["config"]), {})
     run = Storage(spec["run_url"])
-    events = EventLog(run) if rank == 0 else None
+    owner = spec.get("lease_owner")
+    fence = owner_fence(run, owner) if rank == 0 and owner else None
+    events = EventLog(run, fence=fence) if rank == 0 else None
     try:
-        summary = train_rank(run, cfg, events, SilentReporter(), spec["restore"], rank=rank)
+        summary = train_rank(run, cfg, events, SilentReporter(), spec["restore"], rank=rank, fence=fence)
         return {"code": 0, "message": None, "summary": summary}
     except RlctlError as exc:
         return {"code": int(exc.exit_code), "message": exc.message, "summary": None}

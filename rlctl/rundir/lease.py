@@ -4,12 +4,18 @@
 background thread renews. A second writer is refused while the lease is live. A lease is stale when
 its heartbeat is older than the timeout, or when its owner ran on this host and that process is gone
 (then it is taken over at once: a crash cannot have left a live writer). A stale lease from another
-host is taken over only with ``--force``.
+host, or a lease.json that is not a lease record, is taken over only with ``--force``.
+
+Fencing: the heartbeat thread survives any error and keeps trying each beat. The lease is lost when
+lease.json names another owner, or when no renewal succeeded for longer than the timeout (another host
+may then take the run over); ``Lease.check()`` raises LeaseError from then on, so the writer stops
+before its next write.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import socket
 import threading
@@ -19,13 +25,18 @@ from typing import Any
 
 import orjson
 
-from rlctl.errors import LeaseError
-from rlctl.storage import Storage
+from rlctl.errors import LeaseError, StorageError
+from rlctl.storage import Storage, describe
 
 LEASE_FILE = "lease.json"
+FIELDS = {"owner": str, "host": str, "pid": int, "heartbeat": float}
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process of this host may still run. A pid <= 0 names no single process (os.kill(-1, 0)
+    would signal every process we may signal): never provably gone."""
+    if pid <= 0:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -35,29 +46,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _malformed(data: Any) -> str | None:
+    """Why a parsed lease.json is not a lease record, or None."""
+    if not isinstance(data, dict):
+        return f"it holds {type(data).__name__} {orjson.dumps(data).decode()[:40]}, not an object"
+    for key, kind in FIELDS.items():
+        value = data.get(key)
+        ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+        if key not in data or not ok:
+            got = "nothing" if key not in data else repr(value)[:40]
+            return f"its {key!r} is {got}, not {'a number' if kind is not str else 'a string'}"
+    if data["pid"] <= 0 or not math.isfinite(data["heartbeat"]):
+        return f"its pid {data['pid']} or heartbeat {data['heartbeat']} is out of range"
+    return None
+
+
 def read_lease(storage: Storage) -> dict[str, Any] | None:
-    """The lease record, with ``_digest`` (a hash of its bytes); a corrupt one reads as long stale."""
+    """The lease record, with ``_digest`` (a hash of its bytes). A lease.json that is not a lease record
+    reads as long stale, with ``_malformed`` saying why."""
     try:
         raw = storage.read_bytes(LEASE_FILE)
     except FileNotFoundError:
         return None
     digest = hashlib.sha256(raw).hexdigest()[:16]
     try:
-        return {**orjson.loads(raw), "_digest": digest}
+        data = orjson.loads(raw)
+        problem = _malformed(data)
     except orjson.JSONDecodeError:
-        return {"owner": "?", "host": "?", "pid": -1, "heartbeat": 0.0, "_digest": digest}
+        problem = "it is not JSON"
+    if problem is None:
+        return {**data, "_digest": digest}
+    return {"owner": "?", "host": "?", "pid": 0, "heartbeat": 0.0, "_digest": digest, "_malformed": problem}
 
 
 def lease_state(lease: dict[str, Any] | None, timeout: float, now: float | None = None) -> str:
-    """'free', 'live', 'dead' (owner on this host is gone) or 'stale' (heartbeat older than timeout)."""
+    """'free', 'live', 'dead' (owner on this host is gone) or 'stale' (heartbeat older than timeout, or
+    not a lease record)."""
     if lease is None:
         return "free"
+    if lease.get("_malformed"):
+        return "stale"
     now = time.time() if now is None else now
-    if lease.get("host") == socket.gethostname() and not _pid_alive(int(lease.get("pid", -1))):
+    if lease.get("host") == socket.gethostname() and not _pid_alive(int(lease["pid"])):
         return "dead"
-    if now - float(lease.get("heartbeat", 0)) > timeout:
+    if now - float(lease["heartbeat"]) > timeout:
         return "stale"
     return "live"
+
+
+def describe_lease(lease: dict[str, Any], storage: Storage) -> str:
+    """Who holds a lease, in words: "HOST pid PID, heartbeat N s ago", or what is wrong with lease.json."""
+    if lease.get("_malformed"):
+        return f"{storage.url_of(LEASE_FILE)} is not a lease record: {lease['_malformed']}"
+    return f"{lease['host']} pid {lease['pid']}, heartbeat {time.time() - float(lease['heartbeat']):.0f}s ago"
 
 
 class Lease:
@@ -68,72 +109,122 @@ class Lease:
         self.owner = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._renewed: float | None = None  # monotonic start of the last renewal that succeeded
         self.taken_over: dict[str, Any] | None = None  # the stale lease this one replaced
-        self.lost = False
+        self.lost_reason: str | None = None
+        self.last_error: str | None = None  # of the last beat that failed, until one succeeds
 
     def _record(self) -> bytes:
         return orjson.dumps(
-            {
-                "owner": self.owner,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "heartbeat": time.time(),
-            }
+            {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
         )
 
     def acquire(self, force: bool = False) -> Lease:
         for _ in range(3):
+            started = time.monotonic()
             try:
                 self.storage.write_bytes(LEASE_FILE, self._record(), exclusive=True)
                 break
             except FileExistsError:
                 held = read_lease(self.storage)
-                state = lease_state(held, self.timeout)
-                if state == "free":
+                if held is not None and held.get("owner") == self.owner:
+                    break  # our create landed, but its answer was lost and the retry found it
+                if lease_state(held, self.timeout) == "free":
                     continue  # released between our create and our read: try the create again
-                age = time.time() - float((held or {}).get("heartbeat", 0))
-                who = f"{(held or {}).get('host')} pid {(held or {}).get('pid')}, heartbeat {age:.0f}s ago"
-                if state == "live":
-                    raise LeaseError(f"run {self.storage.url} is being written by {who}; one writer per run") from None
-                if state == "stale" and not force:
-                    raise LeaseError(
-                        f"run {self.storage.url} has a stale lease ({who}); if that process is really gone, "
-                        "take it over with --force"
-                    ) from None
-                # Takeover is itself exclusive: the first to create the marker named after this stale
-                # lease's bytes replaces it; a second taker fails here instead of deleting the winner's
-                # fresh lease. Markers are a few bytes each and are kept.
-                try:
-                    self.storage.write_bytes(f".lease/takeover-{held['_digest']}", self._record(), exclusive=True)
-                except FileExistsError:
-                    raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
-                self.taken_over = {k: v for k, v in held.items() if k != "_digest"}
-                self.storage.rm(LEASE_FILE)  # then race for the exclusive create again
+                self._take_over(held, force)
         else:
             raise LeaseError(f"another process took the lease of {self.storage.url} at the same moment")
+        self._renewed = started
         self._thread = threading.Thread(target=self._beat, name="rlctl-lease", daemon=True)
         self._thread.start()
         return self
 
+    def _take_over(self, held: dict[str, Any], force: bool) -> None:
+        """Remove a dead (or, with ``force``, stale) lease so the exclusive create can be raced again;
+        refuse a live one."""
+        state = lease_state(held, self.timeout)
+        who = describe_lease(held, self.storage)
+        if state == "live":
+            raise LeaseError(f"run {self.storage.url} is being written by {who}; one writer per run")
+        if state == "stale" and not force:
+            gone = "no other process writes this run" if held.get("_malformed") else "that process is really gone"
+            raise LeaseError(f"run {self.storage.url} has a stale lease ({who}); if {gone}, take it over with --force")
+        # Takeover is itself exclusive: the first to create the marker named after this stale lease's
+        # bytes replaces it; a second taker fails here instead of deleting the winner's fresh lease.
+        # Markers are a few bytes each and are kept.
+        try:
+            self.storage.write_bytes(f".lease/takeover-{held['_digest']}", self._record(), exclusive=True)
+        except FileExistsError:
+            raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
+        self.taken_over = {k: v for k, v in held.items() if k != "_digest"}
+        self.storage.rm(LEASE_FILE)
+
+    # -- fencing ----------------------------------------------------------------------------------
+    @property
+    def lost(self) -> bool:
+        return self.lost_reason is not None
+
     @property
     def held(self) -> bool:
-        return self._thread is not None and not self.lost
+        self._expire()
+        return self._thread is not None and not self._stop.is_set() and not self.lost
+
+    def check(self) -> None:
+        """Raise LeaseError once the lease is lost: call it right before a write that must be fenced."""
+        self._expire()
+        if self.lost_reason is not None:
+            raise LeaseError(
+                f"lost the lease of {self.storage.url}: {self.lost_reason}; stopped before writing; "
+                "another writer may own the run"
+            )
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._lock:
+            if self.lost_reason is None:
+                self.lost_reason = reason
+
+    def _expire(self) -> None:
+        """Mark the lease lost when no renewal succeeded within the timeout (measured from the start of
+        the last good one, so never later than another host may judge it stale)."""
+        if self._renewed is None or self.lost or self._stop.is_set():
+            return
+        age = time.monotonic() - self._renewed
+        if age > self.timeout:
+            error = f" (last error: {self.last_error})" if self.last_error else ""
+            self._mark_lost(f"no heartbeat succeeded for {age:.0f} s, more than the {self.timeout:g} s timeout{error}")
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
-            held = read_lease(self.storage)
-            if held is None or held.get("owner") != self.owner:
-                self.lost = True
-                return
+        """Renew every interval until stopped or lost; survive every error and try again next beat."""
+        storage = self.storage.with_retry_timeout(min(self.storage.retry_timeout, self.interval))
+        while not self._stop.wait(self.interval) and not self.lost:
             try:
-                self.storage.write_bytes(LEASE_FILE, self._record())
-            except OSError:
-                pass  # try again at the next beat; the timeout is many beats long
+                self._renew(storage)
+            except Exception as exc:  # StorageError or anything else: the thread must not die
+                self.last_error = exc.message if isinstance(exc, StorageError) else describe(exc)
+            self._expire()
 
+    def _renew(self, storage: Storage) -> None:
+        started = time.monotonic()
+        held = read_lease(storage)
+        if held is None:
+            self._mark_lost(f"{storage.url_of(LEASE_FILE)} was removed")
+        elif held.get("owner") != self.owner:
+            self._mark_lost(f"{storage.url_of(LEASE_FILE)} now names another writer ({describe_lease(held, storage)})")
+        if self.lost or self._stop.is_set() or time.monotonic() - (self._renewed or started) > self.timeout:
+            return  # never write over a lease that may be someone else's now
+        storage.write_bytes(LEASE_FILE, self._record())
+        self._renewed = started
+        self.last_error = None
+
+    # -- release ----------------------------------------------------------------------------------
     def release(self) -> None:
+        """Stop the heartbeat and remove lease.json if it is still ours (never when the lease was lost)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=max(5.0, self.interval))
+        if self.lost:
+            return
         held = read_lease(self.storage)
         if held is not None and held.get("owner") == self.owner:
             self.storage.rm(LEASE_FILE)
@@ -141,5 +232,9 @@ class Lease:
     def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self.release()
+        except StorageError:
+            if exc_type is None:
+                raise  # say it; but never hide the error that is already on its way out

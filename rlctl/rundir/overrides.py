@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.config import RunConfig, parse_set, validate_config
+from rlctl.config import RunConfig, check_policies_fit, parse_set, validate_config
 from rlctl.errors import ConfigError
+from rlctl.policies import load_policies
 
 SAFE_ON_RESUME = frozenset(
     {
@@ -54,4 +55,6 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
     for dotted, change in changes.items():  # record typed values
         section, name = dotted.split(".")
         change["to"] = getattr(getattr(new, section), name)
+    if new.policies:  # e.g. checkpoint.every=0 under a policy that rolls back
+        check_policies_fit(new, load_policies(new.policies))
     return new, changes

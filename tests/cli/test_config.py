@@ -62,6 +62,24 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
         ("- a\n- b\n", [], "run.yaml must be a mapping of keys to values, got list"),
         ("actor: {lr: [1, 2\n", [], "run.yaml line 2 is not valid YAML"),
         ("seed: 1\n", ["actor.lr"], "--set expects KEY=VALUE, got 'actor.lr'"),
+        ("seed: -1\n", [], "'seed' (run.yaml line 1): input should be greater than or equal to 0 (got -1)"),
+        (
+            "checkpoint:\n  dir: s4://bucket/ckpt\n",
+            [],
+            "'checkpoint.dir' (run.yaml line 2): unknown storage protocol 's4://' in 's4://bucket/ckpt'; "
+            "did you mean s3:// or gs://?",
+        ),
+        (
+            "seed: 1\n",
+            ["checkpoint.dir=filecache::gcz://b"],
+            "unknown storage protocol 'gcz://' in 'filecache::gcz://b'; did you mean gcs://",
+        ),
+        (
+            "policies:\n  - rules:\n      - name: nan\n        trigger: {kind: nonfinite}\n"
+            "        actions: [{type: rollback}]\n",
+            [],
+            "policy rule 'nan' rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to",
+        ),
     ],
 )
 def test_bad_config_is_one_located_sentence(tmp_path, text, sets, message):
@@ -85,6 +103,54 @@ def test_cli_renders_config_error_without_traceback(tmp_path, capsys):
     assert out == ""
     assert err == ("Error: invalid config: unknown key 'actor.lrr' (run.yaml line 2); did you mean 'actor.lr'?\n")
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "seed: -1\n",
+            "invalid config: 'seed' (run.yaml line 1): input should be greater than or equal to 0 (got -1).",
+        ),
+        (
+            "checkpoint:\n  dir: s4://bucket/ckpt\n",
+            "invalid config: 'checkpoint.dir' (run.yaml line 2): unknown storage protocol 's4://' in "
+            "'s4://bucket/ckpt'; did you mean s3:// or gs://?",
+        ),
+        (
+            "policies: [default]\n",
+            "policy rule 'nonfinite' rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll "
+            "back to; set checkpoint.every to N > 0 (snapshot every N steps)",
+        ),
+    ],
+)
+def test_config_mistakes_found_before_any_work_leave_nothing(tmp_path, capsys, text, message):
+    p = write(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", str(p), "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == ExitCode.CONFIG
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"Error: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rollback_policy_with_snapshots_is_accepted(tmp_path):
+    cfg = load_config(write(tmp_path, "policies: [default]\ncheckpoint:\n  every: 5\n"))
+    assert cfg.policies[0]["rules"][0]["name"] == "nonfinite"
+
+
+def test_a_config_file_that_is_not_utf8_names_the_byte(tmp_path, capsys):
+    p = tmp_path / "run.yaml"
+    p.write_bytes(b"name: caf\xe9\nseed: 1\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", str(p), "--run-dir", str(tmp_path / "run")])
+    assert exit_.value.code == ExitCode.CONFIG
+    assert capsys.readouterr().err == (
+        f"Error: config file {p} is not UTF-8 text: byte 0xe9 at offset 9 (line 1) cannot be decoded; "
+        "save it as UTF-8\n"
+    )
+    p.write_bytes("\ufeffname: café\n".encode())  # UTF-8 with a byte-order mark is fine
+    assert load_config(p).name == "café"
 
 
 def test_usage_error_exits_2(capsys):

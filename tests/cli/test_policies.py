@@ -264,6 +264,24 @@ def test_bad_policy_names_the_file_and_ends_in_a_sentence(tmp_path):
     )
 
 
+def test_a_policy_file_that_is_not_utf8_names_the_byte(tmp_path):
+    from rlctl.commands.policy import policy
+    from rlctl.config import load_config
+
+    p = tmp_path / "p.yaml"
+    p.write_bytes(b"rules:\n  - name: r\n    description: \xff\xfe\n")
+    message = f"policy file {p} is not UTF-8 text: byte 0xff at offset 36 (line 3) cannot be decoded; save it as UTF-8"
+    with pytest.raises(ConfigError) as err:
+        load_policy_file(p)
+    assert err.value.message == message
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("policies: [p.yaml]\n")
+    with pytest.raises(ConfigError, match="policy file .*p.yaml is not UTF-8 text: byte 0xff at offset 36"):
+        load_config(cfg)
+    result = CliRunner().invoke(policy, ["check", str(p)])
+    assert type(result.exception) is ConfigError and result.exception.message == message
+
+
 def test_missing_policy_file(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_policy_file(tmp_path / "nope.yaml")
@@ -522,6 +540,46 @@ def test_load_state_dict_checks_the_version_and_tolerates_changed_rules():
     assert new.triggers("a") == 1 and new.triggers("new") == 0
 
 
+def guard_with_history():
+    from rlctl.policies.guard import PolicyGuard
+
+    guard = PolicyGuard(validate_policy({"rules": [spike_rule(sigma=3, window=8, min_history=2)]}).rules)
+    for step, v in enumerate([1.0, 1.2, 1.1], 1):
+        guard.check(step, {"g": v})
+    guard.skipped_prompts = {3, 5}
+    guard.adjustments = [{"step": 2, "changes": {"actor.lr": 1e-5}}]
+    return guard
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda s: [],  # not a mapping at all
+        lambda s: {**s, "version": 7},
+        lambda s: {k: v for k, v in s.items() if k != "engine"},
+        lambda s: {**s, "engine": "oops"},
+        lambda s: {**s, "engine": {"version": 1, "rules": {"spike": {"triggers": "many"}}}},
+        lambda s: {**s, "engine": {"version": 1, "rules": {"spike": {**s["engine"]["rules"]["spike"], "history": 3}}}},
+        lambda s: {**s, "skipped_prompts": ["x"]},
+        lambda s: {**s, "adjustments": 5},
+    ],
+)
+def test_a_policy_state_of_the_wrong_shape_is_a_policy_state_error_and_changes_nothing(mangle):
+    from rlctl.policies.guard import PolicyStateError
+    from rlctl.stateful import StateMismatchError
+
+    guard = guard_with_history()
+    before = _via_json(guard.state_dict())
+    with pytest.raises(PolicyStateError) as err:
+        guard.load_state_dict(mangle(_via_json(before)))
+    assert isinstance(err.value, StateMismatchError) and isinstance(err.value, ValueError)
+    assert str(err.value).startswith(("policy state is not readable (", "policy guard state has version"))
+    assert _via_json(guard.state_dict()) == before
+    fresh = guard_with_history()
+    fresh.load_state_dict(before)  # a good one still loads
+    assert _via_json(fresh.state_dict()) == before
+
+
 def test_rewind_forgets_the_future_but_keeps_counts():
     eng = engine({**spike_rule(sigma=3, window=16, min_history=2), "max_triggers": 1})
     for step, v in enumerate([1.0, 1.2, 1.1, 50.0], 1):
@@ -595,7 +653,7 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     shipped = {p.stem: yaml.safe_load(p.read_text()) for p in SHIPPED}
     for name, stem in (("default", "default"), ("warn-only.yaml", "warn-only")):
-        (tmp_path / "run.yaml").write_text(f"policies: [{name}]\n")
+        (tmp_path / "run.yaml").write_text(f"policies: [{name}]\ncheckpoint: {{every: 2}}\n")
         assert load_config(str(tmp_path / "run.yaml"), []).policies == [shipped[stem]]
     (tmp_path / "run.yaml").write_text("policies: [default]\n")
     result = CliRunner().invoke(policy, ["check", "default"])

@@ -98,7 +98,65 @@ def test_truncated_last_line_is_tolerated_and_reported(tmp_path):
     r = inspect(url, "--metrics", "actor/ppo_kl", "--format", "csv")
     assert r.exit_code == 0
     assert r.stdout.splitlines()[-1] == "5,0.005"
-    assert "skipped unreadable line(s) [6] of metrics.jsonl" in r.stderr
+    assert (
+        r.stderr
+        == f"warning: skipped 1 unreadable line of {url}/metrics.jsonl (line 6): a crash mid-write, or an edit by hand\n"
+    )
+
+
+def test_malformed_rows_and_events_are_skipped_with_one_warning_per_file(tmp_path):
+    """Lines that are not JSON, not objects, or metric rows without an integer step are skipped; each file
+    with such lines gets one warning naming it and the count; every view of the run still works."""
+    url = make_run(str(tmp_path / "r"), events=[{"event": "completed", "step": 5}])
+    run = tmp_path / "r"
+    with open(run / "metrics.jsonl", "ab") as fh:
+        fh.write(b'garbage\n[1, 2]\n{"critic/score/mean": 9}\n{"step": "7"}\n42\n{"step": 6, "critic/score/')
+    with open(run / "events.jsonl", "ab") as fh:
+        fh.write(b'{"event": "snapshot_committed", "step": "x"}\nnot json\n["event"]\n')
+    r = inspect(url)
+    assert r.exit_code == 0, r.output
+    assert "status     completed" in r.stdout and "step       5 / 5" in r.stdout
+    warnings = r.stderr.splitlines()
+    assert warnings == [
+        f"warning: skipped 6 unreadable lines of {url}/metrics.jsonl (lines 6, 7, 8, 9, 10, ...): "
+        "a crash mid-write, or an edit by hand",
+        f"warning: skipped 2 unreadable lines of {url}/events.jsonl (lines 4, 5): a crash mid-write, or an edit by hand",
+    ]
+    for args in (["--check"], ["--events", "--format", "csv"], ["--last", "1", "--format", "jsonl"], ["--follow"]):
+        r = inspect(url, *args)
+        assert r.exit_code == 0, (args, r.output)
+    assert inspect(url, "--last", "1", "--format", "jsonl").stdout.startswith('{"step":5,')
+    png = tmp_path / "m.png"
+    assert inspect(url, "--plot", str(png)).exit_code == 0
+    r = CliRunner().invoke(cli, ["runs", str(tmp_path)])
+    assert r.exit_code == 0 and "completed" in r.stdout and "metrics.jsonl" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "text, cause, listed",
+    [
+        (b"trainer: [unclosed\n", "is not valid YAML (line 2)", "unreadable"),
+        (b"- a\n- b\n", "holds a list, not a config mapping", "unreadable"),
+        (b"name: caf\xe9\n", "is not valid YAML", "unreadable"),
+        (b"trainer: {total_steps: many}\n", "trainer.total_steps", "completed"),
+    ],
+)
+def test_malformed_config_is_one_sentence_naming_the_file(tmp_path, text, cause, listed):
+    """inspect (a summary validates the config), checkpoints, resume: exit 3 and one line naming
+    config.yaml; runs lists a run whose config is not YAML as unreadable, with a warning (and one that is
+    YAML with the status its events give)."""
+    url = make_run(str(tmp_path / "r"), events=[{"event": "completed", "step": 5}])
+    (tmp_path / "r" / "config.yaml").write_bytes(text)
+    for args in (["inspect", url], ["checkpoints", url], ["resume", url]):
+        r = run_cli(*args)
+        assert r.returncode == 3, (args, r.stderr)
+        error = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert len(error) == 1 and error[0].startswith(f"Error: {url}/config.yaml") and cause in error[0], r.stderr
+        assert r.stderr.endswith(error[0] + "\n") and "Traceback" not in r.stderr, r.stderr
+    r = run_cli("runs", str(tmp_path), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert [(x["run"], x["status"]) for x in json.loads(r.stdout)] == [(url, listed)]
+    assert (f"{url}/config.yaml" in r.stderr) == (listed == "unreadable")
 
 
 def test_memory_and_s3_run_directories(s3_env):

@@ -1,6 +1,7 @@
 """The snapshot commit protocol, discovery, verification, retention and the lease, on real storage
 (local disk and fsspec's memory filesystem), with small Stateful objects."""
 
+import errno
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
-from rlctl.errors import LeaseError, SnapshotError
+from rlctl.errors import LeaseError, SnapshotError, StorageError
 from rlctl.rundir.directory import zero_topology
 from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.storage import Storage, with_retries
@@ -162,15 +163,17 @@ def test_failed_upload_is_reported_and_never_half_visible(tmp_path):
     class Unwritable(Storage):
         def put_dir(self, local_dir, *parts):
             self.fs.pipe_file(self.path(*parts, "partial"), b"x")
-            raise OSError("disk on fire")
+            raise OSError(errno.EIO, "Input/output error", "partial")
 
     storage = Unwritable(f"memory://fail-{uuid.uuid4().hex}/ckpt")
     events = []
-    m = SnapshotManager(storage, on_event=events.append, retry_delay=0.01)
+    m = SnapshotManager(storage, on_event=events.append)
     m.save(3, {"counter": Counter(3)}, {}, good=True)
     assert m.wait() is False
-    assert [e["event"] for e in events] == ["snapshot_retry"] * 3 + ["snapshot_failed"]
-    assert "disk on fire" in events[-1]["error"]
+    (failed,) = events
+    assert failed["event"] == "snapshot_failed" and failed["step"] == 3
+    assert (failed["consecutive"], failed["max_failures"]) == (1, 3)
+    assert failed["error"] == f"the snapshot of step 3 was not committed to {storage.url}: input/output error (partial)"
     assert m.scan() == [] and not storage.exists("step-000003")
 
 
@@ -180,7 +183,7 @@ def test_with_retries_backs_off_then_succeeds():
     def flaky():
         calls.append(time.perf_counter())
         if len(calls) < 3:
-            raise OSError("try again")
+            raise ConnectionResetError("try again")
         return "ok"
 
     assert with_retries(flaky, base_delay=0.05) == "ok"
@@ -199,6 +202,220 @@ def test_explicit_step_that_does_not_exist(storage):
     save(m, 2, 2)
     with pytest.raises(SnapshotError, match=r"no snapshot of step 3 .*usable steps: 2"):
         m.candidates(3)
+
+
+# -- failed snapshots: reported, counted, and the end of the run at max_failures -------------------
+class DeferredBlob(Blob):
+    """A directory-Stateful that defers its file to the background thread, as the engines do."""
+
+    def save_to_dir(self, path, defer=None):
+        os.makedirs(path, exist_ok=True)
+        data = self.data
+        defer(os.path.join(path, "blob.bin"), lambda fh: fh.write(data))
+
+
+def test_enospc_drill_fails_every_snapshot_from_its_step_and_max_failures_ends_the_run(storage, monkeypatch):
+    monkeypatch.setenv("RLCTL_FAULTS", "enospc@2")
+    events = []
+    m = SnapshotManager(storage, on_event=events.append, max_failures=3)
+    save(m, 1, 1)
+    for step in (2, 3):
+        m.save(step, {"counter": Counter(step)}, {"blob": Blob(b"x" * 10)}, good=True)
+        assert m.wait() is False
+    failed = [e for e in events if e["event"] == "snapshot_failed"]
+    assert [(e["step"], e["consecutive"], e["max_failures"]) for e in failed] == [(2, 1, 3), (3, 2, 3)]
+    assert all("no space left on device" in e["error"] for e in failed)
+    assert [i.step for i in m.scan()] == [1]  # nothing half-visible, no litter
+    with pytest.raises(StorageError) as caught:
+        m.save(4, {"counter": Counter(4)}, {}, good=True)
+    message = caught.value.message
+    assert "3 snapshots in a row failed" in message and "of step 4" in message and storage.url in message
+    assert "no space left on device" in message and "the last committed snapshot is step 1" in message
+    with pytest.raises(StorageError):  # and at every later wait: the run must stop
+        m.wait()
+
+
+def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_path, monkeypatch):
+    class OverQuota(DeferredBlob):
+        def save_to_dir(self, path, defer=None):
+            os.makedirs(path, exist_ok=True)
+            target = os.path.join(path, "blob.bin")
+
+            def write(fh):
+                fh.write(b"half")
+                raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), target)
+
+            defer(target, write)
+
+    storage = Storage(str(tmp_path / "ckpt"))
+    events = []
+    m = SnapshotManager(storage, on_event=events.append, max_failures=2)
+    monkeypatch.setenv("RLCTL_FAULTS", "enospc@1")
+    m.save(1, {"counter": Counter(1)}, {}, good=True)  # fails while staging, on this thread
+    assert m.wait() is False
+    monkeypatch.setenv("RLCTL_FAULTS", "")
+    m.save(2, {"counter": Counter(2)}, {"blob": DeferredBlob(b"y" * 100)}, good=True)
+    assert m.wait() is True and m.failures.consecutive == 0
+    m.save(3, {"counter": Counter(3)}, {"blob": OverQuota()}, good=True)  # fails in the background
+    m.wait_staged()  # training is released even so
+    assert m.wait() is False
+    failed = [e for e in events if e["event"] == "snapshot_failed"]
+    assert [(e["step"], e["consecutive"]) for e in failed] == [(1, 1), (3, 1)]  # 2 committed: the count restarted
+    assert "no space left on device" in failed[0]["error"]
+    assert failed[1]["error"].endswith(f"disk quota exceeded ({storage.path('step-000003', 'blob', 'blob.bin')})")
+    assert m.outcome(3).startswith("the snapshot of step 3 was not committed (disk quota exceeded")
+    assert m.outcome(3).endswith("the last committed snapshot is step 2")
+    assert [i.step for i in m.scan()] == [2]
+
+
+def test_enospc_drill_fails_the_durable_writes_where_the_disk_would(tmp_path):
+    from rlctl.checkpoint.writer import DurableFile
+
+    with DurableFile(str(tmp_path / "f"), full=True) as fh, pytest.raises(OSError) as caught:
+        fh.write(b"x" * (2 << 20))  # (a chunk big enough to be hashed on the other thread)
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "f")
+    assert not fh._hasher.is_alive()
+
+
+def test_torch_write_failure_on_a_full_disk_is_named_for_what_it_is(tmp_path):
+    """On a real full filesystem (a 1 MiB tmpfs; needs root) torch.save fails with its bare
+    "unexpected pos"; the cause is said as "no space left on device"."""
+    import torch
+
+    from rlctl.checkpoint.failures import describe
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            torch.save({"x": torch.zeros(1 << 20)}, str(disk / "state.pt"))
+        error = caught.value.with_traceback(None)
+        assert "unexpected pos" in str(error)
+        assert describe(error, str(disk)).startswith(f"no space left on device ({disk} is full; torch said:")
+        assert describe(error, str(tmp_path)).startswith("RuntimeError: [enforce fail")  # not full: as it is
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_fence_failure_commits_nothing_and_reaches_the_training_thread(tmp_path):
+    storage = Storage(str(tmp_path / "ckpt"))
+    lost = []
+
+    def fence():
+        if lost:
+            raise LeaseError("the lease of the run was taken over by another writer")
+
+    events = []
+    m = SnapshotManager(storage, on_event=events.append, fence=fence)
+    save(m, 1, 1)
+    lost.append(True)
+    m.save(2, {"counter": Counter(2)}, {"blob": Blob(b"x")}, good=True)  # the fence is only asked at commit
+    with pytest.raises(LeaseError, match="taken over"):
+        m.wait()
+    assert not storage.exists("step-000002", MANIFEST)
+    assert storage.exists("step-000002", "state.pt")  # left for the new owner to tidy: we may not write
+    with pytest.raises(LeaseError):
+        m.save(3, {"counter": Counter(3)}, {}, good=True)
+    assert [e["event"] for e in events] == ["snapshot_committed"]
+
+
+def test_an_exception_of_the_commit_thread_reaches_the_training_thread(tmp_path):
+    def on_event(event):
+        if event["event"] == "snapshot_committed":
+            raise RuntimeError("events.jsonl is gone")
+
+    m = SnapshotManager(Storage(str(tmp_path / "ckpt")), on_event=on_event)
+    m.save(1, {"counter": Counter(1)}, {}, good=True)
+    with pytest.raises(RuntimeError, match="events.jsonl is gone"):
+        m.wait()
+    m.save(2, {"counter": Counter(2)}, {}, good=True)  # the thread lives on
+    with pytest.raises(RuntimeError, match="events.jsonl is gone"):
+        m.close()
+
+
+# -- unreadable manifests: never deleted, never chosen, quarantined and said ----------------------------
+GARBAGE = {
+    b"\x00\xffnot json": "is not valid JSON",
+    b'{"format": 1, "step": 2, "files": {"state.pt": {"si': "is not valid JSON",
+    b"[1, 2]": "holds a JSON list, not an object",
+    b'{"files": {}}': "has no format number",
+    b'{"format": 1, "step": 2, "world_size": 1, "total_bytes": 3, "good": true, "files": []}': "'files' is not",
+    b'{"format": 1, "step": 2, "world_size": 1, "total_bytes": 3, "good": true, '
+    b'"files": {"state.pt": {"size": "3", "sha256": "00"}}}': "size of state.pt is '3'",
+    b'{"format": 1, "step": "2", "world_size": 1, "total_bytes": 3, "good": true, "files": {}}': "'step' is '2'",
+    b'{"format": 1, "step": 2, "world_size": 1, "total_bytes": 3, "good": "yes", "files": {}}': "'good' is 'yes'",
+}
+
+
+@pytest.mark.parametrize("raw", list(GARBAGE), ids=[f"garbage{i}" for i in range(len(GARBAGE))])
+def test_unreadable_manifest_is_quarantined_never_deleted_nor_chosen(storage, raw):
+    events = []
+    m = SnapshotManager(storage, on_event=events.append)
+    save(m, 1, 1)
+    save(m, 2, 2)
+    storage.write_bytes("step-000002/manifest.json", raw)
+    storage.write_bytes("step-000003/state.pt", b"half written")  # the protocol's own temporary
+    bad = m.scan()[1]
+    assert (bad.step, bad.committed, bad.usable, bad.unreadable) == (2, False, False, True)
+    assert GARBAGE[raw] in bad.problem and "manifest.json" in bad.problem
+    assert [(i.step, i.usable) for i in m.candidates("latest")] == [(2, False), (1, True)]
+
+    assert m.remove_uncommitted() == [3]
+    assert not storage.exists("step-000003") and not storage.exists("step-000002")
+    (moved,) = storage.listdir("quarantine")
+    assert moved.startswith("step-000002.")
+    assert storage.read_bytes("quarantine", moved, "manifest.json") == raw  # everything kept, as it was
+    assert storage.exists("quarantine", moved, "blob", "blob.bin") and storage.exists("quarantine", moved, "state.pt")
+    (event,) = [e for e in events if e["event"] == "snapshot_quarantined"]
+    assert event["step"] == 2 and GARBAGE[raw] in event["reason"]
+    assert event["location"] == storage.url_of("quarantine", moved)
+
+    latest = m.candidates("latest")  # the reason can still be named when latest falls back
+    assert [(i.step, i.usable) for i in latest] == [(2, False), (1, True)]
+    assert latest[0].problem == f"{event['reason']}; moved to {event['location']}"
+    assert m.candidates(2)[0].problem == latest[0].problem
+    assert m.candidates("last-good") == [latest[1]]
+
+
+def test_retention_never_deletes_an_unreadable_or_damaged_snapshot(storage):
+    m = SnapshotManager(storage, retention=Retention(keep_last=1))
+    save(m, 1, 1)
+    storage.write_bytes("step-000001/manifest.json", b"{ truncated")
+    save(m, 2, 2)
+    storage.rm("step-000002/state.pt")  # damaged: a file is missing
+    save(m, 3, 3)
+    save(m, 4, 4)
+    assert [(i.step, i.usable) for i in m.scan()] == [(1, False), (2, False), (4, True)]
+
+
+def test_world_size_and_topology_are_read_from_a_checked_manifest(storage):
+    m = SnapshotManager(storage)
+    save(m, 1, 1)
+    manifest = orjson.loads(storage.read_bytes("step-000001/manifest.json"))
+    storage.write_bytes("step-000001/manifest.json", orjson.dumps({**manifest, "step": 7}))
+    (info,) = m.scan()
+    assert info.problem == "its manifest is of step 7, not of step 1" and not info.unreadable
+    storage.write_bytes("step-000001/manifest.json", orjson.dumps({**manifest, "format": 2}))
+    (info,) = m.scan()
+    assert info.problem == "manifest format 2; this rlctl reads format 1" and not info.unreadable
+    assert m.remove_uncommitted() == [] and storage.exists("step-000001", MANIFEST)  # a newer rlctl's: left alone
+
+
+# -- verify: every sha256, on every storage --------------------------------------------------------------
+def test_verify_finds_a_flipped_byte_on_s3(s3_env):
+    env, opts = s3_env
+    storage = Storage(f"s3://rlctl-runs/verify-{uuid.uuid4().hex}/ckpt", opts)
+    m = SnapshotManager(storage)
+    save(m, 1, 1)
+    save(m, 2, 2)
+    path = storage.path("step-000002", "blob", "blob.bin")
+    data = bytearray(storage.fs.cat_file(path))
+    data[500] ^= 0x01
+    storage.fs.pipe_file(path, bytes(data))  # same size, one bit off
+    assert [i.problem for i in m.scan()] == [None, None]  # sizes agree: only the sha256 can tell
+    assert [i.problem for i in m.scan(deep=True)] == [None, "file blob/blob.bin does not match its sha256 (corrupt)"]
 
 
 # -- lease ------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Every check that can run before any work: ``check_before_start(cfg)``, called by ``start`` before the
+run directory exists and by ``resume`` before the lease is taken, so a mistake leaves nothing behind
+that would block a retry of the fixed command.
+
+It checks, in seconds and without loading weights: the dataset file can be read; the device asked for
+is there (``device: cuda`` without a GPU), with a device for every local rank; the storage of
+``checkpoint.dir`` has its filesystem installed; the model directory has a config and weights, and its
+context holds ``data.max_prompt_length + rollout.max_new_tokens``; the reward function imports and is
+callable. What the schema alone can check (a negative seed, an unknown storage protocol, a rollback
+policy without snapshots) is the config's own validation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+from fsspec.core import split_protocol
+
+from rlctl.config import RunConfig
+from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
+from rlctl.engine.reward import load_reward_fn
+from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device
+from rlctl.errors import ConfigError, InputError
+
+
+def check_before_start(cfg: RunConfig) -> None:
+    """ConfigError or InputError, one sentence each, for what would otherwise fail after work began."""
+    check_data(cfg)
+    check_device(cfg)
+    check_checkpoint_storage(cfg)
+    check_models(cfg)
+    load_reward_fn(cfg.reward.function)
+
+
+def check_data(cfg: RunConfig) -> None:
+    """The dataset file can be opened and read (it may have moved since the config was written)."""
+    if cfg.data.path is None:
+        return
+    path = Path(cfg.data.path).expanduser()
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise InputError(f"cannot read 'data.path' {path}: {exc.strerror or exc}") from None
+
+
+def check_device(cfg: RunConfig) -> None:
+    """The device asked for is on this machine, one for every local rank, and the rollout backend runs
+    on it. Under Ray the ranks run elsewhere: their own start-up checks their devices."""
+    if cfg.cluster.backend != "local":
+        return
+    kind = resolve_device(cfg.device)
+    check_local_ranks(cfg.device, cfg.world_size)
+    check_rollout_device(kind, cfg.rollout.backend)
+
+
+def check_checkpoint_storage(cfg: RunConfig) -> None:
+    """The filesystem of ``checkpoint.dir`` is installed (gs:// needs gcsfs, s3:// s3fs). That the
+    protocol exists at all is the schema's check."""
+    if cfg.checkpoint.dir is None:
+        return
+    for part in cfg.checkpoint.dir.split("::"):
+        protocol = split_protocol(part)[0]
+        if protocol is None:
+            continue
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(
+                f"'checkpoint.dir' is {cfg.checkpoint.dir}, but the {protocol}:// filesystem is not available: {exc}"
+            ) from None
+
+
+def check_models(cfg: RunConfig) -> None:
+    """The model (and a PPO critic's own model) directory has a config and weights, and the model's
+    context holds the longest prompt plus the longest completion."""
+    if cfg.model.path is None:
+        check_context(cfg, ("max_position_embeddings", BUILTIN_CONTEXT), "the built-in model")
+    else:
+        model_dir = Path(cfg.model.path).expanduser()
+        config = load_model_config(model_dir, cfg.model.trust_remote_code)
+        check_weights_present(model_dir)
+        check_context(cfg, context_length(config), f"the model in {model_dir}")
+    if cfg.algorithm.name == "ppo" and cfg.critic.path is not None:
+        critic_dir = Path(cfg.critic.path).expanduser()
+        load_model_config(critic_dir, cfg.model.trust_remote_code)
+        check_weights_present(critic_dir)
+
+
+def check_context(cfg: RunConfig, limit: tuple[str, int] | None, model: str) -> None:
+    """A ConfigError naming both keys when prompt plus completion exceed the model's positions."""
+    if limit is None:  # the model declares no limit: nothing to check against
+        return
+    key, positions = limit
+    prompt, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    if prompt + new > positions:
+        raise ConfigError(
+            f"'data.max_prompt_length' ({prompt}) + 'rollout.max_new_tokens' ({new}) = {prompt + new} tokens "
+            f"exceed the {positions} positions of {model} ({key}); lower them to fit"
+        )

@@ -1,0 +1,198 @@
+"""A run's lifecycle outside the happy path, end to end: the installed `rlctl` in subprocesses, real
+DeepSpeed, real signals. Stop signals from the first instant of `start`, Ctrl-C, a start that never
+trained run again into its directory, exit codes for a bad --from and for a run that cannot resume,
+a failed snapshot said at once and seen by `inspect --check`."""
+
+import os
+import signal
+import socket
+import time
+
+import orjson
+import pytest
+import yaml
+
+from rlctl.errors import ExitCode
+from rlctl.inspect import CHECK_CODES
+
+from helpers import SMALL, events_of, metrics_of, run_cli, spawn, wait_for
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["--set", "trainer.total_steps=2"]
+
+
+def kinds(run_dir):
+    return [e["event"] for e in events_of(run_dir)]
+
+
+def last_event(run_dir):
+    events = events_of(run_dir)  # ([] before the file exists)
+    return events[-1] if events else {}
+
+
+def check(run_dir):
+    r = run_cli("inspect", str(run_dir), "--check")
+    assert r.stdout.count("\n") == 1, r.stdout
+    return r.returncode, r.stdout
+
+
+def stop_when(proc, predicate, sig=signal.SIGTERM, timeout=120):
+    """Send ``sig`` once ``predicate()`` holds; the exit code and stderr."""
+    wait_for(predicate, proc, timeout=timeout)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def test_sigterm_in_the_first_instant_is_exit_75_and_leaves_nothing(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    time.sleep(0.5)  # python has started; imports and checks are under way, no run directory yet
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.PREEMPTED == 75, err
+    assert err.strip().endswith("stopped by SIGTERM before the run began; run the same command again"), err
+    assert "Traceback" not in err and not (run / "config.yaml").exists()
+
+
+def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tmp_path):
+    """The run directory exists (the trainer is being built): exit 75, a `preempted` event, --check
+    says preempted; resume starts the run over (it never trained) and completes."""
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    assert code == 75, err
+    assert "stopped by SIGTERM before training began; no snapshot yet; resume will start over" in err
+    assert f"rlctl resume {run} --from latest" in err and "Traceback" not in err
+    assert kinds(run) == ["start", "preempted"]
+    assert {"signal": "SIGTERM", "step": 0, "snapshot": None}.items() <= events_of(run)[-1].items()
+    code, line = check(run)
+    assert code == CHECK_CODES["preempted"] == 45 and line.startswith("PREEMPTED") and "step 0/2" in line
+
+    r = run_cli("resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "the run never trained a step; starting it over" in r.stderr
+    assert [row["step"] for row in metrics_of(run)] == [1, 2]
+    assert kinds(run)[-2:] == ["resume", "completed"]
+    assert check(run)[0] == 0
+
+
+def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(tmp_path):
+    run = tmp_path / "run"
+    # a mistake found before any work: nothing is created, so the fixed command just runs
+    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS, "--set", "reward.function=no_such_module:fn")
+    assert r.returncode == ExitCode.CONFIG and "no_such_module" in r.stderr and not run.exists(), r.stderr
+
+    # preempted while starting: the directory exists, with no step and no snapshot
+    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    assert code == 75, err
+    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS, "--set", "seed=7")
+    assert r.returncode == 0, r.stderr
+    assert f"reusing {run}: its earlier start never trained a step" in r.stderr
+    assert kinds(run) == ["start", "preempted", "start", "completed"] and events_of(run)[2]["reused"] is True
+    assert yaml.safe_load((run / "config.yaml").read_text())["seed"] == 7  # the new config
+    assert [row["step"] for row in metrics_of(run)] == [1, 2]
+
+    # a directory whose run trained is never started over
+    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS)
+    assert r.returncode == ExitCode.CONFIG and "already holds a run that trained 2 step(s)" in r.stderr
+    assert len(metrics_of(run)) == 2
+
+
+def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS, "--nproc", "2")
+    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    assert code == 75, err
+    assert "resume will start over" in err and "Traceback" not in err
+    assert kinds(run)[-1] == "preempted"
+    assert check(run)[0] == CHECK_CODES["preempted"]
+
+
+def test_from_banana_is_a_usage_error(tmp_path):
+    r = run_cli("resume", str(tmp_path), "--from", "banana")
+    assert r.returncode == ExitCode.USAGE == 2
+    assert "Invalid value for '--from': expected latest, last-good, step-N or N; got 'banana'" in r.stderr
+
+
+def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retrained(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=4", faults="sleep@2=120")
+    code, err = stop_when(proc, lambda: len(metrics_of(run)) >= 2, sig=signal.SIGINT)
+    assert code == ExitCode.INTERRUPTED == 130, err
+    assert err.strip().endswith("Interrupted.") and "Traceback" not in err
+    assert events_of(run)[-1]["event"] == "interrupted" and events_of(run)[-1]["step"] == 2
+    code, line = check(run)
+    assert code == CHECK_CODES["interrupted"] == 46 and line.startswith("INTERRUPTED")
+
+    r = run_cli("resume", str(run))
+    assert r.returncode == ExitCode.SNAPSHOT == 11, r.stderr
+    assert "no usable snapshot" in r.stderr and "the run trained 2 step(s)" in r.stderr
+    assert [row["step"] for row in metrics_of(run)] == [1, 2]  # nothing trained again
+    assert "resume" not in kinds(run)
+
+
+def test_a_failed_snapshot_is_said_at_once_and_check_warns(tmp_path):
+    run = tmp_path / "run"
+    proc = spawn(
+        "start",
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--set",
+        "trainer.total_steps=4",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.max_failures=5",
+        faults="enospc@2,sleep@2=120",
+    )
+    wait_for(lambda: (run / "events.jsonl").exists() and "snapshot_failed" in kinds(run), proc)
+    code, line = check(run)
+    assert code == CHECK_CODES["warning"] == 41, line
+    assert "snapshot of step 2 failed and none was committed since" in line
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    warning = [x for x in err.splitlines() if x.startswith("warning: snapshot of step 2 failed:")]
+    assert len(warning) == 1 and warning[0].endswith("(1 of 5)") and "no space left" in warning[0], err
+
+
+def steal_lease(run_dir):
+    """Another writer takes the run over (as a --force takeover would): lease.json names it."""
+    thief = {"owner": "thief", "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+    (run_dir / "lease.json").write_bytes(orjson.dumps(thief))
+    return thief
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_writer_that_lost_its_lease_stops_before_its_next_write(tmp_path, nproc):
+    """The lease is taken over while the run trains: the heartbeat sees it, the run stops with exit 10
+    before committing another snapshot or writing another event, and leaves the new owner's lease."""
+    run = tmp_path / "run"
+    proc = spawn(
+        "start",
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--nproc",
+        str(nproc),
+        "--set",
+        "trainer.total_steps=6",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "trainer.lease_heartbeat=0.2",
+        faults="sleep@2=4",
+    )
+    wait_for(lambda: {"event": "snapshot_committed", "step": 2}.items() <= last_event(run).items(), proc)
+    thief = steal_lease(run)
+    events_before = kinds(run)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.LEASE_HELD == 10, err
+    assert "lease" in err.splitlines()[-1] and "Traceback" not in err
+    assert kinds(run) == events_before  # nothing recorded after the lease was lost
+    assert not (run / "checkpoints" / "step-000003" / "manifest.json").exists()
+    assert (run / "lease.json").read_bytes() == orjson.dumps(thief)  # left to its owner

@@ -1,0 +1,136 @@
+"""``check_before_start``: what can be checked before any work, in seconds, with real modules, model
+directories and this machine's devices."""
+
+import json
+
+import pytest
+import torch
+
+from rlctl.config import validate_config
+from rlctl.engine.preflight import check_before_start
+from rlctl.errors import ConfigError, ExitCode, InputError
+
+
+def config(**sections):
+    return validate_config(sections)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A real Hugging Face causal-LM directory whose context is 64 positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path / "tiny"
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def test_the_demo_config_passes():
+    check_before_start(config())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_named_before_any_work():
+    with pytest.raises(ConfigError, match="'device' is cuda but torch sees no CUDA device"):
+        check_before_start(config(device="cuda"))
+
+
+def test_ray_ranks_check_their_own_devices():
+    """The driver of a Ray run may have no GPU while its workers do: not checked here."""
+    check_before_start(config(device="cuda", cluster={"backend": "ray"}))
+
+
+def test_prompt_plus_completion_beyond_the_builtin_context():
+    cfg = config(data={"max_prompt_length": 1000}, rollout={"max_new_tokens": 100})
+    with pytest.raises(ConfigError) as err:
+        check_before_start(cfg)
+    assert err.value.message == (
+        "'data.max_prompt_length' (1000) + 'rollout.max_new_tokens' (100) = 1100 tokens exceed the 1024 "
+        "positions of the built-in model (max_position_embeddings); lower them to fit"
+    )
+    check_before_start(config(data={"max_prompt_length": 1000}, rollout={"max_new_tokens": 24}))
+
+
+def test_prompt_plus_completion_beyond_a_models_context(tiny_model_dir):
+    cfg = config(model={"path": str(tiny_model_dir)}, data={"max_prompt_length": 60}, rollout={"max_new_tokens": 8})
+    with pytest.raises(ConfigError, match=f"exceed the 64 positions of the model in {tiny_model_dir} "):
+        check_before_start(cfg)
+    check_before_start(
+        config(model={"path": str(tiny_model_dir)}, data={"max_prompt_length": 56}, rollout={"max_new_tokens": 8})
+    )
+
+
+def test_a_model_dir_that_cannot_load_is_named(tiny_model_dir):
+    small = {"data": {"max_prompt_length": 8}, "rollout": {"max_new_tokens": 8}}
+    (tiny_model_dir / "model.safetensors").unlink()
+    with pytest.raises(InputError, match=f"the model directory {tiny_model_dir} holds no weights"):
+        check_before_start(config(model={"path": str(tiny_model_dir)}, **small))
+    (tiny_model_dir / "config.json").write_text("{not json")
+    with pytest.raises(InputError) as err:
+        check_before_start(config(model={"path": str(tiny_model_dir)}, **small))
+    assert err.value.message.startswith(f"cannot read the model config in {tiny_model_dir}: ")
+    assert "\n" not in err.value.message and err.value.exit_code == ExitCode.INPUT
+    (tiny_model_dir / "config.json").unlink()
+    with pytest.raises(InputError, match=f"cannot read the model config in {tiny_model_dir}"):
+        check_before_start(config(model={"path": str(tiny_model_dir)}, **small))
+
+
+def test_the_reward_function_is_imported_and_checked(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'reward.function': cannot import module 'no_reward_mod_here'"):
+        check_before_start(config(reward={"function": "no_reward_mod_here:f"}))
+    (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('API key missing')\n")
+    with pytest.raises(InputError, match="importing module 'broken_at_import' raised RuntimeError: API key missing"):
+        check_before_start(config(reward={"function": "broken_at_import:f"}))
+    (tmp_path / "fine_reward.py").write_text(
+        "def f(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    with pytest.raises(ConfigError, match="module 'fine_reward' has no function 'g'"):
+        check_before_start(config(reward={"function": "fine_reward:g"}))
+    check_before_start(config(reward={"function": "fine_reward:f"}))
+
+
+def test_a_dataset_that_went_away_since_the_config_was_written(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "a"}) + "\n")
+    cfg = config(data={"path": str(data)})
+    check_before_start(cfg)
+    data.unlink()
+    with pytest.raises(InputError, match=f"cannot read 'data.path' {data}: No such file or directory"):
+        check_before_start(cfg)
+
+
+def test_a_checkpoint_filesystem_that_is_not_installed(monkeypatch):
+    from fsspec.registry import known_implementations
+
+    monkeypatch.setitem(
+        known_implementations,
+        "zzfs",
+        {"class": "zzfs_not_installed.ZZFileSystem", "err": "Install zzfs_not_installed to use zzfs://"},
+    )
+    cfg = config(checkpoint={"dir": "zzfs://bucket/ckpt"})
+    with pytest.raises(ConfigError) as err:
+        check_before_start(cfg)
+    assert err.value.message == (
+        "'checkpoint.dir' is zzfs://bucket/ckpt, but the zzfs:// filesystem is not available: "
+        "Install zzfs_not_installed to use zzfs://"
+    )
+    check_before_start(config(checkpoint={"dir": "memory://ckpt"}))
+
+
+def test_it_loads_no_weights(monkeypatch, tiny_model_dir):
+    """Fast: configs only, never a model's weights."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("preflight loaded weights")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", refuse)
+    check_before_start(
+        config(model={"path": str(tiny_model_dir)}, data={"max_prompt_length": 8}, rollout={"max_new_tokens": 8})
+    )
