@@ -14,7 +14,7 @@ import click
 
 from rlctl import __version__
 from rlctl.errors import ExitCode, RlctlError
-from rlctl.ranks.signals import Stopped
+from rlctl.ranks.signals import STOPS, Stopped
 
 # name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -68,11 +68,19 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"Error: {exc.message}", err=True)
         sys.exit(int(exc.exit_code))
     except Stopped as exc:  # before a run directory was taken: nothing to record
-        click.echo(f"Error: stopped by {exc.signal_name} before the run began; run the same command again", err=True)
-        sys.exit(int(ExitCode.PREEMPTED))
-    except OSError as exc:
+        _stopped(exc.signal_name)
+    except Exception as exc:
+        if STOPS.early is not None:  # a stop raised inside third-party start-up code, as its own error
+            _stopped(STOPS.early)
+        if not isinstance(exc, OSError):
+            raise  # a bug in rlctl: the traceback is printed (exit 1)
         # storage that cannot be reached, read or written: the environment, not a bug in rlctl
         where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         click.echo(f"Error: storage error{where}: {exc.strerror or exc}", err=True)
         sys.exit(int(ExitCode.STORAGE))
     sys.exit(int(ExitCode.OK))
+
+
+def _stopped(signal_name: str) -> None:
+    click.echo(f"Error: stopped by {signal_name} before the run began; run the same command again", err=True)
+    sys.exit(int(ExitCode.PREEMPTED))

@@ -20,12 +20,12 @@ from typing import Any
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.config import RunConfig
-from rlctl.errors import ExitCode, Preempted, RankFailed, SnapshotError
+from rlctl.errors import ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
-from rlctl.ranks.signals import Stopped
+from rlctl.ranks.signals import STOPS, Stopped
 from rlctl.ranks.worker import train_rank
 from rlctl.rundir.directory import (
     claim_run_dir,
@@ -171,6 +171,12 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
         yield events
     except Stopped as stop:
         raise _stopped_early(run, cfg, events, stop.signal_name) from None
+    except Exception as exc:
+        if STOPS.early is None or isinstance(exc, RlctlError):
+            raise
+        # a stop raised in the middle of third-party start-up code (an import) can surface as that
+        # code's own error: the stop is what happened
+        raise _stopped_early(run, cfg, events, STOPS.early) from None
     except KeyboardInterrupt:
         if not _ended_since(run, offset):
             _record(events, {"event": "interrupted"})

@@ -36,15 +36,17 @@ class StopRequests:
         self._running = None
         self._pending: str | None = None
         self._at_once = False
+        self.early: str | None = None  # a stop that came before any trainer took it
 
     def request(self, reason: str) -> None:
         if self._running is not None:
             self._running.request_stop(reason)
-        elif self._at_once:
+            return
+        self.early = self.early or reason
+        self._pending = reason  # also kept: code being imported may swallow the Stopped raised below
+        if self._at_once:
             self._at_once = False  # one Stopped: a second signal during the unwinding is kept, not raised
             raise Stopped(reason)
-        else:
-            self._pending = reason
 
     @contextlib.contextmanager
     def at_once(self) -> Iterator[None]:

@@ -15,259 +15,38 @@ jitter draws from a private generator, never from the run's global ``random`` st
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import functools
 import hashlib
 import os
 import posixpath
-import random
 import shutil
-import sys
 import tempfile
 import threading
-import time
-import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
-import fsspec
+from rlctl.errors import ConfigError
+from rlctl.storage.clients import fence_third_party_random, open_fs
+from rlctl.storage.failures import (
+    ABSENCE,
+    describe,
+    guarded,
+    is_transient,
+    with_retries,
+)
 
-from rlctl.errors import ConfigError, StorageError
+__all__ = [
+    "Storage",
+    "default_retry_timeout",
+    "describe",
+    "fence_third_party_random",
+    "guarded",
+    "is_transient",
+    "with_retries",
+]
 
 T = TypeVar("T")
-
-# -- the taxonomy: transient or permanent, and the cause in words ------------------------------------
-
-TRANSIENT_ERRNOS = {
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-    errno.ECONNABORTED,
-    errno.ETIMEDOUT,
-    errno.EAGAIN,
-    errno.EPIPE,
-    errno.EINTR,
-    errno.EHOSTUNREACH,
-    errno.ENETUNREACH,
-    errno.ENETDOWN,
-}
-# class names (anywhere in an exception's MRO) of network failures in botocore, aiohttp, requests,
-# google-auth, http.client, fsspec and the builtins; matched by name so none of them must be importable
-TRANSIENT_NAMES = {
-    "ConnectionError",  # builtin (refused, reset, aborted, broken pipe), botocore's and requests'
-    "TimeoutError",
-    "FSTimeoutError",
-    "HTTPClientError",  # botocore: ReadTimeoutError, ConnectionClosedError, ...
-    "IncompleteReadError",
-    "ResponseStreamingError",
-    "ResponseParserError",
-    "IncompleteRead",
-    "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError, ...
-    "ClientPayloadError",
-    "ServerTimeoutError",
-    "Timeout",  # requests
-    "ChunkedEncodingError",
-    "TransportError",  # google-auth
-}
-TRANSIENT_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "ThrottledException",
-    "RequestThrottled",
-    "RequestLimitExceeded",
-    "TooManyRequestsException",
-    "RequestTimeout",
-    "RequestTimeoutException",
-    "InternalError",
-    "ServiceUnavailable",
-    "OperationAborted",
-}
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """The exception and what caused it (s3fs re-raises a botocore ClientError as an OSError)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen and len(seen) < 16:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _service_error(exc: BaseException) -> tuple[str, str, int | None] | None:
-    """(code, message, HTTP status) of the first service response in the chain (botocore ClientError,
-    aiohttp ClientResponseError, gcsfs HttpError), or None."""
-    for e in _chain(exc):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            err = response["Error"]
-            return str(err.get("Code", "")), str(err.get("Message", "") or e), status
-        status = getattr(e, "status", None) if not isinstance(e, OSError) else None
-        status = status if isinstance(status, int) else getattr(e, "code", None)
-        if isinstance(status, int) and not isinstance(status, bool) and 100 <= status < 600:
-            return "", " ".join(str(getattr(e, "message", "") or e).split()), status
-    return None
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether trying again later may succeed: the network, a timeout, throttling or a 5xx answer."""
-    service = _service_error(exc)
-    if service is not None:
-        code, _, status = service
-        return code in TRANSIENT_CODES or status == 429 or (status is not None and status >= 500 and status != 501)
-    for e in _chain(exc):
-        if {c.__name__ for c in type(e).__mro__} & TRANSIENT_NAMES:
-            return True
-        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
-            return True
-    return False
-
-
-def _origin(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else url
-
-
-def describe(exc: BaseException) -> str:
-    """The cause of a storage failure in a few words, on one line."""
-    name = type(exc).__name__
-    service = _service_error(exc)
-    if service is not None:
-        code, message, status = service
-        tags = ", ".join(t for t in (code, f"HTTP {status}" if status else "") if t)
-        return f"{message.rstrip('.')} ({tags or name})"
-    for e in _chain(exc):
-        endpoint = (getattr(e, "kwargs", None) or {}).get("endpoint_url") if hasattr(e, "fmt") else None
-        if endpoint:
-            what = "timed out" if "Timeout" in type(e).__name__ else "unreachable"
-            what = "closed the connection" if type(e).__name__ == "ConnectionClosedError" else what
-            return f"endpoint {_origin(str(endpoint))} {what} ({type(e).__name__})"
-    if isinstance(exc, OSError) and exc.strerror:
-        text = exc.strerror[:1].lower() + exc.strerror[1:]
-        return text if type(exc).__module__ == "builtins" else f"{text} ({name})"
-    text = " ".join(str(exc).split())
-    return f"{text[:300]} ({name})" if text else name
-
-
-# -- the fence: third-party retry jitter never touches the run's random stream ----------------------
-
-_FENCED_PACKAGES = {"botocore", "aiobotocore", "boto3", "s3transfer", "s3fs", "gcsfs", "adlfs", "google", "azure"}
-_FENCED_PACKAGES |= {"aiohttp", "urllib3", "requests", "fsspec"}
-_fence_lock = threading.Lock()
-_fenced_modules = 0
-
-
-def _private_random_module() -> types.ModuleType:
-    """A stand-in for the ``random`` module whose functions draw from a generator of their own."""
-    mod = types.ModuleType("random", "the random module over a private generator (rlctl.storage)")
-    mod.__dict__.update({k: v for k, v in vars(random).items() if not k.startswith("__")})
-    rng = random.Random()
-    for name, value in vars(random).items():
-        if isinstance(getattr(value, "__self__", None), random.Random):
-            setattr(mod, name, getattr(rng, name))
-    return mod
-
-
-_PRIVATE_RANDOM = _private_random_module()
-_JITTER = random.Random()  # our own backoff jitter
-
-
-def fence_third_party_random() -> None:
-    """Point the ``random`` that storage clients use (botocore's retry jitter in ``retryhandler`` and
-    ``retries.standard``, aiohttp's connection pool, urllib3's backoff) at a private generator, so that
-    a retry during an outage cannot change the run's saved RNG state. Idempotent and cheap; it runs
-    again only when modules were imported since."""
-    global _fenced_modules
-    if len(sys.modules) == _fenced_modules:
-        return
-    with _fence_lock:
-        for name, mod in list(sys.modules.items()):
-            # the module's own dict: a module-level __getattr__ (lazy imports) is never triggered
-            if name.partition(".")[0] in _FENCED_PACKAGES and getattr(mod, "__dict__", {}).get("random") is random:
-                mod.random = _PRIVATE_RANDOM
-        backoff = getattr(sys.modules.get("botocore.retries.standard"), "ExponentialBackoff", None)
-        init = getattr(backoff, "__init__", None) if backoff is not None else None
-        if getattr(init, "__defaults__", None):
-            # ExponentialBackoff(random=random.random) bound the global generator at definition time
-            glob = random.random.__self__
-            init.__defaults__ = tuple(
-                _PRIVATE_RANDOM.random if getattr(d, "__self__", None) is glob else d for d in init.__defaults__
-            )
-        _fenced_modules = len(sys.modules)
-
-
-# -- the retry loop ----------------------------------------------------------------------------------
-
-BACKOFF_FIRST = 0.25
-BACKOFF_CAP = 8.0
-ABSENCE = (FileNotFoundError, FileExistsError)
-
-
-def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
-    """``fn()``; a transient failure is retried with capped exponential backoff (jittered) while
-    ``budget`` seconds last; any other failure, or the last one, becomes a StorageError
-    "cannot ACTION URL: cause". ``passthrough`` and StorageError (from a nested call) are raised as they are."""
-    start = time.monotonic()
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except (StorageError, *passthrough):
-            raise
-        except Exception as exc:
-            if not is_transient(exc):
-                raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
-            left = start + budget - time.monotonic()
-            if left <= 0:
-                tried = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
-                raise StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}") from exc
-            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
-            time.sleep(min(delay, left))
-
-
-def with_retries(fn: Callable[[], T], attempts: int = 4, base_delay: float = 0.5, on_retry=None) -> T:
-    """Call ``fn``; retry a transient failure (by the taxonomy above) with exponential backoff (0.5 s,
-    1 s, 2 s ...) up to ``attempts`` calls. A StorageError has spent its own budget already and a
-    permanent failure cannot heal: both are raised at once."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except StorageError:
-            raise
-        except Exception as exc:
-            if attempt == attempts - 1 or not is_transient(exc):
-                raise
-            if on_retry is not None:
-                on_retry(attempt + 1, exc)
-            time.sleep(base_delay * 2**attempt)
-    raise AssertionError("unreachable")
-
-
-# -- object store clients that fail fast -------------------------------------------------------------
-
-S3_CLIENT_DEFAULTS = {"connect_timeout": 5, "read_timeout": 60, "retries": {"total_max_attempts": 1}}
-
-
-def _fast_failing(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
-    """For S3, botocore's timeouts and retries set short (where neither the caller nor fsspec's config
-    chose them), so that a dead endpoint fails in seconds and our retry budget governs."""
-    if protocol not in ("s3", "s3a"):
-        return options
-    configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
-    chosen = {**S3_CLIENT_DEFAULTS, **configured, **(options.get("config_kwargs") or {})}
-    return {**options, "config_kwargs": copy.deepcopy(chosen)}  # botocore writes into the retries dict
-
-
-def _open_fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
-    protocol = fsspec.core.split_protocol(url)[0] or "file"
-    fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options))
-    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
-        fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
-    return fs, root
-
 
 # -- the storage -------------------------------------------------------------------------------------
 
@@ -298,10 +77,16 @@ def default_retry_timeout() -> float:
 
 
 class Storage:
-    def __init__(self, url: str, options: dict[str, Any] | None = None, *, retry_timeout: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any] | None = None,
+        *,
+        retry_timeout: float | None = None,
+    ):
         self.url = str(url).rstrip("/") or "/"
         self.retry_timeout = default_retry_timeout() if retry_timeout is None else float(retry_timeout)
-        self.fs, self.root = guarded("open", self.url, lambda: _open_fs(self.url, dict(options or {})), 0.0)
+        self.fs, self.root = guarded("open", self.url, lambda: open_fs(self.url, dict(options or {})), 0.0)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.is_local = "file" in protocols
         if not self.is_local:
@@ -332,7 +117,13 @@ class Storage:
         """The OS path of a local location; None on a remote filesystem."""
         return self.path(*parts) if self.is_local else None
 
-    def _call(self, action: str, parts: tuple[str, ...], fn: Callable[[], T], passthrough=ABSENCE) -> T:
+    def _call(
+        self,
+        action: str,
+        parts: tuple[str, ...],
+        fn: Callable[[], T],
+        passthrough=ABSENCE,
+    ) -> T:
         if not self.is_local:
             fence_third_party_random()
         return guarded(action, self.url_of(*parts), fn, self.retry_timeout, passthrough)
@@ -353,7 +144,11 @@ class Storage:
         return self._call("read", parts, lambda: self.fs.cat_file(self.path(*parts)))
 
     def size(self, *parts: str) -> int:
-        return self._call("read the size of", parts, lambda: int(self.fs.size(self._fresh(self.path(*parts)))))
+        return self._call(
+            "read the size of",
+            parts,
+            lambda: int(self.fs.size(self._fresh(self.path(*parts)))),
+        )
 
     def sha256(self, *parts: str) -> str:
         """The sha256 (hex) of one file, streamed in chunks: no local copy, on any backend."""
@@ -393,7 +188,12 @@ class Storage:
         """Write a whole file. ``exclusive``: fail with FileExistsError if it exists (an atomic create
         on local disks and, through If-None-Match, on S3). Readers never see half a file."""
         path = self.path(rel)
-        self._call("write", (rel,), lambda: self._write(path, data, exclusive), (FileExistsError,))
+        self._call(
+            "write",
+            (rel,),
+            lambda: self._write(path, data, exclusive),
+            (FileExistsError,),
+        )
 
     def _write(self, path: str, data: bytes, exclusive: bool) -> None:
         self._makedirs(posixpath.dirname(path))
@@ -457,7 +257,11 @@ class Storage:
         recursive move fails part-way): copy every file, then delete the source, manifest first."""
         if self.is_local:
             target = self.path(dst)
-            self._call(f"move {self.url_of(src)} to", (dst,), lambda: self._rename(self.path(src), target))
+            self._call(
+                f"move {self.url_of(src)} to",
+                (dst,),
+                lambda: self._rename(self.path(src), target),
+            )
             return
         files = self.walk_files(src)
         for rel in files:
@@ -492,7 +296,11 @@ class Storage:
         for rel in self.walk_files(*parts):
             if wanted is not None and rel not in wanted:
                 continue
-            get = functools.partial(self._get, self.path(*parts, rel), os.path.join(local_dir, *rel.split("/")))
+            get = functools.partial(
+                self._get,
+                self.path(*parts, rel),
+                os.path.join(local_dir, *rel.split("/")),
+            )
             self._call("download", (*parts, rel), get)
 
     def _get(self, src: str, dst: str) -> None:

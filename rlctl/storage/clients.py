@@ -1,0 +1,100 @@
+"""Object-store clients for rlctl: told to fail fast (our retry budget governs, not theirs), and
+fenced off the run's global ``random`` stream (their retry jitter draws from a private generator)."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import threading
+import types
+from typing import Any
+
+import fsspec
+
+_FENCED_PACKAGES = {
+    "botocore",
+    "aiobotocore",
+    "boto3",
+    "s3transfer",
+    "s3fs",
+    "gcsfs",
+    "adlfs",
+    "google",
+    "azure",
+}
+_FENCED_PACKAGES |= {"aiohttp", "urllib3", "requests", "fsspec"}
+_fence_lock = threading.Lock()
+_fenced_modules = 0
+
+
+def _private_random_module() -> types.ModuleType:
+    """A stand-in for the ``random`` module whose functions draw from a generator of their own."""
+    mod = types.ModuleType("random", "the random module over a private generator (rlctl.storage)")
+    mod.__dict__.update({k: v for k, v in vars(random).items() if not k.startswith("__")})
+    rng = random.Random()
+    for name, value in vars(random).items():
+        if isinstance(getattr(value, "__self__", None), random.Random):
+            setattr(mod, name, getattr(rng, name))
+    return mod
+
+
+_PRIVATE_RANDOM = _private_random_module()
+
+
+def fence_third_party_random() -> None:
+    """Point the ``random`` that storage clients use (botocore's retry jitter in ``retryhandler`` and
+    ``retries.standard``, aiohttp's connection pool, urllib3's backoff) at a private generator, so that
+    a retry during an outage cannot change the run's saved RNG state. Idempotent and cheap; it runs
+    again only when modules were imported since."""
+    global _fenced_modules
+    if len(sys.modules) == _fenced_modules:
+        return
+    with _fence_lock:
+        for name, mod in list(sys.modules.items()):
+            # the module's own dict: a module-level __getattr__ (lazy imports) is never triggered
+            if name.partition(".")[0] in _FENCED_PACKAGES and getattr(mod, "__dict__", {}).get("random") is random:
+                mod.random = _PRIVATE_RANDOM
+        backoff = getattr(sys.modules.get("botocore.retries.standard"), "ExponentialBackoff", None)
+        init = getattr(backoff, "__init__", None) if backoff is not None else None
+        if getattr(init, "__defaults__", None):
+            # ExponentialBackoff(random=random.random) bound the global generator at definition time
+            glob = random.random.__self__
+            init.__defaults__ = tuple(
+                _PRIVATE_RANDOM.random if getattr(d, "__self__", None) is glob else d for d in init.__defaults__
+            )
+        _fenced_modules = len(sys.modules)
+
+
+# -- object store clients that fail fast -------------------------------------------------------------
+
+S3_CLIENT_DEFAULTS = {
+    "connect_timeout": 5,
+    "read_timeout": 60,
+    "retries": {"total_max_attempts": 1},
+}
+
+
+def _fast_failing(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """For S3, botocore's timeouts and retries set short (where neither the caller nor fsspec's config
+    chose them), so that a dead endpoint fails in seconds and our retry budget governs."""
+    if protocol not in ("s3", "s3a"):
+        return options
+    configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
+    chosen = {
+        **S3_CLIENT_DEFAULTS,
+        **configured,
+        **(options.get("config_kwargs") or {}),
+    }
+    return {
+        **options,
+        "config_kwargs": copy.deepcopy(chosen),
+    }  # botocore writes into the retries dict
+
+
+def open_fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options))
+    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
+    return fs, root

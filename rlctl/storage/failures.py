@@ -1,0 +1,178 @@
+"""What a storage failure is: transient (worth retrying) or permanent, the cause in a few words, and
+the retry loop that turns any backend's failure into one ``StorageError`` sentence."""
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from rlctl.errors import StorageError
+
+T = TypeVar("T")
+_JITTER = random.Random()  # our own backoff jitter, never the global stream
+
+# -- the taxonomy: transient or permanent, and the cause in words ------------------------------------
+
+TRANSIENT_ERRNOS = {
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EAGAIN,
+    errno.EPIPE,
+    errno.EINTR,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ENETDOWN,
+}
+# class names (anywhere in an exception's MRO) of network failures in botocore, aiohttp, requests,
+# google-auth, http.client, fsspec and the builtins; matched by name so none of them must be importable
+TRANSIENT_NAMES = {
+    "ConnectionError",  # builtin (refused, reset, aborted, broken pipe), botocore's and requests'
+    "TimeoutError",
+    "FSTimeoutError",
+    "HTTPClientError",  # botocore: ReadTimeoutError, ConnectionClosedError, ...
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ResponseParserError",
+    "IncompleteRead",
+    "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError, ...
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "Timeout",  # requests
+    "ChunkedEncodingError",
+    "TransportError",  # google-auth
+}
+TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "OperationAborted",
+}
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and what caused it (s3fs re-raises a botocore ClientError as an OSError)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen and len(seen) < 16:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _service_error(exc: BaseException) -> tuple[str, str, int | None] | None:
+    """(code, message, HTTP status) of the first service response in the chain (botocore ClientError,
+    aiohttp ClientResponseError, gcsfs HttpError), or None."""
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            err = response["Error"]
+            return str(err.get("Code", "")), str(err.get("Message", "") or e), status
+        status = getattr(e, "status", None) if not isinstance(e, OSError) else None
+        status = status if isinstance(status, int) else getattr(e, "code", None)
+        if isinstance(status, int) and not isinstance(status, bool) and 100 <= status < 600:
+            return "", " ".join(str(getattr(e, "message", "") or e).split()), status
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether trying again later may succeed: the network, a timeout, throttling or a 5xx answer."""
+    service = _service_error(exc)
+    if service is not None:
+        code, _, status = service
+        return code in TRANSIENT_CODES or status == 429 or (status is not None and status >= 500 and status != 501)
+    for e in _chain(exc):
+        if {c.__name__ for c in type(e).__mro__} & TRANSIENT_NAMES:
+            return True
+        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+            return True
+    return False
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else url
+
+
+def describe(exc: BaseException) -> str:
+    """The cause of a storage failure in a few words, on one line."""
+    name = type(exc).__name__
+    service = _service_error(exc)
+    if service is not None:
+        code, message, status = service
+        tags = ", ".join(t for t in (code, f"HTTP {status}" if status else "") if t)
+        return f"{message.rstrip('.')} ({tags or name})"
+    for e in _chain(exc):
+        endpoint = (getattr(e, "kwargs", None) or {}).get("endpoint_url") if hasattr(e, "fmt") else None
+        if endpoint:
+            what = "timed out" if "Timeout" in type(e).__name__ else "unreachable"
+            what = "closed the connection" if type(e).__name__ == "ConnectionClosedError" else what
+            return f"endpoint {_origin(str(endpoint))} {what} ({type(e).__name__})"
+    if isinstance(exc, OSError) and exc.strerror:
+        text = exc.strerror[:1].lower() + exc.strerror[1:]
+        return text if type(exc).__module__ == "builtins" else f"{text} ({name})"
+    text = " ".join(str(exc).split())
+    return f"{text[:300]} ({name})" if text else name
+
+
+# -- the fence: third-party retry jitter never touches the run's random stream ----------------------
+
+# -- the retry loop ----------------------------------------------------------------------------------
+
+BACKOFF_FIRST = 0.25
+BACKOFF_CAP = 8.0
+ABSENCE = (FileNotFoundError, FileExistsError)
+
+
+def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
+    """``fn()``; a transient failure is retried with capped exponential backoff (jittered) while
+    ``budget`` seconds last; any other failure, or the last one, becomes a StorageError
+    "cannot ACTION URL: cause". ``passthrough`` and StorageError (from a nested call) are raised as they are."""
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except (StorageError, *passthrough):
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
+            left = start + budget - time.monotonic()
+            if left <= 0:
+                tried = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
+                raise StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}") from exc
+            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
+            time.sleep(min(delay, left))
+
+
+def with_retries(fn: Callable[[], T], attempts: int = 4, base_delay: float = 0.5, on_retry=None) -> T:
+    """Call ``fn``; retry a transient failure (by the taxonomy above) with exponential backoff (0.5 s,
+    1 s, 2 s ...) up to ``attempts`` calls. A StorageError has spent its own budget already and a
+    permanent failure cannot heal: both are raised at once."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except Exception as exc:
+            if attempt == attempts - 1 or not is_transient(exc):
+                raise
+            if on_retry is not None:
+                on_retry(attempt + 1, exc)
+            time.sleep(base_delay * 2**attempt)
+    raise AssertionError("unreachable")
