@@ -109,7 +109,7 @@ def main() -> None:
             return time.perf_counter() - t0
 
         def sync_snapshot(tag: str) -> tuple[float, int]:
-            manager = SnapshotManager(Storage(str(root / f"ckpt-{tag}")), zero_stage=2, asynchronous=False)
+            manager = SnapshotManager(Storage(str(root / f"ckpt-{tag}")), asynchronous=False)
             t0 = time.perf_counter()
             manager.save(1, {"trainer": Counters()}, {"actor": actor}, good=True)
             total = time.perf_counter() - t0
@@ -119,7 +119,7 @@ def main() -> None:
             return total, size
 
         def async_stall(tag: str) -> tuple[float, float]:
-            manager = SnapshotManager(Storage(str(root / f"ckpt-{tag}")), zero_stage=2)
+            manager = SnapshotManager(Storage(str(root / f"ckpt-{tag}")))
 
             def fence() -> None:
                 t = time.perf_counter()
