@@ -1,6 +1,7 @@
 """What the tests share: running the installed CLI in a subprocess, reading a run's rows and events,
 waiting for a run to reach a step. (Fixtures live in conftest.py.)"""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -74,3 +75,21 @@ def wait_for(predicate, proc, timeout=120):
 
 def has_step(run_dir, step):
     return lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics_of(run_dir))
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size="64k"):
+    """A real small filesystem (tmpfs) mounted at ``path``, for a full disk; root only: the test is
+    skipped where it cannot be mounted."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

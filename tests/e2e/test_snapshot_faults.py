@@ -13,7 +13,7 @@ import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn, wait_for
+from helpers import SMALL, events_of, metrics_of, run_cli, small_tmpfs, spawn, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +56,23 @@ def test_full_disk_fails_the_run_with_exit_12_and_resume_completes_it(tmp_path):
     assert [row["step"] for row in metrics_of(run)] == [1, 2, 3]
     assert [e["step"] for e in kinds(run, "snapshot_committed")] == [1, 2, 3]
     assert kinds(run, "completed")[-1]["step"] == 3
+
+
+def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
+    """Snapshots on a real 256 KiB filesystem (root only): the run used to print `done` and exit 0 with
+    its final weights on no storage."""
+    run = tmp_path / "run"
+    with small_tmpfs(tmp_path / "disk", size="256k") as disk:
+        args = ["--set", f"checkpoint.dir={disk}", "--set", "checkpoint.every=1", "--set", "trainer.total_steps=2"]
+        r = run_cli("start", "--run-dir", str(run), *SMALL, *args)
+        assert r.returncode == ExitCode.STORAGE == 12, r.stderr
+        assert "Traceback" not in r.stderr and "done:" not in r.stderr
+        assert "no space left on device" in r.stderr and "the run is not complete" in r.stderr
+        assert [e["step"] for e in kinds(run, "snapshot_failed")] == [1, 2]
+        assert not kinds(run, "completed") and not any(disk.glob("step-*"))  # nothing half-written left
+        r = run_cli("resume", str(run))  # trained steps, no snapshot: never "nothing to do", never step 0 again
+        assert r.returncode == ExitCode.SNAPSHOT == 11, r.stderr
+        assert [row["step"] for row in metrics_of(run)] == [1, 2]
 
 
 def test_max_failures_in_a_row_stop_the_run_at_once(tmp_path):

@@ -19,6 +19,8 @@ from rlctl.rundir.directory import zero_topology
 from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.storage import Storage, with_retries
 
+from helpers import small_tmpfs
+
 
 class Counter:
     VERSION = 1
@@ -284,19 +286,13 @@ def test_torch_write_failure_on_a_full_disk_is_named_for_what_it_is(tmp_path):
 
     from rlctl.checkpoint.failures import describe
 
-    disk = tmp_path / "small"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with small_tmpfs(tmp_path / "small", size="1m") as disk:
         with pytest.raises(RuntimeError) as caught:
             torch.save({"x": torch.zeros(1 << 20)}, str(disk / "state.pt"))
         error = caught.value.with_traceback(None)
         assert "unexpected pos" in str(error)
         assert describe(error, str(disk)).startswith(f"no space left on device ({disk} is full; torch said:")
         assert describe(error, str(tmp_path)).startswith("RuntimeError: [enforce fail")  # not full: as it is
-    finally:
-        subprocess.run(["umount", "--lazy", str(disk)], check=True)
 
 
 def test_fence_failure_commits_nothing_and_reaches_the_training_thread(tmp_path):

@@ -1,7 +1,6 @@
 """The storage error taxonomy, its retry budget, the fence around the global random stream, the
 streaming sha256, and the lease: malformed lease.json, a heartbeat that survives errors, fencing."""
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -20,6 +19,8 @@ from rlctl.rundir import lease as lease_mod
 from rlctl.rundir.lease import LEASE_FILE, Lease, lease_state, read_lease
 from rlctl.storage import Storage, describe, guarded, is_transient, with_retries
 
+from helpers import small_tmpfs
+
 
 def _closed_port() -> int:
     with socket.socket() as sock:
@@ -34,21 +35,6 @@ def _dead_s3(retry_timeout: float, **config) -> Storage:
     if config:
         opts["config_kwargs"] = config
     return Storage("s3://rlctl-dead/run", opts, retry_timeout=retry_timeout)
-
-
-@contextlib.contextmanager
-def _tmpfs(path, size="64k"):
-    """A real small tmpfs at ``path`` (root only); skips the test where it cannot be mounted."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _one_sentence(err: StorageError, url: str) -> str:
@@ -96,7 +82,7 @@ def test_permission_denied_or_read_only(tmp_path):
         os.chmod(tmp_path / "ro", 0o555)
         where, cause = tmp_path / "ro", "permission denied"
     else:
-        with _tmpfs(tmp_path / "ro") as mnt:
+        with small_tmpfs(tmp_path / "ro") as mnt:
             subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
             where, cause = mnt, "read-only file system"
             with pytest.raises(StorageError) as info:
@@ -110,7 +96,7 @@ def test_permission_denied_or_read_only(tmp_path):
 
 
 def test_no_space_left_is_named_and_leaves_nothing_half_written(tmp_path):
-    with _tmpfs(tmp_path / "small", size="64k") as mnt:
+    with small_tmpfs(tmp_path / "small", size="64k") as mnt:
         st = Storage(str(mnt), retry_timeout=30)
         st.append_bytes("metrics.jsonl", b'{"step": 1}\n')
         t0 = time.monotonic()
@@ -411,7 +397,7 @@ def test_another_owner_seen_loses_the_lease(tmp_path):
 
 def test_heartbeat_survives_a_real_read_only_disk(tmp_path):
     """A real outage of a local disk: the filesystem turns read-only (EROFS) for less than the timeout."""
-    with _tmpfs(tmp_path / "run", size="1m") as mnt:
+    with small_tmpfs(tmp_path / "run", size="1m") as mnt:
         st = Storage(str(mnt))
         lease = Lease(st, timeout=3.0, heartbeat=0.05).acquire()
         try:
