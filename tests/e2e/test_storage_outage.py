@@ -174,3 +174,35 @@ def test_cli_on_a_dead_endpoint_exits_12_with_one_line(moto):
         assert len(lines) == 1 and "Traceback" not in done.stderr, (verb, done.stderr[-2000:])
         assert lines[0].startswith(f"Error: cannot read s3://{BUCKET}/gone/")
         assert f"endpoint {moto.url} unreachable (EndpointConnectionError); gave up after" in lines[0]
+
+
+def test_a_run_whose_object_store_goes_away_ends_12_and_resumes_with_nothing_lost(moto, tmp_path):
+    """Snapshots on S3; the server is paused after the first commit and stays paused: the later
+    snapshots fail within their budget, the run ends with exit 12 and one sentence (not `completed`);
+    once the store is back, `resume` continues from the committed snapshot to the end."""
+    from helpers import SMALL, events_of, metrics_of, spawn, wait_for
+
+    run, url = tmp_path / "run", f"s3://{BUCKET}/snaps"
+    cfg = tmp_path / "cfg.yaml"
+    opts = moto.options()
+    cfg.write_text(json.dumps({"checkpoint": {"dir": url, "storage_options": opts, "every": 1, "retry_timeout": 2}}))
+    total = ["--set", "trainer.total_steps=4"]
+    proc = spawn("start", str(cfg), "--run-dir", str(run), *SMALL, *total, faults="sleep@1=4")
+
+    def committed(step):
+        return lambda: any(e.get("event") == "snapshot_committed" and e.get("step") == step for e in events_of(run))
+
+    wait_for(committed(1), proc)
+    moto.pause()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 12, err[-3000:]
+    assert "Traceback" not in err and f"s3://{BUCKET}/snaps" in err, err[-3000:]
+    assert "the last committed snapshot is step 1" in err, err[-3000:]
+    assert not [e for e in events_of(run) if e["event"] == "completed"]
+    assert {e["step"] for e in events_of(run) if e["event"] == "snapshot_failed"} >= {4}
+
+    moto.resume()
+    r = run_cli("resume", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics_of(run)] == [1, 2, 3, 4]
+    assert [e for e in events_of(run) if e["event"] == "completed"][-1]["step"] == 4
