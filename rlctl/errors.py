@@ -65,6 +65,15 @@ class Halted(RlctlError):
     exit_code = ExitCode.HALTED
 
 
+class Stopped(BaseException):
+    """A stop signal that (SIGTERM/SIGUSR1) that came before a trainer could take it (a BaseException, like KeyboardInterrupt,
+    so that no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 class RankFailed(RlctlError):
     """A rank of a multi-rank run ended with an error; carries that rank's exit code and message."""
 

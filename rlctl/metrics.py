@@ -14,6 +14,7 @@ snapshot and at exit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
+
+from rlctl.errors import StorageError
 
 if TYPE_CHECKING:
     from rlctl.storage import Storage
@@ -141,12 +144,10 @@ class JsonlLog:
         self._fh = None
         if storage.is_local:
             storage.makedirs()
-            self._fh = open(storage.path(rel), "ab")  # noqa: SIM115 - held for the run
+            self._fh = open(storage.path(rel), "ab", buffering=0)  # noqa: SIM115 - held for the run
             self._offset = self._fh.tell()
             if self._offset and not _ends_with_newline(storage.path(rel)):
-                self._fh.write(b"\n")  # a truncated last line stays alone: the next row is not lost with it
-                self._fh.flush()
-                self._offset += 1
+                self._append_local(b"\n")  # a truncated last line stays alone: the next row is not lost with it
         else:
             self._offset = storage.size(rel) if storage.exists(rel) else 0
 
@@ -155,14 +156,28 @@ class JsonlLog:
             self.fence()
         line = dumps_row(row)
         with self._lock:
-            self._offset += len(line)
             if self._fh is not None:
-                self._fh.write(line)
-                self._fh.flush()
+                self._append_local(line)
                 return
+            self._offset += len(line)
             self._buffer.append(line)
             if time.monotonic() - self._last_flush >= self.flush_interval:
                 self._flush_locked()
+
+    def _append_local(self, data: bytes) -> None:
+        """Append ``data`` whole or not at all: a failed write (a full disk) is cut back and is a
+        StorageError naming the file."""
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._fh.write(view) :]
+        except OSError as exc:
+            from rlctl.storage import describe
+
+            with contextlib.suppress(OSError):
+                self._fh.truncate(self._offset)
+            raise StorageError(f"cannot write {self.storage.url_of(self.rel)}: {describe(exc)}") from exc
+        self._offset += len(data)
 
     def flush(self) -> None:
         with self._lock:

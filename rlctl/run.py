@@ -171,12 +171,6 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
         yield events
     except Stopped as stop:
         raise _stopped_early(run, cfg, events, stop.signal_name) from None
-    except Exception as exc:
-        if STOPS.early is None or isinstance(exc, RlctlError):
-            raise
-        # a stop raised in the middle of third-party start-up code (an import) can surface as that
-        # code's own error: the stop is what happened
-        raise _stopped_early(run, cfg, events, STOPS.early) from None
     except KeyboardInterrupt:
         if not _ended_since(run, offset):
             _record(events, {"event": "interrupted"})
@@ -186,6 +180,12 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
             kind = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "crashed"
             _record(events, {"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
         raise
+    except Exception as exc:
+        if STOPS.early is None or isinstance(exc, RlctlError):
+            raise
+        # a stop raised in the middle of third-party start-up code (an import) can surface as that
+        # code's own error: the stop is what happened
+        raise _stopped_early(run, cfg, events, STOPS.early) from None
     finally:
         events.close()
 

@@ -233,10 +233,11 @@ class Trainer:
         self._stopping()  # a stop that came during the last step: every rank takes it, or none
         if self.snapshots is None:
             return
-        wanted = passed and (self.stop_signal is not None or self.snapshots.every > 0 or self._snapshotted >= 0)
+        at_end = self.stop_signal is None  # the run's last state is committed even after a failed step (not good)
+        wanted = (passed or at_end) and (not at_end or self.snapshots.every > 0 or self._snapshotted >= 0)
         try:
             if wanted and self.state.step > max(self._snapshotted, 0):
-                self.snapshot(good=healthy)
+                self.snapshot(good=healthy and passed)
             self.snapshots.wait()
         except StorageError:
             if self.stop_signal is None:

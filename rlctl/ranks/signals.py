@@ -15,16 +15,9 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
+from rlctl.errors import Stopped
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class Stopped(BaseException):
-    """A stop signal that came before a trainer could take it (a BaseException, like KeyboardInterrupt,
-    so that no ``except Exception`` on the way swallows it)."""
-
-    def __init__(self, signal_name: str):
-        super().__init__(signal_name)
-        self.signal_name = signal_name
 
 
 class StopRequests:

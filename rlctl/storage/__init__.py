@@ -33,7 +33,6 @@ from rlctl.storage.failures import (
     describe,
     guarded,
     is_transient,
-    with_retries,
 )
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
     "fence_third_party_random",
     "guarded",
     "is_transient",
-    "with_retries",
 ]
 
 T = TypeVar("T")

@@ -128,13 +128,32 @@ def describe(exc: BaseException) -> str:
     return f"{text[:300]} ({name})" if text else name
 
 
-# -- the fence: third-party retry jitter never touches the run's random stream ----------------------
-
 # -- the retry loop ----------------------------------------------------------------------------------
 
 BACKOFF_FIRST = 0.25
 BACKOFF_CAP = 8.0
 ABSENCE = (FileNotFoundError, FileExistsError)
+
+
+CLIENT_PACKAGES = {"fsspec", "s3fs", "gcsfs", "adlfs", "botocore", "aiobotocore", "boto3", "s3transfer"}
+CLIENT_PACKAGES |= {"aiohttp", "requests", "urllib3", "google", "azure", "http", "ssl", "socket"}
+
+
+def is_storage_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the storage's failure (an OSError, a service's answer, an error raised inside a
+    filesystem or its client), not a bug in the calling code."""
+    if is_transient(exc) or _service_error(exc) is not None:
+        return True
+    for e in _chain(exc):
+        if isinstance(e, OSError):
+            return True
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        raised_in = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+        if type(e).__module__.partition(".")[0] in CLIENT_PACKAGES or raised_in.partition(".")[0] in CLIENT_PACKAGES:
+            return True
+    return False
 
 
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
@@ -150,6 +169,8 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         except (StorageError, *passthrough):
             raise
         except Exception as exc:
+            if not is_storage_failure(exc):
+                raise  # a bug in rlctl (a TypeError in a storage call...): exit 1 with its traceback
             if not is_transient(exc):
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
             left = start + budget - time.monotonic()
@@ -158,21 +179,3 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}") from exc
             delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
             time.sleep(min(delay, left))
-
-
-def with_retries(fn: Callable[[], T], attempts: int = 4, base_delay: float = 0.5, on_retry=None) -> T:
-    """Call ``fn``; retry a transient failure (by the taxonomy above) with exponential backoff (0.5 s,
-    1 s, 2 s ...) up to ``attempts`` calls. A StorageError has spent its own budget already and a
-    permanent failure cannot heal: both are raised at once."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except StorageError:
-            raise
-        except Exception as exc:
-            if attempt == attempts - 1 or not is_transient(exc):
-                raise
-            if on_retry is not None:
-                on_retry(attempt + 1, exc)
-            time.sleep(base_delay * 2**attempt)
-    raise AssertionError("unreachable")

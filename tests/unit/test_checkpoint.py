@@ -17,7 +17,7 @@ from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, par
 from rlctl.errors import LeaseError, SnapshotError, StorageError
 from rlctl.rundir.directory import zero_topology
 from rlctl.rundir.lease import LEASE_FILE, Lease
-from rlctl.storage import Storage, with_retries
+from rlctl.storage import Storage
 
 from helpers import small_tmpfs
 
@@ -177,19 +177,6 @@ def test_failed_upload_is_reported_and_never_half_visible(tmp_path):
     assert (failed["consecutive"], failed["max_failures"]) == (1, 3)
     assert failed["error"] == f"the snapshot of step 3 was not committed to {storage.url}: input/output error (partial)"
     assert m.scan() == [] and not storage.exists("step-000003")
-
-
-def test_with_retries_backs_off_then_succeeds():
-    calls = []
-
-    def flaky():
-        calls.append(time.perf_counter())
-        if len(calls) < 3:
-            raise ConnectionResetError("try again")
-        return "ok"
-
-    assert with_retries(flaky, base_delay=0.05) == "ok"
-    assert calls[2] - calls[1] > calls[1] - calls[0] >= 0.05
 
 
 def test_parse_step_spec():

@@ -153,6 +153,16 @@ def test_a_real_ctrl_c_during_the_reward_stays_an_interrupt(user_module):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_stop_signal_during_the_reward_import_is_a_stop_not_the_code_s_fault(user_module):
+    """Before training, rlctl raises Stopped on SIGTERM; the reward module being imported then must
+    not turn it into exit 4."""
+    from rlctl.errors import Stopped
+
+    user_module("stopping", "from rlctl.errors import Stopped\nraise Stopped('SIGTERM')\ndef f(p, c, **kw): pass\n")
+    with pytest.raises(Stopped):
+        load_reward_fn("stopping:f")
+
+
 def test_a_ctrl_c_is_ignored_where_it_was_ignored_before(user_module):
     user_module(
         "ignored",

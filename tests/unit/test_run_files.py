@@ -133,3 +133,21 @@ def test_the_note_of_a_failed_snapshot():
     event = {"event": "snapshot_failed", "step": 4, "error": "no space left", "consecutive": 2, "max_failures": 3}
     assert snapshot_failed_note(event) == "warning: snapshot of step 4 failed: no space left (2 of 3)"
     assert snapshot_failed_note({"step": 4, "error": "x"}) == "warning: snapshot of step 4 failed: x"
+
+
+def test_a_metrics_row_on_a_full_disk_is_a_storage_error_and_leaves_no_half_line(tmp_path):
+    from rlctl.errors import StorageError
+    from rlctl.metrics import JsonlLog, parse_rows
+
+    from helpers import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", size="64k") as disk:
+        log = JsonlLog(Storage(str(disk)), "metrics.jsonl")
+        step = 0
+        with pytest.raises(StorageError, match=r"^cannot write .*metrics\.jsonl: no space left on device"):
+            for step in range(1, 10_000):
+                log.write({"step": step, "pad": "x" * 500})
+        log.close()
+        raw = (disk / "metrics.jsonl").read_bytes()
+        assert raw.endswith(b"\n") and len(raw) == log.tell()  # every row whole, the offset true
+        assert [r["step"] for r in parse_rows(raw)] == list(range(1, step))

@@ -17,7 +17,7 @@ import pytest
 from rlctl.errors import ExitCode, LeaseError, StorageError
 from rlctl.rundir import lease as lease_mod
 from rlctl.rundir.lease import LEASE_FILE, Lease, lease_state, read_lease
-from rlctl.storage import Storage, describe, guarded, is_transient, with_retries
+from rlctl.storage import Storage, describe, guarded, is_transient
 
 from helpers import small_tmpfs
 
@@ -178,27 +178,15 @@ def test_transient_failures_are_retried_then_succeed_and_permanent_ones_are_not(
         guarded("read", "s3://b/k", lambda: (_ for _ in ()).throw(FileNotFoundError("k")), budget=10)
 
 
-def test_with_retries_keeps_its_signature_and_does_not_retry_what_cannot_heal():
-    seen = []
+def test_a_bug_in_the_calling_code_is_not_called_a_storage_error():
+    """A TypeError of rlctl's own making keeps its traceback (exit 1); an error raised inside a
+    filesystem (fsspec's registry here) is the storage's."""
+    with pytest.raises(TypeError):
+        guarded("read", "s3://b/k", lambda: len(3), budget=10)
+    import fsspec
 
-    def twice_reset():
-        seen.append(1)
-        if len(seen) < 3:
-            raise ConnectionResetError(errno.ECONNRESET, "reset")
-        return 7
-
-    retries = []
-    assert with_retries(twice_reset, attempts=4, base_delay=0.01, on_retry=lambda n, e: retries.append(n)) == 7
-    assert retries == [1, 2]
-    seen.clear()
-
-    def spent():
-        seen.append(1)
-        raise StorageError("cannot write s3://b/k: endpoint unreachable; gave up after 9 attempts in 60 s")
-
-    with pytest.raises(StorageError):
-        with_retries(spent, attempts=4, base_delay=0.01)
-    assert seen == [1]
+    with pytest.raises(StorageError, match="^cannot open nosuch://x: "):
+        guarded("open", "nosuch://x", lambda: fsspec.filesystem("nosuch"), budget=10)
 
 
 # -- an unreachable object store: a sentence within the budget, and the run's RNG untouched ---------

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from rlctl.errors import ConfigError, InputError
+from rlctl.errors import ConfigError, InputError, Stopped
 
 RewardFn = Callable[..., list[float]]
 T = TypeVar("T")
@@ -80,8 +80,8 @@ def call_user_code(what: str, fn: Callable[..., T], /, *args: Any, **kwargs: Any
         try:
             return fn(*args, **kwargs)
         except BaseException as exc:  # user code may exit or raise anything
-            if isinstance(exc, KeyboardInterrupt) and interrupt.real:
-                raise
+            if isinstance(exc, Stopped) or (isinstance(exc, KeyboardInterrupt) and interrupt.real):
+                raise  # a stop or a Ctrl-C that really came while user code ran is not the code's fault
             raise InputError(f"{what} raised {describe_exception(exc)}") from None
 
 
