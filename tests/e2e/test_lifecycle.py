@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -45,10 +46,23 @@ def stop_when(proc, predicate, sig=signal.SIGTERM, timeout=120):
     return proc.returncode, err
 
 
+def wait_caught(proc, sig, timeout=60):
+    """Until ``proc`` catches ``sig`` (its handler is installed: /proc/PID/status SigCgt), so a test
+    signals the first instant rlctl can answer, however loaded the machine is."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (sig - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{sig!r} never caught by pid {proc.pid}")
+
+
 def test_sigterm_in_the_first_instant_is_exit_75_and_leaves_nothing(tmp_path):
     run = tmp_path / "run"
     proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
-    time.sleep(0.5)  # python has started; imports and checks are under way, no run directory yet
+    wait_caught(proc, signal.SIGTERM)  # the handler is in; imports and checks are under way, no run directory yet
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.PREEMPTED == 75, err

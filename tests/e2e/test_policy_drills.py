@@ -161,11 +161,15 @@ def test_bad_policy_stops_before_anything_starts(tmp_path):
     assert r.returncode == 0 and "rule nonfinite" in r.stdout
 
 
-def test_step_failing_an_adjust_only_rule_is_not_snapshotted_even_at_the_end(tmp_path):
+def test_a_last_step_failing_an_adjust_only_rule_is_committed_but_not_good(tmp_path):
+    """The run's final state is committed even when its last step failed a rule (exit 0 means on
+    storage), as not good: `--from last-good` still goes before it, `--from latest` has nothing to do."""
     rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "adjust", "set": {"actor.lr": 1e-4}}]}]
     cfg = policy_config(tmp_path, rules, every=2, steps=4)
     run = tmp_path / "run"
     r = run_cli("start", cfg, "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": "metric@4=actor/ppo_kl:5.0"})
     assert r.returncode == 0, r.stderr
-    assert [e["step"] for e in kinds(run, "snapshot_committed")] == [2]
+    assert [(e["step"], e["good"]) for e in kinds(run, "snapshot_committed")] == [(2, True), (4, False)]
     assert kinds(run, "adjust")[0]["changes"]["actor.lr"]["to"] == 1e-4
+    r = run_cli("resume", str(run))
+    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr

@@ -191,20 +191,3 @@ def test_resume_after_a_rollback_takes_the_policy_state_of_the_restored_step(tmp
     assert "Traceback" not in r.stderr
     assert policy_history(run / "checkpoints" / "step-000006", "watch") == uninterrupted
     assert kinds(run, "policy_state_ignored")
-
-
-def test_a_last_step_that_fails_a_policy_is_still_committed_so_exit_0_means_on_storage(tmp_path):
-    """The last step trips an adjust rule (not good, not rolled back): the run's final state is still
-    committed (as not good), so `resume --from latest` has nothing to do instead of training it again."""
-    rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "adjust", "set": {"actor.lr": 1e-6}}]}]
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(
-        json.dumps({"trainer": {"total_steps": 3}, "checkpoint": {"every": 2}, "policies": [{"rules": rules}]})
-    )
-    run = tmp_path / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": "metric@3=actor/ppo_kl:5.0"})
-    assert r.returncode == 0, r.stderr
-    assert [(c["step"], c["good"]) for c in listed(run)] == [(2, True), (3, False)]
-    r = run_cli("resume", str(run))
-    assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr
-    assert [row["step"] for row in metrics_of(run)] == [1, 2, 3]
