@@ -439,10 +439,12 @@ def test_heartbeat_renews_and_detects_loss(tmp_path):
     run = Storage(str(tmp_path))
     lease = Lease(run, heartbeat=0.05).acquire()
     first = orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"]
-    time.sleep(0.2)
+    deadline = time.time() + 10  # (polled: a loaded machine may run the heartbeat thread late)
+    while orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"] <= first and time.time() < deadline:
+        time.sleep(0.02)
     assert orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"] > first
     run.write_bytes(LEASE_FILE, orjson.dumps({"owner": "thief", "host": "h", "pid": 1, "heartbeat": time.time()}))
-    deadline = time.time() + 2
+    deadline = time.time() + 10
     while not lease.lost and time.time() < deadline:
         time.sleep(0.02)
     assert lease.lost
