@@ -12,17 +12,10 @@ import os
 from dataclasses import dataclass
 
 from rlctl.errors import RlctlError, StorageError
+from rlctl.storage.failures import causes
 
 _TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
 _NEARLY_FULL = 64 << 20  # free bytes below which (or below 1% of the disk) a failed write means a full disk
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
 
 
 def _os_cause(exc: OSError) -> str:
@@ -47,7 +40,7 @@ def describe(exc: BaseException, local_dir: str | None = None) -> str:
     """The cause of a failed snapshot in words: a storage error's sentence, an OSError's reason (e.g.
     "no space left on device (PATH)"), and torch's bare write failures ("unexpected pos") for what they
     are when the disk they wrote to ``local_dir`` is full."""
-    for e in _chain(exc):
+    for e in causes(exc):
         if isinstance(e, RlctlError):
             return e.message
         if isinstance(e, OSError) and (e.errno or e.strerror):

@@ -63,7 +63,7 @@ from rlctl.checkpoint.manifest import (
 from rlctl.checkpoint.writer import DurableFile, no_space
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
-from rlctl.storage import Storage
+from rlctl.storage import Storage, fsync_path
 
 QUARANTINE = "quarantine"
 STATE_FILE = "state.pt"
@@ -222,7 +222,7 @@ def _durable_meta(path: str) -> dict[str, Any]:
     """Size and sha256 of a file written without a DurableFile, fsynced: durable before a manifest
     (or a rank's list) can claim it."""
     meta = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-    _fsync(path)
+    fsync_path(path)
     return meta
 
 
@@ -244,14 +244,6 @@ def _write_deferred(
     finally:
         staged.set()  # the live state is no longer read: training may step again
     return known
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.engine.dist import Dist
 from rlctl.errors import InputError
 from rlctl.rundir.layout import MODEL
-from rlctl.storage import Storage
+from rlctl.storage import Storage, fsync_path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.digits + " =+-*/:.,?!#")
@@ -130,9 +130,9 @@ def _builtin_local(cfg: RunConfig, run: Storage, out: Path) -> Path:
         _save_builtin(cfg, tmp)
         _write_durably(tmp / COMPLETE, b"")
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_path(f)
         os.rename(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -202,15 +202,6 @@ def _write_durably(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to disk (a rename is only as durable as what it publishes)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _save_builtin(cfg: RunConfig, out: Path) -> None:

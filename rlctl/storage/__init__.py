@@ -40,6 +40,7 @@ __all__ = [
     "default_retry_timeout",
     "describe",
     "fence_third_party_random",
+    "fsync_path",
     "guarded",
     "is_transient",
 ]
@@ -56,6 +57,15 @@ def _ensure_dir(makedirs: Callable[..., None], path: str) -> None:
         makedirs(path, exist_ok=True)
     except FileExistsError as exc:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from exc
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a local file or directory to disk (a rename is only as durable as what it publishes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 SHA_CHUNK = 4 << 20

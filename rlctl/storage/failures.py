@@ -63,7 +63,7 @@ TRANSIENT_CODES = {
 }
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def causes(exc: BaseException) -> Iterator[BaseException]:
     """The exception and what caused it (s3fs re-raises a botocore ClientError as an OSError)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen and len(seen) < 16:
@@ -75,7 +75,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 def _service_error(exc: BaseException) -> tuple[str, str, int | None] | None:
     """(code, message, HTTP status) of the first service response in the chain (botocore ClientError,
     aiohttp ClientResponseError, gcsfs HttpError), or None."""
-    for e in _chain(exc):
+    for e in causes(exc):
         response = getattr(e, "response", None)
         if isinstance(response, dict) and isinstance(response.get("Error"), dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -94,7 +94,7 @@ def is_transient(exc: BaseException) -> bool:
     if service is not None:
         code, _, status = service
         return code in TRANSIENT_CODES or status == 429 or (status is not None and status >= 500 and status != 501)
-    for e in _chain(exc):
+    for e in causes(exc):
         if {c.__name__ for c in type(e).__mro__} & TRANSIENT_NAMES:
             return True
         if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
@@ -115,7 +115,7 @@ def describe(exc: BaseException) -> str:
         code, message, status = service
         tags = ", ".join(t for t in (code, f"HTTP {status}" if status else "") if t)
         return f"{message.rstrip('.')} ({tags or name})"
-    for e in _chain(exc):
+    for e in causes(exc):
         endpoint = (getattr(e, "kwargs", None) or {}).get("endpoint_url") if hasattr(e, "fmt") else None
         if endpoint:
             what = "timed out" if "Timeout" in type(e).__name__ else "unreachable"
@@ -144,7 +144,7 @@ def is_storage_failure(exc: BaseException) -> bool:
     filesystem or its client), not a bug in the calling code."""
     if is_transient(exc) or _service_error(exc) is not None:
         return True
-    for e in _chain(exc):
+    for e in causes(exc):
         if isinstance(e, OSError):
             return True
         tb = e.__traceback__
