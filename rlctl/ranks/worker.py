@@ -31,7 +31,7 @@ from rlctl.ranks.signals import STOPS, on_stop_signals
 from rlctl.rundir.directory import run_summary, snapshot_manager
 from rlctl.rundir.history import turn_away_after, turn_tag
 from rlctl.rundir.layout import CONFIG
-from rlctl.rundir.lease import read_lease
+from rlctl.rundir.lease import owner_fence
 from rlctl.storage import Storage
 
 Fence = Callable[[], None]  # raises (LeaseError) once this process may no longer write the run
@@ -204,19 +204,6 @@ def rank_spec(
         "world": cfg.world_size,
         "lease_owner": lease_owner,
     }
-
-
-def owner_fence(run: Storage, owner: str) -> Fence:
-    """A fence for a rank that does not hold the lease itself: it raises LeaseError once the run's lease
-    is no longer ``owner``'s (taken over, or gone)."""
-
-    def check() -> None:
-        held = read_lease(run)
-        if held is None or held.get("owner") != owner:
-            now = "it is gone" if held is None else f"it is now held by {held.get('host')} pid {held.get('pid')}"
-            raise LeaseError(f"the driver of run {run.url} lost its lease ({now}); stopping before the next write")
-
-    return check
 
 
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -238,3 +239,16 @@ class Lease:
         except StorageError:
             if exc_type is None:
                 raise  # say it; but never hide the error that is already on its way out
+
+
+def owner_fence(run: Storage, owner: str) -> Callable[[], None]:
+    """A fence for a rank that does not hold the lease itself: it raises LeaseError once the run's lease
+    is no longer ``owner``'s (taken over, or gone)."""
+
+    def check() -> None:
+        held = read_lease(run)
+        if held is None or held.get("owner") != owner:
+            now = "it is gone" if held is None else f"it is now held by {held.get('host')} pid {held.get('pid')}"
+            raise LeaseError(f"the driver of run {run.url} lost its lease ({now}); stopping before the next write")
+
+    return check
