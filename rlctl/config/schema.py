@@ -56,6 +56,30 @@ class TrainerConfig(Strict):
     n_devices_per_node: int | None = Field(
         None, ge=1, description="Ranks per node under Ray (empty: trainer.nproc); one device each."
     )
+    val_every: int = Field(
+        0,
+        ge=0,
+        description="Validate every N steps on the held-out prompts (`data.val_path`, or the built-in "
+        "task's own held-out split), writing val/... metrics into that step's row (0: never).",
+    )
+    val_before_train: bool = Field(
+        False, description="Also validate the initial weights before the first step (a row of step 0)."
+    )
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers fed every metric row and event, besides RUN_DIR/metrics.jsonl "
+        "(always written): tensorboard (RUN_DIR/tensorboard), wandb (offline unless WANDB_MODE says "
+        "otherwise), mlflow (MLFLOW_TRACKING_URI, else RUN_DIR/mlruns). Each is an extra: "
+        "pip install 'rlctl[tensorboard]'.",
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_once(cls, v: list[str]) -> list[str]:
+        twice = sorted({name for name in v if v.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} is listed more than once")
+        return v
 
 
 class BuiltinModelConfig(Strict):
@@ -97,7 +121,18 @@ class ModelConfig(Strict):
 
 
 class DataConfig(Strict):
-    path: str | None = Field(None, description="JSONL or parquet file of prompts. Empty: the built-in synthetic task.")
+    path: str | None = Field(
+        None,
+        description="JSONL or parquet file, or a `datasets` directory (save_to_disk), of prompts. "
+        "Empty: the built-in synthetic task.",
+    )
+    val_path: str | None = Field(
+        None,
+        description="Held-out prompts for validation, in the same forms as `data.path`; a `data_source` "
+        "column gives per-source metrics. Empty: the built-in task's held-out split (with the built-in "
+        "task), else no validation data.",
+    )
+    builtin_val_size: int = Field(64, ge=1, description="Held-out prompts of the built-in task, never trained on.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     apply_chat_template: bool = Field(
         False, description="Wrap each prompt as a user message with the tokenizer's chat template."
@@ -108,12 +143,16 @@ class DataConfig(Strict):
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded, resumable).")
     builtin_size: int = Field(4096, ge=1, description="Number of prompts in the built-in task.")
 
-    @field_validator("path")
+    @field_validator("path", "val_path")
     @classmethod
     def _data_exists(cls, v: str | None) -> str | None:
         if v is None:
             return v
         p = Path(v).expanduser()
+        if p.is_dir():
+            if not (p / "dataset_info.json").is_file() and not (p / "dataset_dict.json").is_file():
+                raise ValueError(f"{v} is a directory but not a `datasets` directory (save_to_disk)")
+            return v
         if not p.is_file():
             raise ValueError(f"no such file: {v}")
         if p.suffix not in (".jsonl", ".json", ".parquet"):
@@ -284,6 +323,27 @@ class RolloutConfig(Strict):
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (always eager on CPU).")
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    val_temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature of validation (0: greedy, one answer per prompt)."
+    )
+    val_samples: int = Field(
+        1,
+        ge=1,
+        description="Completions per validation prompt (val/score/mean@N and best@N); more than 1 needs "
+        "val_temperature > 0.",
+    )
+
+    @model_validator(mode="after")
+    def _greedy_is_one(self) -> RolloutConfig:
+        if self.val_samples > 1 and self.val_temperature == 0:
+            raise ValueError("val_samples > 1 needs val_temperature > 0 (greedy decoding gives one answer)")
+        return self
+
+
+class KeepBestConfig(Strict):
+    metric: str = Field("val/score/mean", min_length=1, description="The metric that ranks snapshots.")
+    mode: Literal["max", "min"] = Field("max", description="max: higher is better; min: lower is better.")
+    k: int = Field(1, ge=1, description="How many of the best snapshots retention keeps.")
 
 
 class CheckpointConfig(Strict):
@@ -305,6 +365,11 @@ class CheckpointConfig(Strict):
         3, ge=1, description="Keep the newest N snapshots (empty: keep all). The newest good one is always kept."
     )
     keep_every: int = Field(0, ge=0, description="Also keep snapshots whose step is a multiple of this (0: off).")
+    keep_best: KeepBestConfig | None = Field(
+        None,
+        description="Also keep the k good snapshots with the best value of a validation metric, e.g. "
+        "{metric: val/score/mean, mode: max, k: 2}; `--from best` and `--step best` pick the first.",
+    )
     asynchronous: bool = Field(
         True, description="Upload and commit in a background thread; training waits only for staging."
     )
@@ -418,6 +483,21 @@ class RunConfig(Strict):
         if self.critic.path is not None and not Path(self.critic.path).expanduser().is_dir():
             raise ValueError(f"critic.path: no such model directory: {self.critic.path}")
         return self
+
+    @model_validator(mode="after")
+    def _validation_has_prompts(self) -> RunConfig:
+        validates = self.trainer.val_every > 0 or self.trainer.val_before_train
+        if validates and self.data.path is not None and self.data.val_path is None:
+            raise ValueError(
+                "trainer.val_every / val_before_train need held-out prompts: set data.val_path "
+                "(only the built-in task has a held-out split of its own)"
+            )
+        return self
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all."""
+        return self.trainer.val_every > 0 or self.trainer.val_before_train
 
     def to_yaml(self) -> str:
         # libyaml's emitter where PyYAML has it: the same text, 4x faster (every snapshot writes one)

@@ -19,7 +19,7 @@ FLOORS = [
     ("rlctl.engine",),
     ("rlctl.rundir",),
     ("rlctl.config",),
-    ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics"),
+    ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
     ("rlctl.engine.algos",),
     ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
     ("rlctl.errors", "rlctl"),
