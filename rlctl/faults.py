@@ -1,4 +1,5 @@
-"""Fault drills: deliberate faults, switched on by the RLCTL_FAULTS environment variable.
+"""Fault drills: deliberate faults, switched on by the RLCTL_FAULTS environment variable or a run
+config's ``faults`` key (the demo's config names one).
 
 Used by the test suite and by anyone who wants to see what a bad night looks like before having one.
 A comma-separated list of ``name[@step][=value]``:
@@ -9,7 +10,8 @@ A comma-separated list of ``name[@step][=value]``:
 - ``nan_log_prob@5``    make one log-prob of step 5 NaN, as a broken kernel or a degenerate sample
                         would (once per process: a step replayed after a rollback is clean);
                         ``nan_log_prob@5=1``: in rank 1's share of the batch only
-- ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike
+- ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike;
+                        validation metrics too (``metric@6=val/score/mean:0.0``: a validation drop)
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
                         next optimizer step, never change the state being written)
 - ``stale_rollout``     never push the actor's weights into the rollout engine after an update (vllm): a
@@ -49,13 +51,23 @@ def parse(spec: str) -> list[Fault]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         m = _ITEM.match(item)
         if not m or m["name"] not in KNOWN:
-            raise ConfigError(f"RLCTL_FAULTS: cannot read {item!r}; known faults: {', '.join(sorted(KNOWN))}")
+            raise ConfigError(f"fault drills: cannot read {item!r}; known faults: {', '.join(sorted(KNOWN))}")
         faults.append(Fault(m["name"], int(m["step"]) if m["step"] else None, m["value"]))
     return faults
 
 
+_configured = ""  # the run config's `faults` (``configure``), armed besides RLCTL_FAULTS
+
+
+def configure(spec: str | None) -> None:
+    """Arm the drills a run config names (its ``faults`` key), besides those of RLCTL_FAULTS."""
+    global _configured
+    parse(spec or "")  # an unknown name is an error now, not at the step
+    _configured = spec or ""
+
+
 def active() -> list[Fault]:
-    return parse(os.environ.get("RLCTL_FAULTS", ""))
+    return parse(",".join(filter(None, (_configured, os.environ.get("RLCTL_FAULTS", "")))))
 
 
 def value(name: str, step: int | None = None) -> str | None:

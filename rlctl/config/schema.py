@@ -25,6 +25,8 @@ from rlctl.engine.algos.registry import (
     KL_ESTIMATORS,
     POLICY_LOSS_LEVELS,
 )
+from rlctl.errors import ConfigError
+from rlctl.faults import parse as parse_faults
 from rlctl.policies.schema import PolicySpec
 
 
@@ -439,11 +441,26 @@ class RunConfig(Strict):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model (algorithm.name: ppo).")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation of completions.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Snapshots.")
+    faults: str | None = Field(
+        None,
+        description="Fault drills this run arms, as in RLCTL_FAULTS (e.g. nan_log_prob@120: a NaN at step 120 "
+        "that a rollback policy must recover from); the environment variable adds to them. For drills and demos.",
+    )
     policies: list[PolicySpec] = Field(
         default_factory=list,
         description="Rollback policies checked after every step: paths to YAML files (see policies/) or "
         "inline policies. The resolved config holds them inline.",
     )
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_parse(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_faults(v)
+            except ConfigError as exc:  # its sentence, located by the config loader
+                raise ValueError(exc.message) from None
+        return v
 
     @property
     def world_size(self) -> int:

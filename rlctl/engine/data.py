@@ -19,40 +19,83 @@ from rlctl.stateful import check_version
 
 
 def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+    """The training prompts: ``data.path``, or the built-in task."""
     if cfg.path is None:
         from rlctl.engine.reward.builtin import make_prompts
 
         return make_prompts(cfg.builtin_size, seed)
-    path = Path(cfg.path).expanduser()
-    if path.suffix == ".parquet":
+    return read_prompt_file(Path(cfg.path).expanduser(), cfg.prompt_key, "data.path")
+
+
+def load_val_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+    """The held-out prompts: ``data.val_path``, or the built-in task's held-out split (prompts of its own,
+    none of which is a training prompt)."""
+    if cfg.val_path is not None:
+        return read_prompt_file(Path(cfg.val_path).expanduser(), cfg.prompt_key, "data.val_path")
+    from rlctl.engine.reward.builtin import make_held_out_prompts
+
+    return make_held_out_prompts(cfg.builtin_val_size, seed, load_rows(cfg, seed))
+
+
+def read_prompt_file(path: Path, prompt_key: str, key: str) -> list[dict[str, Any]]:
+    """Rows of a JSONL or parquet file, or of a `datasets` directory (save_to_disk); an InputError naming
+    ``key``, the file and the line for anything that is not a row with a string prompt."""
+    if path.is_dir():
+        rows = _read_dataset_dir(path, key)
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as exc:  # pyarrow's errors for a bad file vary
-            raise InputError(f"'data.path' {path} is not a readable parquet file: {exc}") from None
+            raise InputError(f"'{key}' {path} is not a readable parquet file: {exc}") from None
     else:
-        rows = []
-        with path.open("rb") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = orjson.loads(line)
-                except orjson.JSONDecodeError as exc:
-                    raise InputError(f"'data.path' {path} line {lineno} is not valid JSON: {exc}") from None
-                if not isinstance(row, dict):
-                    raise InputError(f"'data.path' {path} line {lineno} is not a JSON object")
-                rows.append(row)
+        rows = _read_jsonl(path, key)
     if not rows:
-        raise InputError(f"'data.path' {path} holds no rows")
-    missing = [i for i, row in enumerate(rows) if not isinstance(row.get(cfg.prompt_key), str)]
+        raise InputError(f"'{key}' {path} holds no rows")
+    missing = [i for i, row in enumerate(rows) if not isinstance(row.get(prompt_key), str)]
     if missing:
         raise InputError(
-            f"'data.path' {path}: row {missing[0] + 1} has no string column '{cfg.prompt_key}' "
+            f"'{key}' {path}: row {missing[0] + 1} has no string column '{prompt_key}' "
             f"(set 'data.prompt_key'; columns seen: {', '.join(sorted(rows[missing[0]]))})"
         )
     return rows
+
+
+def _read_jsonl(path: Path, key: str) -> list[dict[str, Any]]:
+    rows = []
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise InputError(f"'{key}' {path} line {lineno} is not valid JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise InputError(f"'{key}' {path} line {lineno} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def _read_dataset_dir(path: Path, key: str) -> list[dict[str, Any]]:
+    """The rows of a `datasets` directory written by ``save_to_disk``, read with pyarrow alone: its
+    state.json names the Arrow stream files. A DatasetDict's directory gives its ``train`` split (its
+    first split without one)."""
+    import pyarrow as pa
+
+    try:
+        if (path / "dataset_dict.json").is_file():
+            splits = orjson.loads((path / "dataset_dict.json").read_bytes())["splits"]
+            path = path / ("train" if "train" in splits else splits[0])
+        state = orjson.loads((path / "state.json").read_bytes())
+        tables = []
+        for entry in state["_data_files"]:
+            data = (path / entry["filename"]).read_bytes()
+            tables.append(pa.ipc.open_stream(pa.BufferReader(data)).read_all())
+    except (OSError, KeyError, IndexError, TypeError, orjson.JSONDecodeError, pa.ArrowInvalid) as exc:
+        raise InputError(f"'{key}' {path} is not a readable `datasets` directory (save_to_disk): {exc}") from None
+    return pa.concat_tables(tables).to_pylist() if tables else []
 
 
 class PromptCursor:

@@ -26,7 +26,7 @@ from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.batch import Sequences
 from rlctl.engine.critic import METRICS as CRITIC_METRICS
 from rlctl.engine.critic import Critic
-from rlctl.engine.data import PromptCursor, load_rows
+from rlctl.engine.data import PromptCursor, load_rows, load_val_rows
 from rlctl.engine.dist import MAX, MEAN, SUM
 from rlctl.engine.experience import METRICS as BATCH_METRICS
 from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of, batch_metrics
@@ -36,12 +36,22 @@ from rlctl.engine.reward import load_reward_fn
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.state import TrainerState
+from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.layout import METRICS
 from rlctl.storage import Storage
+
+
+def faulted(row: dict[str, Any]) -> dict[str, Any]:
+    """The ``metric`` fault drill: the row of its step with the metric it names replaced."""
+    if (spec := faults.once("metric", row["step"])) is not None:
+        key, _, value = spec.rpartition(":")
+        row[key] = float(value)
+    return row
+
 
 StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]
@@ -71,6 +81,7 @@ class Trainer:
         """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
         with its collectives; ``fence`` (the lease's check) is called before every metrics row."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
+        faults.configure(cfg.faults)
         self.fence = fence
         self.emit = on_event or (lambda event: None)
         self.guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
@@ -85,6 +96,11 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         self._build_models()
         self.experience = Experience(cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist)
+        self.validator = (
+            Validator(cfg, load_val_rows(cfg.data, cfg.seed), self.rollout, reward_fn, self.dist)
+            if cfg.validates
+            else None
+        )
         self.recovery = Recovery(self)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
@@ -173,7 +189,11 @@ class Trainer:
             self.dir_stateful(),
             good=good,
             extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
-            meta={"metrics_offset": self.metrics.tell(), "tokens_seen": self.state.tokens_seen},
+            meta={
+                "metrics_offset": self.metrics.tell(),
+                "tokens_seen": self.state.tokens_seen,
+                **({"val": self.state.last_val} if self.state.last_val is not None else {}),
+            },
         )
         self._snapshotted = self.state.step
 
@@ -190,11 +210,16 @@ class Trainer:
         total, self.metrics = self.cfg.trainer.total_steps, self._metrics_log()
         healthy, passed = True, True  # the last step's metrics are finite; it passed the policies
         try:
-            if self.guard is not None and self.guard.rolls_back and self._snapshotted < 0 and self.state.step == 0:
+            fresh = self._snapshotted < 0 and self.state.step == 0
+            if fresh and self.validator is not None and self.cfg.trainer.val_before_train:
+                self._judge(self.validate({"step": 0, "timestamp": round(time.time(), 3)}))
+            if self.guard is not None and self.guard.rolls_back and fresh:
                 self.snapshot(good=True)  # step 0: a policy always has somewhere to roll back to
             while self.state.step < total and not self._stopping():
                 row = self.train_step(self.state.step + 1)
-                passed = self._judge(row)
+                if self.validator is not None and self.validator.due(row["step"]):
+                    row = self.validate(row)
+                passed = self._judge(faulted(row))
                 if not passed:
                     continue  # a step that fails a policy is never snapshotted
                 healthy = row_is_finite(row)
@@ -210,6 +235,15 @@ class Trainer:
                 f"Resume with: rlctl resume {self.run.url} --from latest"
             )
         self._check_final_commit()
+
+    def validate(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` with the validation of the current weights added (and its time); the trainer's state
+        remembers it for the snapshots' manifests."""
+        t0 = time.perf_counter()
+        metrics = self.validator.run()
+        self.state.last_val = {"step": row["step"], "metrics": metrics}
+        took = self.dist.reduce_row({"timing_s/validation": time.perf_counter() - t0}, {"timing_s/validation": MAX})
+        return {**row, **metrics, **took}
 
     def _stop_outcome(self) -> str:
         if self.snapshots is None:
@@ -354,7 +388,4 @@ class Trainer:
         self.state.prompts_seen += self.cfg.trainer.prompts_per_step
         self.state.tokens_seen += int(row.pop("perf/tokens"))
         row["perf/tokens_seen"] = self.state.tokens_seen
-        if (spec := faults.once("metric", step)) is not None:
-            key, _, value = spec.rpartition(":")
-            row[key] = float(value)
         return row

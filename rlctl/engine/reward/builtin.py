@@ -28,6 +28,19 @@ def make_prompts(n: int, seed: int, min_len: int = 2, max_len: int = 4) -> list[
     return rows
 
 
+def make_held_out_prompts(n: int, seed: int, training: list[dict]) -> list[dict]:
+    """``n`` prompts of the same task, none of them a training prompt: the built-in held-out split."""
+    seen = {row["prompt"] for row in training}
+    rng = random.Random(f"{seed}/held-out")
+    rows = []
+    while len(rows) < n:
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 4)))
+        if f"{word}=" not in seen:
+            seen.add(f"{word}=")
+            rows.append({"prompt": f"{word}=", "target": word})
+    return rows
+
+
 def echo_score(target: str, completion: str) -> float:
     n = len(target)
     if n == 0 or not completion:

@@ -41,6 +41,8 @@ class SeededGumbelSampler(LogitsProcessor):
         return noise
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.temperature == 0:  # greedy: the argmax of the logits, no noise drawn
+            return scores.float()
         return scores.float() / self.temperature + self.gumbel(scores.shape[-1]).to(scores.device)
 
 
@@ -49,7 +51,8 @@ def decode(
     model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampler: SeededGumbelSampler
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
-    pad after each sequence's eos, and the (B, R) fp32 log-probs of the sampled tokens (of logits / T).
+    pad after each sequence's eos, and the (B, R) fp32 log-probs of the sampled tokens (of logits / T;
+    of the logits themselves when greedy, T = 0).
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
     token, no generation-config machinery."""
     from transformers import DynamicCache
@@ -72,7 +75,9 @@ def decode(
         nxt = sampler(None, logits).argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        scaled = logits.float() / sampler.temperature  # log p of the sampled token, without a (B, V) log-softmax
+        scaled = logits.float() / (
+            sampler.temperature or 1.0
+        )  # log p of the sampled token, without a (B, V) log-softmax
         lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)
         log_probs.append(lp)
         done |= torch.isin(nxt, eos)
@@ -137,10 +142,14 @@ class HFRollout:
         ]
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences:
+    def generate(
+        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+    ) -> Sequences:
+        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy)."""
         enc = self.encode(prompts)
         seeds = [sample_seed(self.cfg.seed, step, p, s) for p, s in keys]
-        sampler = SeededGumbelSampler(seeds, self.cfg.rollout.temperature)
+        t = self.cfg.rollout.temperature if temperature is None else temperature
+        sampler = SeededGumbelSampler(seeds, t)
         module = self.actor.module
         was_training = module.training
         module.eval()

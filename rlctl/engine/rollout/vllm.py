@@ -152,7 +152,10 @@ class VLLMRollout(HFRollout):
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], keys: list[tuple[int, int]], step: int) -> Sequences:
+    def generate(
+        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+    ) -> Sequences:
+        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy)."""
         r = self.cfg.rollout
         enc = self.encode(prompts)
         ids, attn = enc["input_ids"].cpu(), enc["attention_mask"].cpu()
@@ -160,7 +163,7 @@ class VLLMRollout(HFRollout):
         params = [
             self.vllm.SamplingParams(
                 max_tokens=r.max_new_tokens,
-                temperature=r.temperature,
+                temperature=r.temperature if temperature is None else temperature,
                 seed=sample_seed(self.cfg.seed, step, p, s),
                 stop_token_ids=self.eos_ids,
                 logprobs=0,
