@@ -19,7 +19,7 @@ from rlctl.ranks.signals import STOPS, Stopped
 # name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "start": ("rlctl.commands.start", "start", "Start a new run from a YAML config (or the built-in demo)."),
-    "resume": ("rlctl.commands.resume", "resume", "Continue a run from a snapshot (latest, last-good, step-N)."),
+    "resume": ("rlctl.commands.resume", "resume", "Continue a run from a snapshot (latest, last-good, best, step-N)."),
     "checkpoints": ("rlctl.commands.checkpoints", "checkpoints", "List a run's snapshots and whether each is usable."),
     "export": ("rlctl.commands.export", "export", "Write a snapshot as a Hugging Face model directory."),
     "policy": ("rlctl.commands.policy", "policy", "Check and explain rollback policy files."),

@@ -10,15 +10,19 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from rlctl.checkpoint.snapshots import SnapshotInfo, checksum_problem, parse_step_spec
+from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, checksum_problem, parse_step_spec
 from rlctl.errors import ConfigError, SnapshotError
 from rlctl.rundir.directory import load_run_config, snapshot_manager
 from rlctl.storage import Storage
 
 
-def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:
+def export_snapshot(run_dir: str, spec: str, out_dir: str, note: Callable[[str], None] | None = None) -> SnapshotInfo:
+    """Export the snapshot ``spec`` names (latest, last-good, best, step-N or N: the first usable
+    candidate, each one skipped before it said to ``note``) to ``out_dir``, which must be new or empty.
+    The snapshot exported."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -33,10 +37,7 @@ def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:
     run = Storage(run_dir)
     cfg = load_run_config(run)
     manager = snapshot_manager(run, cfg)
-    usable = [c for c in manager.candidates(parse_step_spec(spec)) if c.usable]
-    if not usable:
-        raise SnapshotError(f"no usable snapshot for --step {spec} in {manager.storage.url}")
-    info = usable[0]
+    info = _choose(manager, spec, note or (lambda _: None))
     local, cleanup = manager.storage.local_copy(info.name)
     try:
         problem = checksum_problem(local, info.manifest or {})
@@ -60,4 +61,16 @@ def export_snapshot(run_dir: str, spec: str, out_dir: str) -> SnapshotInfo:
         AutoTokenizer.from_pretrained(hf).save_pretrained(out)
     finally:
         cleanup()
+    return info
+
+
+def _choose(manager: SnapshotManager, spec: str, note: Callable[[str], None]) -> SnapshotInfo:
+    """The first usable candidate for ``spec``; each candidate skipped before it said to ``note``."""
+    candidates = manager.candidates(parse_step_spec(spec))
+    info = next((c for c in candidates if c.usable), None)
+    if info is None:
+        why = f" ({candidates[0].name}: {candidates[0].problem})" if candidates else ""
+        raise SnapshotError(f"no usable snapshot for --step {spec} in {manager.storage.url}{why}")
+    for bad in candidates[: candidates.index(info)]:
+        note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
     return info

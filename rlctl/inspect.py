@@ -24,6 +24,7 @@ from rlctl.storage import Storage
 
 KEY_METRICS = (
     "critic/score/mean",
+    "val/score/mean",
     "actor/ppo_kl",
     "actor/kl_loss",
     "actor/grad_norm",
@@ -31,6 +32,8 @@ KEY_METRICS = (
     "response_length/mean",
     "perf/throughput",
 )
+# what --plot draws unless told: the first four of these that the run has and that ever move
+PLOT_METRICS = ("critic/score/mean", "val/score/mean", "actor/grad_norm", "actor/ppo_kl", "actor/entropy", "actor/kl_loss")
 TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed", "interrupted")
 
 
@@ -301,14 +304,18 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     abandoned = _read(Storage(view.url), ABANDONED, None, require_step=True)
-    keys = [k for k in (metrics or KEY_METRICS[:4]) if any(isinstance(r.get(k), (int, float)) for r in view.rows)]
+    keys = [k for k in metrics if any(isinstance(r.get(k), (int, float)) for r in view.rows)]
+    if not metrics:
+        keys = [k for k in PLOT_METRICS if len({r[k] for r in view.rows if _numbers(r.get(k))}) > 1][:4]
     if not keys:
         raise ConfigError(f"none of the metrics {', '.join(metrics)} is in {view.url}")
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True, squeeze=False)
     commits = [e["step"] for e in view.events_of("snapshot_committed") if isinstance(e.get("step"), int)]
     for ax, key in zip(axes[:, 0], keys):
         steps = [r["step"] for r in view.rows if isinstance(r.get(key), (int, float))]
-        ax.plot(steps, [r[key] for r in view.rows if isinstance(r.get(key), (int, float))], lw=1.2, label=key)
+        values = [r[key] for r in view.rows if isinstance(r.get(key), (int, float))]
+        sparse = len(steps) < len(view.rows) / 2  # validation: every val_every steps, each point shown
+        ax.plot(steps, values, lw=1.2, label=key, marker="o" if sparse else None, ms=3)
         gone = [r for r in abandoned if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         if gone:
             ax.scatter([r["step"] for r in gone], [r[key] for r in gone], s=10, c="0.6", label="rolled back")

@@ -108,12 +108,21 @@ def _choose(
     run: Storage, cfg: RunConfig, snapshots: SnapshotManager, wanted: int | str, changes: dict, reporter: Reporter
 ) -> dict[str, Any] | None:
     """The restore to train from (the usable snapshots for ``wanted``, best first; none: start over), or
-    None when ``--from latest`` finds the run complete."""
+    None when ``--from latest`` finds the run complete. ``best`` is a choice like an explicit step: the
+    first usable of the best snapshots alone (those skipped before it said), never another one."""
     candidates = snapshots.candidates(wanted)
     if isinstance(wanted, int) and candidates[0].problem:
         raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
     if wanted == "last-good" and not candidates:
         raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
+    if wanted == "best":
+        first = next((c for c in candidates if c.usable), None)
+        if first is None:
+            raise SnapshotError(
+                f"no good snapshot in {snapshots.storage.url} that records {snapshots.best_rule.metric} is usable "
+                f"(the best, {candidates[0].name}: {candidates[0].problem})"
+            )
+        candidates = candidates[: candidates.index(first) + 1]
     if wanted == "latest" and _completed(run, cfg, candidates):
         return None
     for bad in (c for c in candidates if not c.usable):

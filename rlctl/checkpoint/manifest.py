@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import reprlib
 from typing import Any
 
 import orjson
@@ -29,6 +30,10 @@ class UnreadableManifest(ValueError):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def file_problem(rel: Any, meta: Any) -> str | None:
@@ -79,7 +84,26 @@ def shape_problem(manifest: dict[str, Any]) -> str | None:
         return f"its 'good' is {manifest.get('good')!r}, not true or false"
     if not isinstance(manifest.get("created", ""), str):
         return f"its 'created' is {manifest.get('created')!r}, not a time"
+    if "val" in manifest and (problem := val_problem(manifest["val"])) is not None:
+        return problem
     return files_problem(manifest.get("files"))
+
+
+def val_problem(val: Any) -> str | None:
+    """What is wrong with a manifest's ``val`` (the run's last validation when the snapshot was taken:
+    ``{"step": <the step validated>, "metrics": {name: number}}``), or None. A metric may be null: a
+    validation that gave NaN or an infinity, which JSON cannot hold, records no value."""
+    if not isinstance(val, dict):
+        return f"its 'val' is a {type(val).__name__}, not an object"
+    if not _is_int(val.get("step")) or val["step"] < 0:
+        return f"its val step is {reprlib.repr(val.get('step'))}, not a step number"
+    metrics = val.get("metrics")
+    if not isinstance(metrics, dict):
+        return f"its val metrics are a {type(metrics).__name__}, not an object"
+    for name, value in metrics.items():
+        if value is not None and not _is_number(value):
+            return f"its val metric {name} is {reprlib.repr(value)}, not a number"
+    return None
 
 
 def parse_rank_list(raw: bytes, rank: int) -> dict[str, Any]:

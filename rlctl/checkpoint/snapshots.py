@@ -12,6 +12,8 @@ Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.d
 
 The manifest lists every file with its size and sha256, the rlctl version, the world size and the
 run's other topology facts (each a ``Topology`` its caller names, such as the engine's partitioning).
+It also records the run's last validation when there was one (``val``: the step validated and its
+metrics): "best" (``candidates``, ``best``) and retention's ``keep_best`` rank snapshots by it.
 A directory without a manifest file is not a snapshot but this protocol's own unfinished temporary:
 discovery ignores it and start-up removes it. A directory whose manifest exists but cannot be read
 (garbage, truncated, fields of the wrong shape) is not chosen either, and the run's writer moves it to
@@ -59,6 +61,7 @@ from rlctl.checkpoint.manifest import (
     parse_rank_list,
     sha256_file,
     stored_checksum_problem,
+    val_problem,
 )
 from rlctl.checkpoint.writer import DurableFile, no_space
 from rlctl.errors import SnapshotError
@@ -158,12 +161,12 @@ def step_name(step: int) -> str:
 
 
 def parse_step_spec(spec: str) -> int | str:
-    """'latest' | 'last-good' | 'step-500' | '500' -> 'latest' | 'last-good' | 500."""
-    if spec in ("latest", "last-good"):
+    """'latest' | 'last-good' | 'best' | 'step-500' | '500' -> 'latest' | 'last-good' | 'best' | 500."""
+    if spec in ("latest", "last-good", "best"):
         return spec
     m = re.fullmatch(r"(?:step-)?0*(\d+)", spec)
     if not m:
-        raise SnapshotError(f"--from expects latest, last-good, step-N or N; got {spec!r}")
+        raise SnapshotError(f"--from expects latest, last-good, best, step-N or N; got {spec!r}")
     return int(m.group(1))
 
 
@@ -187,7 +190,25 @@ class SnapshotInfo:
     def good(self) -> bool:
         return bool(self.manifest) and self.manifest.get("good") is True
 
-    def as_row(self) -> dict[str, Any]:
+    @property
+    def _val(self) -> dict[str, Any]:
+        """The manifest's last validation (checked in a manifest of this format; ignored in another)."""
+        m = self.manifest or {}
+        return (m.get("val") or {}) if m.get("format") == FORMAT else {}
+
+    @property
+    def val_step(self) -> int | None:
+        """The step of the run's last validation when the snapshot was taken (None: none yet)."""
+        return self._val.get("step")
+
+    def val_metric(self, name: str) -> float | None:
+        """The value of validation metric ``name`` the manifest records (None when it records none)."""
+        value = self._val.get("metrics", {}).get(name)
+        return None if value is None else float(value)
+
+    def as_row(self, metric: str | None = None) -> dict[str, Any]:
+        """The snapshot as a row of ``rlctl checkpoints``; with ``metric``, also its recorded value of
+        that validation metric (a key of its name) and ``val_step``."""
         m = self.manifest or {}
         created, size = m.get("created"), m.get("total_bytes")  # (a manifest of another format: any shape)
         return {
@@ -199,7 +220,34 @@ class SnapshotInfo:
             "good": self.good,
             "usable": self.usable,
             "problem": self.problem,
+            **({metric: self.val_metric(metric), "val_step": self.val_step} if metric is not None else {}),
         }
+
+
+VAL_METRIC = "val/score/mean"  # what "best" ranks by unless checkpoint.keep_best names another (its default)
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Which snapshots are the best: by the validation ``metric`` their manifest records, higher
+    (``mode`` "max") or lower ("min") first; retention keeps the ``k`` best."""
+
+    metric: str = VAL_METRIC
+    mode: str = "max"
+    k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("max", "min") or self.k < 1:
+            raise ValueError(f"KeepBest needs mode max or min and k >= 1; got mode {self.mode!r}, k {self.k}")
+
+    def rank(self, infos: Sequence[SnapshotInfo]) -> list[SnapshotInfo]:
+        """Those of ``infos`` that record the metric, best first. Of equal values, first the snapshot
+        taken at the step validated (its own weights gave the value; later ones carry it forward), then
+        the earlier step."""
+        sign = -1.0 if self.mode == "max" else 1.0
+        scored = [(value, i) for i in infos if (value := i.val_metric(self.metric)) is not None]
+        scored.sort(key=lambda vi: (sign * vi[0], vi[1].step != vi[1].val_step, vi[1].step))
+        return [i for _, i in scored]
 
 
 def _local_files(
@@ -251,6 +299,7 @@ class Retention:
     keep_last: int | None = None  # None: keep every snapshot
     keep_every: int = 0  # also keep steps that are multiples of this (0: none)
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
+    best: KeepBest | None = None  # also keep the k best good snapshots by a validation metric
 
 
 @dataclass
@@ -404,11 +453,25 @@ class SnapshotManager:
         self.quarantined.append(info)
         self.on_event({"event": "snapshot_quarantined", "step": info.step, "reason": reason, "location": location})
 
+    @property
+    def best_rule(self) -> KeepBest:
+        """What "best" means for this run: retention's keep_best, else the highest val/score/mean."""
+        return self.retention.best or KeepBest()
+
+    def best(self, metric: str, mode: str) -> list[SnapshotInfo]:
+        """The usable good snapshots that record validation ``metric``, best first (``mode`` "max":
+        highest first; "min": lowest; of equal values the one taken at the step validated, then the
+        earlier step)."""
+        return KeepBest(metric, mode).rank([i for i in self.scan() if i.usable and i.good])
+
     def candidates(self, spec: int | str) -> list[SnapshotInfo]:
-        """Snapshots to try for ``spec``, best first. An explicit step gives that one only. Those that
-        cannot be read (in place, or quarantined by this manager) come with their ``problem`` and are
-        never usable: the caller says why it skips them."""
+        """Snapshots to try for ``spec``, best first. An explicit step gives that one only; "best" the
+        good committed snapshots that record ``best_rule``'s metric, best value first (raises when none
+        does). Those that cannot be read (in place, or quarantined by this manager) come with their
+        ``problem`` and are never usable: the caller says why it skips them."""
         infos = self.scan()
+        if spec == "best":
+            return self._best_candidates(infos)
         if isinstance(spec, int):
             match = [i for i in infos if i.step == spec] or [i for i in self.quarantined if i.step == spec][-1:]
             if not match:
@@ -418,6 +481,16 @@ class SnapshotManager:
         found = [i for i in infos if i.committed or i.unreadable] + self.quarantined
         ordered = sorted(found, key=lambda i: i.step, reverse=True)
         return [i for i in ordered if i.good] if spec == "last-good" else ordered
+
+    def _best_candidates(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
+        rule = self.best_rule
+        ranked = rule.rank([i for i in infos if i.committed and i.good])
+        if not ranked:
+            raise SnapshotError(
+                f"no good snapshot in {self.storage.url} records the validation metric {rule.metric} (a "
+                "snapshot records it once the run has validated: trainer.val_every)"
+            )
+        return ranked
 
     # -- saving ------------------------------------------------------------------------------------
     def save(
@@ -434,6 +507,8 @@ class SnapshotManager:
         the background. A snapshot still in flight is awaited first, never overlapped. Returns the
         seconds training stalled. A snapshot that fails is reported and counted, not raised; raises
         (StorageError) once ``max_failures`` in a row have failed, or what the fence raised."""
+        if meta and "val" in meta and (problem := val_problem(meta["val"])) is not None:
+            raise ValueError(f"the snapshot of step {step} cannot record this validation: {problem}")
         t0 = time.perf_counter()
         self.wait()
         name, stage, full = step_name(step), None, faults.disk_full(step)
@@ -690,8 +765,9 @@ class SnapshotManager:
     # -- retention ---------------------------------------------------------------------------------
     def purge(self) -> list[int]:
         """Apply keep_last / keep_every to the usable snapshots. Never removes the newest snapshot, the
-        newest good one, a protected step, nor any snapshot that is not usable (unreadable, damaged or
-        of another format: what cannot be read is never deleted). Runs only after a commit."""
+        newest good one, the k best good ones by keep_best's metric, a protected step, nor any snapshot
+        that is not usable (unreadable, damaged or of another format: what cannot be read is never
+        deleted). Runs only after a commit."""
         r = self.retention
         usable = [i for i in self.scan() if i.usable]
         if r.keep_last is None or not usable:
@@ -702,6 +778,8 @@ class SnapshotManager:
             keep.add(good[-1].step)
         if r.keep_every:
             keep |= {i.step for i in usable if i.step % r.keep_every == 0}
+        if r.best is not None:
+            keep |= {i.step for i in r.best.rank(good)[: r.best.k]}
         removed = []
         for info in usable:
             if info.step not in keep:

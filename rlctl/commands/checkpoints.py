@@ -15,18 +15,25 @@ COLUMNS = ["step", "name", "time", "bytes", "committed", "good", "usable", "prob
 @format_option
 @click.option("--verify", is_flag=True, help="Also check every file's sha256 (reads every byte).")
 def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
-    """List a run's snapshots: step, time, size, committed, good, and why one is not usable."""
+    """List a run's snapshots: step, time, size, committed, good, the validation metric they record
+    (checkpoint.keep_best's, else val/score/mean when a snapshot records it), and why one is not usable."""
     from rlctl.rundir.directory import load_run_config, snapshot_manager
     from rlctl.storage import Storage
 
     run = Storage(run_dir)
-    infos = snapshot_manager(run, load_run_config(run)).scan(deep=verify)
-    rows = [i.as_row() for i in infos]
+    manager = snapshot_manager(run, load_run_config(run))
+    infos = manager.scan(deep=verify)
+    metric = manager.best_rule.metric
+    if manager.retention.best is None and all(i.val_metric(metric) is None for i in infos):
+        metric = None  # no column for a metric nobody asked for and no snapshot records
+    rows = [i.as_row(metric) for i in infos]
     if fmt != "table":
-        emit(COLUMNS, rows, fmt)
+        emit(COLUMNS + ([metric, "val_step"] if metric else []), rows, fmt)
         return
     for r in rows:
         r["size"] = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
         r["time"] = r["time"] or "-"
         r["committed"], r["good"] = ("yes" if r["committed"] else "no"), ("yes" if r["good"] else "no")
-    emit(["step", "time", "size", "committed", "good", "problem"], rows, "table")
+        if metric:
+            r[metric] = "-" if r[metric] is None else r[metric]
+    emit(["step", "time", "size", "committed", "good", *([metric] if metric else []), "problem"], rows, "table")

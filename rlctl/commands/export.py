@@ -1,19 +1,29 @@
-"""rlctl export RUN_DIR OUT_DIR [--step N]"""
+"""rlctl export RUN_DIR OUT_DIR [--step latest|last-good|best|step-N|N]"""
 
 from __future__ import annotations
 
 import click
 
+from rlctl.commands.resume import step_spec
+
 
 @click.command("export")
 @click.argument("run_dir")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--step", "step", default="latest", show_default=True, help="latest, last-good, step-N or N.")
+@click.option(
+    "--step",
+    "step",
+    callback=step_spec,
+    default="latest",
+    show_default=True,
+    help="latest, last-good, best, step-N or N. best: the good snapshot with the best validation metric "
+    "(checkpoint.keep_best's, else the highest val/score/mean).",
+)
 def export(run_dir: str, out_dir: str, step: str) -> None:
     """Write a snapshot's weights as a Hugging Face model directory (safetensors plus tokenizer),
     consolidated from any ZeRO stage. Prints OUT_DIR."""
     from rlctl.export import export_snapshot
 
-    info = export_snapshot(run_dir, step, out_dir)
+    info = export_snapshot(run_dir, step, out_dir, note=lambda line: click.echo(line, err=True))
     click.echo(f"exported {info.name} of {run_dir}", err=True)
     click.echo(out_dir)

@@ -1,4 +1,4 @@
-"""rlctl resume RUN_DIR [--from latest|last-good|step-N|N] [--set KEY=VALUE ...] [--force]"""
+"""rlctl resume RUN_DIR [--from latest|last-good|best|step-N|N] [--set KEY=VALUE ...] [--force]"""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from rlctl.commands.options import set_option
 from rlctl.ranks.signals import stops_from_the_start
 
 
-def _step_spec(_ctx, _param, value: str) -> str:
-    """--from: a usage error (exit 2) unless latest, last-good, step-N or N."""
+def step_spec(_ctx, _param, value: str) -> str:
+    """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
+    best, step-N or N."""
     from rlctl.checkpoint.snapshots import parse_step_spec
     from rlctl.errors import SnapshotError
 
     try:
         parse_step_spec(value)
     except SnapshotError:
-        raise click.BadParameter(f"expected latest, last-good, step-N or N; got {value!r}") from None
+        raise click.BadParameter(f"expected latest, last-good, best, step-N or N; got {value!r}") from None
     return value
 
 
@@ -25,11 +26,12 @@ def _step_spec(_ctx, _param, value: str) -> str:
 @click.option(
     "--from",
     "from_",
-    callback=_step_spec,
+    callback=step_spec,
     default="latest",
     show_default=True,
-    help="latest, last-good, step-N or N. latest falls back to an older snapshot when the newest is "
-    "corrupt; an explicit step never does.",
+    help="latest, last-good, best, step-N or N. latest falls back to an older snapshot when the newest is "
+    "corrupt; an explicit step never does. best: the good snapshot with the best validation metric "
+    "(checkpoint.keep_best's, else the highest val/score/mean).",
 )
 @set_option
 @click.option("--force", is_flag=True, help="Take over a lease whose heartbeat is older than the timeout.")

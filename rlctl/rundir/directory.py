@@ -138,13 +138,14 @@ def snapshot_manager(
     max_steps_back: int = 0,
     fence=None,
 ) -> SnapshotManager:
-    """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention,
-    topology and failure budget. A rank passes its collectives, how far its policies may roll back
-    (retention keeps a snapshot that far back) and its fence (called before any commit: the lease's
-    check); the driver, which only scans, passes none of them."""
-    from rlctl.checkpoint.snapshots import Retention, SnapshotManager
+    """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention (and
+    keep_best: what "best" means), topology and failure budget. A rank passes its collectives, how far
+    its policies may roll back (retention keeps a snapshot that far back) and its fence (called before
+    any commit: the lease's check); the driver, which only scans, passes none of them."""
+    from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager
 
     c = cfg.checkpoint
+    best = KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.k) if c.keep_best is not None else None
     return SnapshotManager(
         checkpoint_storage(run, cfg),
         world_size=cfg.world_size,
@@ -153,7 +154,7 @@ def snapshot_manager(
         topology=[zero_topology(cfg.actor.zero_stage)],
         every=c.every,
         max_steps_back=max_steps_back,
-        retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every),
+        retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every, best=best),
         on_event=events.emit if events is not None else None,
         staging_dir=c.staging_dir,
         asynchronous=c.asynchronous,
