@@ -33,7 +33,14 @@ KEY_METRICS = (
     "perf/throughput",
 )
 # what --plot draws unless told: the first four of these that the run has and that ever move
-PLOT_METRICS = ("critic/score/mean", "val/score/mean", "actor/grad_norm", "actor/ppo_kl", "actor/entropy", "actor/kl_loss")
+PLOT_METRICS = (
+    "critic/score/mean",
+    "val/score/mean",
+    "actor/grad_norm",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/kl_loss",
+)
 TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed", "interrupted")
 
 

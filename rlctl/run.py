@@ -87,7 +87,7 @@ def resume_run(
         restore = _choose(run, cfg, snapshots, wanted, changes, reporter)
         if restore is None:
             reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
-            return run_summary(run)
+            return run_summary(run, cfg)
         return _train(run, cfg, events, reporter, restore, lease)
 
 

@@ -300,6 +300,7 @@ class Retention:
     keep_every: int = 0  # also keep steps that are multiples of this (0: none)
     protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
     best: KeepBest | None = None  # also keep the k best good snapshots by a validation metric
+    rollback_best: tuple[KeepBest, ...] = ()  # and the best by each metric a policy may roll back to
 
 
 @dataclass
@@ -765,7 +766,8 @@ class SnapshotManager:
     # -- retention ---------------------------------------------------------------------------------
     def purge(self) -> list[int]:
         """Apply keep_last / keep_every to the usable snapshots. Never removes the newest snapshot, the
-        newest good one, the k best good ones by keep_best's metric, a protected step, nor any snapshot
+        newest good one, the k best good ones by keep_best's metric (and the best by each metric a
+        policy rolls back to), a protected step, nor any snapshot
         that is not usable (unreadable, damaged or of another format: what cannot be read is never
         deleted). Runs only after a commit."""
         r = self.retention
@@ -778,8 +780,8 @@ class SnapshotManager:
             keep.add(good[-1].step)
         if r.keep_every:
             keep |= {i.step for i in usable if i.step % r.keep_every == 0}
-        if r.best is not None:
-            keep |= {i.step for i in r.best.rank(good)[: r.best.k]}
+        for rule in (r.best, *r.rollback_best) if r.best is not None else r.rollback_best:
+            keep |= {i.step for i in rule.rank(good)[: rule.k]}
         removed = []
         for info in usable:
             if info.step not in keep:

@@ -63,16 +63,34 @@ class StepProgress:
         self.progress.stop()
 
     def print_summary(self, summary: dict[str, Any]) -> None:
-        def fmt(x: float) -> str:
-            return "n/a" if math.isnan(x) else f"{x:.3f}"
+        """The end of a run in words a newcomer understands, then the commands to look closer."""
+        self.console.print("\n".join(summary_lines(summary)), highlight=False, markup=False)
 
-        w = summary["window"]
-        self.console.print(
-            f"[bold green]done[/bold green]: {summary['steps']} steps in {summary['seconds']:.0f}s of training; "
-            f"reward {fmt(summary['reward_start'])} (mean of first {w}) -> {fmt(summary['reward_end'])} "
-            f"(mean of last {w})\nrun: {summary['run_dir']}",
-            highlight=False,
-        )
+
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The summary of a finished run (``rlctl.rundir.directory.run_summary``) as lines of text."""
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
+
+    w, run = s["window"], s["run_dir"]
+    lines = [
+        f"done: {s['steps']} steps in {s['seconds']:.0f}s of training",
+        f"  reward      {fmt(s['reward_start'])} (mean of first {w}) -> {fmt(s['reward_end'])} (mean of last {w})",
+    ]
+    if s.get("val_start") is not None:
+        lines.append(f"  validation  {fmt(s['val_start'])} -> {fmt(s['val_end'])} (val/score/mean, first -> last)")
+    if s.get("snapshots"):
+        best = s.get("best")
+        tail = f"; best: step {best['step']} ({best['metric']} {fmt(best['value'])})" if best else ""
+        lines.append(f"  snapshots   {s['snapshots']} committed{tail}")
+    rollbacks = s.get("rollbacks") or []
+    lines.append(f"  rollbacks   {len(rollbacks)}" + (":" if rollbacks else ""))
+    lines += [f"    step {r['from_step']}: rule {r['rule']} -> back to step {r['to_step']}" for r in rollbacks]
+    lines += [f"run: {run}", f"next: rlctl inspect {run} --plot run.png", f"      rlctl checkpoints {run}"]
+    if "tensorboard" in (s.get("loggers") or []):
+        lines.append(f"      tensorboard --logdir {run}/tensorboard")
+    return lines
 
 
 def _num(value: Any, spec: str) -> str:

@@ -2,7 +2,8 @@
 run directory exists and by ``resume`` before the lease is taken, so a mistake leaves nothing behind
 that would block a retry of the fixed command.
 
-It checks, in seconds and without loading weights: the dataset file can be read; the device asked for
+It checks, in seconds and without loading weights: the dataset files can be read; the configured
+trackers are installed; the device asked for
 is there (``device: cuda`` without a GPU), with a device for every local rank; the storage of
 ``checkpoint.dir`` has its filesystem installed; the model directory has a config and weights, and its
 context holds ``data.max_prompt_length + rollout.max_new_tokens``; the reward function imports and is
@@ -27,6 +28,7 @@ from rlctl.errors import ConfigError, InputError
 def check_before_start(cfg: RunConfig) -> None:
     """ConfigError or InputError, one sentence each, for what would otherwise fail after work began."""
     check_data(cfg)
+    check_trackers(cfg)
     check_device(cfg)
     check_checkpoint_storage(cfg)
     check_models(cfg)
@@ -34,15 +36,30 @@ def check_before_start(cfg: RunConfig) -> None:
 
 
 def check_data(cfg: RunConfig) -> None:
-    """The dataset file can be opened and read (it may have moved since the config was written)."""
-    if cfg.data.path is None:
+    """The dataset files can be opened and read (they may have moved since the config was written)."""
+    for key, value in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        try:
+            if path.is_dir():
+                next(path.iterdir(), None)
+            else:
+                with open(path, "rb") as fh:
+                    fh.read(1)
+        except OSError as exc:
+            raise InputError(f"cannot read '{key}' {path}: {exc.strerror or exc}") from None
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """Every tracker of ``trainer.loggers`` is installed (nothing is imported to find out)."""
+    if not cfg.trainer.loggers:
         return
-    path = Path(cfg.data.path).expanduser()
-    try:
-        with open(path, "rb") as fh:
-            fh.read(1)
-    except OSError as exc:
-        raise InputError(f"cannot read 'data.path' {path}: {exc.strerror or exc}") from None
+    from rlctl.trackers import missing
+
+    problems = missing(cfg.trainer.loggers)
+    if problems:
+        raise ConfigError(f"'trainer.loggers': {'; '.join(problems)}")
 
 
 def check_device(cfg: RunConfig) -> None:

@@ -174,14 +174,12 @@ class Recovery:
         h.emit({"event": "adjust", "step": verdict.step, "changes": changes})
 
     def rollback(self, verdict) -> None:
-        """Restore the newest usable good snapshot at least ``min_steps_back`` steps back (halting when
-        there is none), then turn the run away from the steps after it."""
+        """Restore the snapshot the verdict asks for (halting when there is none), then turn the run away
+        from the steps after it."""
         h, step = self.host, verdict.step
-        horizon = step - (verdict.rollback.min_steps_back or 0)
         h.snapshots.wait()  # rank 0's commit (and its retention) done before any rank looks
         h.dist.barrier()
-        candidates = [i for i in reversed(h.snapshots.scan()) if i.usable and i.good and i.step <= horizon]
-        for info in candidates:
+        for info in self.rollback_candidates(verdict):
             try:
                 h.restore(info, rollback=True)
                 break
@@ -197,6 +195,18 @@ class Recovery:
                 moved = turn_away_after(h.run, h.snapshots, to_step, tag)
             h.dist.barrier()
         h.emit({**tag, **moved})
+
+    def rollback_candidates(self, verdict) -> list:
+        """The usable good snapshots to try, best first: with ``to: best`` the ones holding the best value
+        of the rule's metric, then (when none records it, or every one fails) the newest good ones;
+        otherwise the newest good ones at least ``min_steps_back`` steps back."""
+        snapshots, step = self.host.snapshots, verdict.step
+        horizon = step - (verdict.rollback.min_steps_back or 0)
+        newest = [i for i in reversed(snapshots.scan()) if i.usable and i.good and i.step <= horizon]
+        if verdict.rollback_best is None:
+            return newest
+        best = [i for i in snapshots.best(*verdict.rollback_best) if i.step <= step]
+        return best + [i for i in newest if i.step not in {b.step for b in best}]
 
     def halt_no_target(self, verdict) -> None:
         self.host.emit({"event": "halted", "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})

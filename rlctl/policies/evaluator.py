@@ -1,13 +1,19 @@
 """The per-step evaluator: metrics row in, firings out. Pure Python, cheap enough for every step.
 
-Triggers are a registry of pure functions ``check(trigger, row, history) -> Observation`` (the history is
-the spike window; other triggers ignore it). ``PolicyEngine`` adds what needs memory: consecutive hits
-(``sustained``), ``warmup``, ``cooldown``, trigger counts and escalation (``max_triggers`` then ``then``),
-and the spike windows. It is Stateful, so a resumed run keeps its counts and windows.
+Triggers are a registry of pure functions ``check(trigger, row, history, seen) -> Observation``: the
+history is what the rule remembers of its metric (a spike's window; a drop's window, or for a drop from
+the best, the improvements so far), ``seen`` how many values of it were observed (a drop's arming); the
+other triggers ignore both. ``PolicyEngine`` adds what needs memory: consecutive hits (``sustained``),
+``warmup``, ``cooldown``, trigger counts and escalation (``max_triggers`` then ``then``), and the
+histories. It is Stateful, so a resumed run keeps its counts and histories.
+
+A row that does not carry a trigger's metric (a validation metric between validations) is not an
+observation: the check answers ``absent``, and the rule's streak neither grows nor breaks.
 
 Rollbacks: the engine's state is *not* meant to be restored from the snapshot a rollback returns to
 (the trigger counts would reset and ``max_triggers`` could never run out). Keep the live engine and
-call ``rewind(step)`` instead: it forgets history recorded after ``step`` and keeps the counts.
+call ``rewind(step)`` instead: it forgets history recorded after ``step`` (so a drop's best so far is
+again the best of the values up to ``step``) and keeps the counts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 from rlctl.errors import ConfigError
 from rlctl.policies.schema import (
     Action,
+    DropTrigger,
     HaltAction,
     NonfiniteTrigger,
     Rule,
@@ -32,6 +39,7 @@ from rlctl.policies.schema import (
 )
 from rlctl.stateful import check_version
 
+# version 1; "seen_steps" was added to a rule's state without a new version: a state without it loads
 STATE_VERSION = 1
 COUNTER_PREFIX = "actor/nonfinite/"  # counts of NaN/Inf in old_log_prob, ref_log_prob, log_prob, loss
 SKIPPED_UPDATES = "actor/skipped_updates"
@@ -59,21 +67,24 @@ def json_number(value: float | None) -> float | str | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Triggers: pure functions of (trigger, row, history)
+# Triggers: pure functions of (trigger, row, history, seen)
 
 
 @dataclass(frozen=True)
 class Observation:
     """What a trigger saw on one row: whether its condition held, on which metric, at what value,
-    against what limit (None where there is no single number to show)."""
+    against what limit (None where there is no single number to show). ``absent``: the row did not
+    carry the metric at all, so it is no observation (a streak neither grows nor breaks)."""
 
     held: bool
     metric: str | None = None
     value: float | None = None
     limit: float | None = None
+    absent: bool = False
 
 
 MISS = Observation(held=False)
+ABSENT = Observation(held=False, absent=True)
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">": lambda a, b: a > b,
@@ -83,15 +94,19 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
 }
 
 
-def check_threshold(trigger: ThresholdTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
-    """Holds when ``row[metric] OP value``. A missing or NaN value does not hold (nonfinite's job)."""
+def check_threshold(
+    trigger: ThresholdTrigger, row: Mapping[str, Any], history: Sequence[float], seen: int
+) -> Observation:
+    """Holds when ``row[metric] OP value``. A missing metric is absent; NaN does not hold (nonfinite's job)."""
     value = as_number(row.get(trigger.metric))
     if value is None:
-        return MISS
+        return ABSENT
     return Observation(_OPS[trigger.op](value, trigger.value), trigger.metric, value, trigger.value)
 
 
-def check_nonfinite(trigger: NonfiniteTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
+def check_nonfinite(
+    trigger: NonfiniteTrigger, row: Mapping[str, Any], history: Sequence[float], seen: int
+) -> Observation:
     """Holds when a watched metric is NaN/Inf, or (with ``counters``) a NaN/Inf counter is above 0."""
     for key, raw in row.items():
         value = as_number(raw)
@@ -116,19 +131,58 @@ def spike_limit(trigger: SpikeTrigger, history: Sequence[float]) -> float | None
     return trigger.factor * baseline  # type: ignore[operator]
 
 
-def check_spike(trigger: SpikeTrigger, row: Mapping[str, Any], history: Sequence[float]) -> Observation:
-    """Holds when the value is above ``spike_limit``. NaN never holds (nonfinite's job); +Inf does."""
+def check_spike(trigger: SpikeTrigger, row: Mapping[str, Any], history: Sequence[float], seen: int) -> Observation:
+    """Holds when the value is above ``spike_limit``. A missing metric is absent; NaN never holds
+    (nonfinite's job); +Inf does."""
     value = as_number(row.get(trigger.metric))
-    if value is None or math.isnan(value):
+    if value is None:
+        return ABSENT
+    if math.isnan(value):
         return MISS
     limit = spike_limit(trigger, history)
     return Observation(limit is not None and value > limit, trigger.metric, value, limit)
 
 
-TRIGGER_CHECKS: dict[str, Callable[[Any, Mapping[str, Any], Sequence[float]], Observation]] = {
+def drop_baseline(trigger: DropTrigger, history: Sequence[float]) -> float:
+    """The value a drop is measured from: the best of ``history`` or its median (history not empty)."""
+    if trigger.baseline == "median":
+        return statistics.median(history)
+    return max(history) if trigger.mode == "max" else min(history)
+
+
+def drop_limit(trigger: DropTrigger, history: Sequence[float], seen: int) -> float | None:
+    """The value past which ``trigger`` fires (below it for mode max, above for min): the baseline
+    less (or plus) the margin; None while it is not armed (fewer than ``min_history`` values seen)."""
+    if seen < trigger.min_history or not history:
+        return None
+    baseline = drop_baseline(trigger, history)
+    margin = trigger.amount if trigger.amount is not None else trigger.fraction * abs(baseline)  # type: ignore[operator]
+    return baseline - margin if trigger.mode == "max" else baseline + margin
+
+
+def check_drop(trigger: DropTrigger, row: Mapping[str, Any], history: Sequence[float], seen: int) -> Observation:
+    """Holds when the value is past ``drop_limit``. A missing metric, NaN or Inf is absent (no
+    observation at all: validation metrics are in some rows only, and NaN is nonfinite's job)."""
+    value = as_number(row.get(trigger.metric))
+    if value is None or not math.isfinite(value):
+        return ABSENT
+    limit = drop_limit(trigger, history, seen)
+    held = limit is not None and (value < limit if trigger.mode == "max" else value > limit)
+    return Observation(held, trigger.metric, value, limit)
+
+
+def improves(trigger: DropTrigger, value: float, history: Sequence[float]) -> bool:
+    """True when ``value`` is a new best for ``trigger`` (strictly better than all of ``history``)."""
+    if not history:
+        return True
+    return value > max(history) if trigger.mode == "max" else value < min(history)
+
+
+TRIGGER_CHECKS: dict[str, Callable[[Any, Mapping[str, Any], Sequence[float], int], Observation]] = {
     "threshold": check_threshold,
     "nonfinite": check_nonfinite,
     "spike": check_spike,
+    "drop": check_drop,
 }
 
 
@@ -153,6 +207,7 @@ class Firing:
     actions: tuple[Action, ...]
     escalated: bool = False
     count: int = 1  # how many times this rule has fired, this one included
+    drop_metric: tuple[str, str] | None = None  # (metric, mode) of a drop trigger: what a rollback to: best ranks by
 
     @property
     def warn_only(self) -> bool:
@@ -197,11 +252,13 @@ class RuleState:
     """What one rule remembers between steps."""
 
     triggers: int = 0  # times fired
-    streak: int = 0  # consecutive steps the condition held
-    streak_step: int | None = None  # the last step of that streak
+    streak: int = 0  # consecutive observations the condition held
+    streak_step: int | None = None  # the last step of that streak (or of a row without the metric after it)
     cooldown_until: int | None = None  # not evaluated at steps <= this
     last_fired: int | None = None
-    history: deque[tuple[int, float]] = field(default_factory=deque)  # spike window: (step, value)
+    # (step, value): a spike's or a median drop's window; a drop from the best: each new best, in order
+    history: deque[tuple[int, float]] = field(default_factory=deque)
+    seen: list[int] = field(default_factory=list)  # a drop's arming: steps of its first min_history values
 
     def values(self) -> list[float]:
         return [v for _, v in self.history]
@@ -215,11 +272,15 @@ class RuleState:
             "last_fired": self.last_fired,
             "history": [v for _, v in self.history],
             "history_steps": [s for s, _ in self.history],
+            "seen_steps": list(self.seen),
         }
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, Any], window: int | None) -> RuleState:
-        pairs = zip(state.get("history_steps", []), state.get("history", []))
+    def from_dict(cls, state: Mapping[str, Any], window: int | None, min_history: int = 0) -> RuleState:
+        """A rule's state as ``to_dict`` wrote it. One without ``seen_steps`` (written before it existed)
+        counts the first ``min_history`` steps of its history as seen."""
+        pairs = list(zip(state.get("history_steps", []), state.get("history", [])))
+        seen = state.get("seen_steps", [s for s, _ in pairs[:min_history]])
         return cls(
             triggers=int(state["triggers"]),
             streak=int(state["streak"]),
@@ -227,6 +288,7 @@ class RuleState:
             cooldown_until=state["cooldown_until"],
             last_fired=state["last_fired"],
             history=deque(((int(s), float(v)) for s, v in pairs), maxlen=window),
+            seen=[int(s) for s in seen],
         )
 
 
@@ -249,8 +311,14 @@ class PolicyEngine:
 
     @staticmethod
     def _fresh(rule: Rule) -> RuleState:
+        """A rule's state before any step: its history bounded by the trigger's window (unbounded for a
+        drop from the best: it holds only the improvements; empty for triggers without one)."""
         trigger = rule.resolved_trigger
-        window = trigger.window if isinstance(trigger, SpikeTrigger) else 0
+        window: int | None = 0
+        if isinstance(trigger, SpikeTrigger):
+            window = trigger.window
+        elif isinstance(trigger, DropTrigger):
+            window = trigger.window if trigger.baseline == "median" else None
         return RuleState(history=deque(maxlen=window))
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -275,11 +343,18 @@ class PolicyEngine:
 
     def _evaluate_rule(self, rule: Rule, step: int, row: Mapping[str, Any]) -> Firing | None:
         state = self._state[rule.name]
-        if state.cooldown_until is not None and step <= state.cooldown_until:
-            return None
         trigger = rule.resolved_trigger
-        observed = TRIGGER_CHECKS[trigger.kind](trigger, row, state.values() if state.history.maxlen else ())
-        self._remember(state, step, observed)
+        cooling = state.cooldown_until is not None and step <= state.cooldown_until
+        if cooling and not isinstance(trigger, DropTrigger):  # a drop keeps its best so far up to date
+            return None
+        observed = TRIGGER_CHECKS[trigger.kind](trigger, row, state.values(), len(state.seen))
+        self._remember(trigger, state, step, observed)
+        if cooling:
+            return None
+        if observed.absent:  # no observation: the streak neither grows nor breaks
+            if state.streak_step == step - 1:
+                state.streak_step = step
+            return None
         if step <= rule.warmup or not observed.held:
             state.streak = 0
             return None
@@ -290,10 +365,22 @@ class PolicyEngine:
         return self._fire(rule, state, step, observed)
 
     @staticmethod
-    def _remember(state: RuleState, step: int, observed: Observation) -> None:
-        """Add the value to a spike window, unless it is an outlier (held) or not finite."""
-        if state.history.maxlen and not observed.held and observed.value is not None and math.isfinite(observed.value):
-            state.history.append((step, observed.value))
+    def _remember(trigger: Any, state: RuleState, step: int, observed: Observation) -> None:
+        """Keep what the trigger's next checks need. A drop counts its values (up to ``min_history``)
+        and, from the best, keeps each new best. A spike's or a median drop's window takes the value
+        unless it broke the rule (held) or is not finite."""
+        value = observed.value
+        if observed.absent or value is None or not math.isfinite(value):
+            return
+        if isinstance(trigger, DropTrigger):
+            if len(state.seen) < trigger.min_history:
+                state.seen.append(step)
+            if trigger.baseline == "best":
+                if improves(trigger, value, state.values()):
+                    state.history.append((step, value))
+                return
+        if state.history.maxlen and not observed.held:
+            state.history.append((step, value))
 
     @staticmethod
     def _fire(rule: Rule, state: RuleState, step: int, observed: Observation) -> Firing:
@@ -305,6 +392,7 @@ class PolicyEngine:
         actions: tuple[Action, ...] = tuple(rule.actions)
         if escalated:
             actions = (HaltAction(type="halt"),) if rule.then == "halt" else (WarnAction(type="warn"),)
+        trigger = rule.resolved_trigger
         return Firing(
             rule.name,
             step,
@@ -315,17 +403,20 @@ class PolicyEngine:
             actions,
             escalated,
             state.triggers,
+            (trigger.metric, trigger.mode) if isinstance(trigger, DropTrigger) else None,
         )
 
     # -- rollbacks ---------------------------------------------------------------------------------
 
     def rewind(self, step: int) -> None:
-        """After the run rolled back to ``step``: forget spike values recorded after it and any streak in
-        progress; keep trigger counts, cooldowns and last-fired steps (so ``max_triggers`` still runs out)."""
+        """After the run rolled back to ``step``: forget values recorded after it (a drop's best so far is
+        again the best up to ``step``, its arming as of then) and any streak in progress; keep trigger
+        counts, cooldowns and last-fired steps (so ``max_triggers`` still runs out)."""
         for state in self._state.values():
             kept = [(s, v) for s, v in state.history if s <= step]
             state.history.clear()
             state.history.extend(kept)
+            state.seen = [s for s in state.seen if s <= step]
             state.streak, state.streak_step = 0, None
         self._last = None
 
@@ -339,13 +430,16 @@ class PolicyEngine:
         return {"version": STATE_VERSION, "rules": {name: s.to_dict() for name, s in self._state.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counts, streaks, cooldowns and windows. A rule absent from ``state`` (added since)
-        starts fresh; state of a rule no longer configured is ignored, so policies may change on resume."""
+        """Restore counts, streaks, cooldowns and histories. A rule absent from ``state`` (added since)
+        starts fresh; state of a rule no longer configured is ignored, so policies may change on resume.
+        A version-1 state written before ``seen_steps`` existed loads (a drop counts its history as seen)."""
         check_version("policy engine", state, STATE_VERSION)
         saved = state.get("rules", {})
         for rule in self.rules:
             window = self._fresh(rule).history.maxlen
+            trigger = rule.resolved_trigger
+            arming = trigger.min_history if isinstance(trigger, DropTrigger) else 0
             self._state[rule.name] = (
-                RuleState.from_dict(saved[rule.name], window) if rule.name in saved else self._fresh(rule)
+                RuleState.from_dict(saved[rule.name], window, arming) if rule.name in saved else self._fresh(rule)
             )
         self._last = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.policies.evaluator import Firing, PolicyEngine
-from rlctl.policies.schema import AdjustAction, HaltAction, RollbackAction, Rule, SkipAction
+from rlctl.policies.schema import AdjustAction, DropTrigger, HaltAction, RollbackAction, Rule, SkipAction
 from rlctl.stateful import StateMismatchError, check_version
 
 
@@ -32,6 +32,9 @@ class Verdict:
     halt: Firing | None = None  # the firing that halts the run, if any
     rollback: RollbackAction | None = None  # the furthest-reaching rollback asked for
     rollback_rule: str | None = None
+    # with to: best, (metric, mode) of the rule's drop trigger: restore the snapshot whose validation holds
+    # the best value of that metric (max: highest, min: lowest), else the last good snapshot
+    rollback_best: tuple[str, str] | None = None
     adjust: list[tuple[str, str, float]] = field(default_factory=list)  # (key, "set"|"multiply", value)
     skip_offending: bool = False
     skip_batches: int = 0
@@ -47,20 +50,32 @@ class Verdict:
 
 
 def _reach(action: RollbackAction) -> int:
+    """How many steps back a rollback is sure to go (what retention must keep): K for steps_back, else 0."""
     return (action.min_steps_back or 0) if action.to == "steps_back" else 0
 
 
+def _rank(action: RollbackAction) -> tuple[int, bool]:
+    """How far back a rollback reaches, for ``merge``: last-good < best < steps_back (by K).
+
+    A rollback to: best goes no later than last-good would in practice (the best value lies before the
+    drop), but how far is unknown until the snapshots are scanned; an explicit steps_back is a promise
+    of at least K steps, so it wins over best."""
+    return _reach(action), action.to == "best"
+
+
 def merge(step: int, firings: Iterable[Firing]) -> Verdict:
-    """Halt wins over everything; the rollback that reaches furthest back wins over the others;
-    adjustments apply in rule order; skips add up."""
+    """Halt wins over everything; the rollback that reaches furthest back wins over the others (a
+    steps_back by its K, then to: best, then last-good; on a tie, the first rule's); adjustments apply
+    in rule order; skips add up."""
     verdict = Verdict(step, list(firings))
     for firing in verdict.firings:
         for action in firing.actions:
             if isinstance(action, HaltAction) and verdict.halt is None:
                 verdict.halt = firing
             elif isinstance(action, RollbackAction):
-                if verdict.rollback is None or _reach(action) > _reach(verdict.rollback):
+                if verdict.rollback is None or _rank(action) > _rank(verdict.rollback):
                     verdict.rollback, verdict.rollback_rule = action, firing.rule
+                    verdict.rollback_best = firing.drop_metric if action.to == "best" else None
             elif isinstance(action, AdjustAction):
                 verdict.adjust += [(k, "set", v) for k, v in action.set.items()]
                 verdict.adjust += [(k, "multiply", v) for k, v in action.multiply.items()]
@@ -87,6 +102,17 @@ class PolicyGuard:
     def max_steps_back(self) -> int:
         """The furthest any rule may need to roll back (retention keeps a snapshot that far back)."""
         return max((_reach(a) for r in self.rules for a in r.actions if isinstance(a, RollbackAction)), default=0)
+
+    @property
+    def best_metrics(self) -> list[tuple[str, str]]:
+        """(metric, mode) of every rule that may roll back to: best (retention keeps those snapshots)."""
+        found = [
+            (r.resolved_trigger.metric, r.resolved_trigger.mode)
+            for r in self.rules
+            if isinstance(r.resolved_trigger, DropTrigger)
+            and any(isinstance(a, RollbackAction) and a.to == "best" for a in r.actions)
+        ]
+        return list(dict.fromkeys(found))
 
     def check(self, step: int, row: Mapping[str, Any]) -> Verdict:
         return merge(step, self.engine.evaluate(step, row))

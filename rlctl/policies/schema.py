@@ -1,8 +1,8 @@
 """The rollback-policy schema: strict pydantic models, each field described, each able to say what it
 does in plain words.
 
-A policy file holds ``rules``; a rule is a *trigger* (threshold, nonfinite or spike, told apart by
-``kind``), how long it must hold (``sustained``), when it is armed (``warmup``), the *actions* to take
+A policy file holds ``rules``; a rule is a *trigger* (threshold, nonfinite, spike or drop, told apart
+by ``kind``), how long it must hold (``sustained``), when it is armed (``warmup``), the *actions* to take
 (rollback, adjust, skip, halt, warn, told apart by ``type``) and the limits that keep a run from looping
 forever (``max_triggers`` then ``then``, ``cooldown``). ``when: "actor/ppo_kl > 0.05"`` on a rule is sugar
 for a threshold trigger.
@@ -18,6 +18,8 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
+
+Mode = Literal["max", "min"]
 
 
 class PolicyModel(BaseModel):
@@ -107,7 +109,58 @@ class SpikeTrigger(PolicyModel):
         )
 
 
-Trigger = Annotated[ThresholdTrigger | NonfiniteTrigger | SpikeTrigger, Field(discriminator="kind")]
+class DropTrigger(PolicyModel):
+    kind: Literal["drop"] = Field(
+        description="Fires when a metric falls from its best so far (or its recent median) by more than a margin, "
+        "e.g. validation accuracy; what practitioners roll back on by hand."
+    )
+    metric: str = Field(
+        min_length=1,
+        description="Metric key watched, e.g. val/score/mean. Rows without it (steps between validations) and "
+        "NaN/Inf values are not observations: they neither hold nor break a streak and are not remembered.",
+    )
+    mode: Mode = Field(
+        "max", description="max: higher is better, so a drop is a fall; min: lower is better, so a drop is a rise."
+    )
+    baseline: Literal["best", "median"] = Field(
+        "best", description="Compare against the best value so far, or the median of the last `window` values."
+    )
+    window: int = Field(
+        5, ge=1, description="With baseline: median, how many recent values (that did not break the rule) count."
+    )
+    min_history: int = Field(1, ge=1, description="The trigger is not armed until this many values have been seen.")
+    amount: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Fire when the value is more than this far past the baseline."
+    )
+    fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fire when the value is more than this fraction of |baseline| past it (0.05: 5%).",
+    )
+
+    @model_validator(mode="after")
+    def _one_margin(self) -> DropTrigger:
+        if (self.amount is None) == (self.fraction is None):
+            raise ValueError("give exactly one of 'amount' (an absolute margin) or 'fraction' (of the baseline)")
+        if self.baseline == "best" and "window" in self.model_fields_set:
+            raise ValueError("'window' goes with baseline: median, not with baseline: best")
+        return self
+
+    def describe(self) -> str:
+        margin = _num(self.amount) if self.amount is not None else f"{_num(self.fraction * 100)}%"  # type: ignore[operator]
+        moves = "falls more than {} below" if self.mode == "max" else "rises more than {} above"
+        if self.baseline == "median":
+            base = "its last value" if self.window == 1 else f"the median of its last {self.window} values"
+        else:
+            base = "its best so far" if self.mode == "max" else "its best (lowest) so far"
+        text = f"{self.metric} {moves.format(margin)} {base}"
+        if self.min_history > 1:
+            text += f", once {self.min_history} values are known"
+        return text
+
+
+Trigger = Annotated[ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger, Field(discriminator="kind")]
 
 
 def parse_when(text: str) -> ThresholdTrigger:
@@ -134,10 +187,11 @@ AdjustKey = Literal[
 
 class RollbackAction(PolicyModel):
     type: Literal["rollback"] = Field(description="Restore an earlier snapshot and train on from there.")
-    to: Literal["last-good", "steps_back"] = Field(
+    to: Literal["last-good", "steps_back", "best"] = Field(
         "last-good",
         description="last-good: the newest snapshot of a good step; steps_back: a snapshot at least "
-        "`min_steps_back` steps before the event (PaLM restarted about 100 steps before a spike).",
+        "`min_steps_back` steps before the event (PaLM restarted about 100 steps before a spike); best: the "
+        "snapshot with the best value of the rule's drop metric (only with a `kind: drop` trigger), else last-good.",
     )
     min_steps_back: int | None = Field(
         None, ge=1, description="With to: steps_back, how many steps before the event the snapshot must be."
@@ -147,13 +201,19 @@ class RollbackAction(PolicyModel):
     def _steps_back_needs_k(self) -> RollbackAction:
         if self.to == "steps_back" and self.min_steps_back is None:
             raise ValueError("to: steps_back needs 'min_steps_back'")
-        if self.to == "last-good" and self.min_steps_back is not None:
+        if self.to != "steps_back" and self.min_steps_back is not None:
             raise ValueError("'min_steps_back' goes with to: steps_back")
         return self
 
-    def describe(self) -> str:
+    def describe(self, trigger: PolicyModel | None = None) -> str:
+        """In plain words; ``trigger`` is the rule's, which says what "best" means for to: best."""
         if self.to == "steps_back":
             return f"roll back to a snapshot at least {self.min_steps_back} steps before the event"
+        if self.to == "best":
+            best = "the best"
+            if isinstance(trigger, DropTrigger):
+                best = f"the {'highest' if trigger.mode == 'max' else 'lowest'} {trigger.metric}"
+            return f"roll back to the snapshot with {best} (else the last good snapshot)"
         return "roll back to the last good snapshot"
 
 
@@ -228,13 +288,20 @@ class Rule(PolicyModel):
     name: str = Field(description="Unique name of the rule, used in events and messages (letters, digits, - _ .).")
     description: str = Field("", description="What the rule is for, in plain words.")
     trigger: Trigger | None = Field(
-        None, description="What fires the rule: a threshold, nonfinite or spike trigger, chosen by `kind`."
+        None, description="What fires the rule: a threshold, nonfinite, spike or drop trigger, chosen by `kind`."
     )
     when: str | None = Field(
         None, description='Shorthand for a threshold trigger, e.g. "actor/ppo_kl > 0.05" (instead of `trigger`).'
     )
-    sustained: int = Field(1, ge=1, description="Fire only after the condition held this many consecutive steps.")
-    warmup: int = Field(0, ge=0, description="Not armed until step > warmup (a spike's history is still collected).")
+    sustained: int = Field(
+        1,
+        ge=1,
+        description="Fire only after the condition held this many consecutive steps; a row without the metric "
+        "(e.g. between validations) neither holds nor breaks the streak.",
+    )
+    warmup: int = Field(
+        0, ge=0, description="Not armed until step > warmup (a spike's or drop's history is still collected)."
+    )
     actions: list[Action] = Field(
         min_length=1, description="What to do when the rule fires; combinable, each chosen by `type`."
     )
@@ -279,27 +346,42 @@ class Rule(PolicyModel):
         if self.when is not None:
             self.trigger = parse_when(self.when)
         if self.trigger is None:
-            raise ValueError("needs a 'trigger' (kind: threshold, nonfinite or spike) or a 'when' expression")
+            raise ValueError("needs a 'trigger' (kind: threshold, nonfinite, spike or drop) or a 'when' expression")
+        return self
+
+    @model_validator(mode="after")
+    def _best_needs_a_drop(self) -> Rule:
+        best = any(isinstance(a, RollbackAction) and a.to == "best" for a in self.actions)
+        if best and not isinstance(self.trigger, DropTrigger):
+            raise ValueError(
+                f"rollback to: best needs a drop trigger (kind: drop), whose metric and mode say which snapshot "
+                f"is best; this rule's trigger is {self.resolved_trigger.kind}"
+            )
         return self
 
     @property
-    def resolved_trigger(self) -> ThresholdTrigger | NonfiniteTrigger | SpikeTrigger:
+    def resolved_trigger(self) -> ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger:
         """The trigger, whether written as `trigger` or as `when` (validation guarantees one)."""
         assert self.trigger is not None
         return self.trigger
 
     def describe_condition(self, warmup: bool = True) -> str:
         """'actor/ppo_kl > 0.05 for 3 consecutive steps (armed after step 10)'."""
-        text = self.resolved_trigger.describe()
+        trigger = self.resolved_trigger
+        text = trigger.describe()
         if self.sustained > 1:
-            text += f" for {self.sustained} consecutive steps"
+            # a drop's metric is usually in some rows only (validations), so count its values, not steps
+            in_a_row = " on {} values in a row" if isinstance(trigger, DropTrigger) else " for {} consecutive steps"
+            text += in_a_row.format(self.sustained)
         if warmup and self.warmup:
             text += f" (armed after step {self.warmup})"
         return text
 
     def describe(self) -> str:
         """The whole rule as one sentence, as ``rlctl policy check`` prints it."""
-        actions = ", ".join(a.describe() for a in self.actions)
+        actions = ", ".join(
+            a.describe(self.resolved_trigger) if isinstance(a, RollbackAction) else a.describe() for a in self.actions
+        )
         limits = []
         if self.max_triggers is not None:
             times = "once" if self.max_triggers == 1 else f"{self.max_triggers} times"
@@ -328,6 +410,7 @@ TRIGGER_KINDS: dict[str, type[PolicyModel]] = {
     "threshold": ThresholdTrigger,
     "nonfinite": NonfiniteTrigger,
     "spike": SpikeTrigger,
+    "drop": DropTrigger,
 }
 ACTION_TYPES: dict[str, type[PolicyModel]] = {
     "rollback": RollbackAction,

@@ -16,23 +16,26 @@ import os
 import socket
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig, validate_config
 from rlctl.errors import Halted, LeaseError, Preempted, RlctlError, SnapshotError
-from rlctl.metrics import EventLog
+from rlctl.metrics import EventLog, read_rows
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
 from rlctl.ranks.signals import STOPS, on_stop_signals
 from rlctl.rundir.directory import run_summary, snapshot_manager
 from rlctl.rundir.history import turn_away_after, turn_tag
-from rlctl.rundir.layout import CONFIG
+from rlctl.rundir.layout import CONFIG, METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.storage import Storage
+
+if TYPE_CHECKING:
+    from rlctl.trackers import Trackers
 
 Fence = Callable[[], None]  # raises (LeaseError) once this process may no longer write the run
 
@@ -52,7 +55,19 @@ def train_rank(
     ``events`` is None on the others). ``fence`` is called before every step and every snapshot commit.
     Returns the run's summary on rank 0, {} on the others."""
     main = rank == 0
-    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence)
+    trackers = open_trackers(run, cfg) if main and cfg.trainer.loggers else None
+    if trackers is not None:
+        events = TrackedEvents(events, trackers)
+    try:
+        return _session(run, cfg, events, reporter, restore, rank, fence, trackers)
+    finally:
+        if trackers is not None:
+            trackers.close()
+
+
+def _session(run, cfg, events, reporter, restore, rank, fence, trackers) -> dict[str, Any]:
+    main = rank == 0
+    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence, trackers)
     STOPS.keep()  # from here a stop waits for the trainer: it snapshots where it is, then stops
     try:
         if restore is not None:
@@ -65,27 +80,44 @@ def train_rank(
         snapshots.close()
     sha = trainer.actor.weights_sha256()  # (a collective under ZeRO-3: every rank computes it)
     emit({"event": "completed", "step": trainer.state.step, "weights_sha256": sha})
-    return run_summary(run) if main else {}
+    return run_summary(run, cfg) if main else {}
 
 
 def _build_trainer(
-    cfg: RunConfig, run: Storage, events: EventLog | None, reporter: Reporter, rank: int, fence: Fence | None
+    cfg: RunConfig,
+    run: Storage,
+    events: EventLog | None,
+    reporter: Reporter,
+    rank: int,
+    fence: Fence | None,
+    trackers: Trackers | None = None,
 ):
     """This process as a rank of the run (device, threads, seeds, process group), then its snapshot
     manager (with the rank's collectives and the fence), then the trainer. Rank 0's events also reach
-    the reporter (a failed snapshot is said at once); the fence is checked before every step."""
+    the reporter (a failed snapshot is said at once) and its rows the trackers; the fence is checked
+    before every step."""
     from rlctl.engine.runtime import open_rank  # heavy: torch, DeepSpeed, transformers
     from rlctl.engine.trainer import Trainer
 
     context = open_rank(cfg)
-    reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
+    guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
+    reach = guard.max_steps_back if guard is not None else 0
     shown = ReportedEvents(events, reporter) if events is not None else None
     snapshots = snapshot_manager(
-        run, cfg, shown, rank=rank, collectives=context.dist, max_steps_back=reach, fence=fence
+        run,
+        cfg,
+        shown,
+        rank=rank,
+        collectives=context.dist,
+        max_steps_back=reach,
+        rollback_best=guard.best_metrics if guard is not None else (),
+        fence=fence,
     )
 
     def on_step(row: dict[str, Any]) -> None:
         reporter.step(row)
+        if trackers is not None:
+            trackers.log_row(row)
         if fence is not None:
             fence()  # before the next step writes anything
 
@@ -181,6 +213,31 @@ def _restore(
     if usable:
         raise SnapshotError(f"no usable snapshot in {snapshots.storage.url}: every candidate failed its checks")
     return None
+
+
+# -- trackers ------------------------------------------------------------------------------------------
+def open_trackers(run: Storage, cfg: RunConfig) -> Trackers:
+    """The run's experiment trackers (rank 0), fed from its local run directory."""
+    from rlctl.trackers import Trackers
+
+    return Trackers(
+        cfg.trainer.loggers,
+        run.local_path(),
+        run_name=cfg.name,
+        config=cfg.model_dump(mode="json"),
+        history=lambda: read_rows(run, METRICS),
+    )
+
+
+class TrackedEvents:
+    """An event log whose events also reach the trackers."""
+
+    def __init__(self, events, trackers: Trackers):
+        self.events, self.trackers = events, trackers
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.emit(event)
+        self.trackers.log_event(event)
 
 
 # -- a rank of several ---------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ is a ConfigError naming the file; unreadable metric rows are skipped."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rlctl.errors import ConfigError, RlctlError
 from rlctl.metrics import EventSink, read_rows
-from rlctl.rundir.layout import CHECKPOINTS, CONFIG, METRICS, MODEL
+from rlctl.rundir.layout import CHECKPOINTS, CONFIG, EVENTS, METRICS, MODEL
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run without them)
@@ -136,11 +137,13 @@ def snapshot_manager(
     *,
     collectives: Collectives | None = None,
     max_steps_back: int = 0,
+    rollback_best: Sequence[tuple[str, str]] = (),
     fence=None,
 ) -> SnapshotManager:
     """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention (and
     keep_best: what "best" means), topology and failure budget. A rank passes its collectives, how far
-    its policies may roll back (retention keeps a snapshot that far back) and its fence (called before
+    its policies may roll back (retention keeps a snapshot that far back), the (metric, mode) of each
+    policy that rolls back to the best snapshot (retention keeps that one) and its fence (called before
     any commit: the lease's check); the driver, which only scans, passes none of them."""
     from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager
 
@@ -154,7 +157,12 @@ def snapshot_manager(
         topology=[zero_topology(cfg.actor.zero_stage)],
         every=c.every,
         max_steps_back=max_steps_back,
-        retention=Retention(keep_last=c.keep_last, keep_every=c.keep_every, best=best),
+        retention=Retention(
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            best=best,
+            rollback_best=tuple(KeepBest(metric, mode, 1) for metric, mode in rollback_best),
+        ),
         on_event=events.emit if events is not None else None,
         staging_dir=c.staging_dir,
         asynchronous=c.asynchronous,
@@ -163,18 +171,45 @@ def snapshot_manager(
     )
 
 
-def run_summary(run: Storage, window: int = 10) -> dict[str, Any]:
+def run_summary(run: Storage, cfg: RunConfig | None = None, window: int = 10) -> dict[str, Any]:
+    """What a person wants to know when a run ends: steps and time, the reward (mean of the first and the
+    last ``window`` steps) and the validation score (first and last) from start to end, snapshots
+    committed, each rollback (step, rule, where it went back to), the best snapshot (with ``cfg``), and
+    the trackers the run feeds."""
     rows = read_rows(run, METRICS, require_step=True)
+    events = read_rows(run, EVENTS)
     scores = [r["critic/score/mean"] for r in rows if _number(r.get("critic/score/mean"))]
+    val = [r["val/score/mean"] for r in rows if _number(r.get("val/score/mean"))]
     first, last = scores[:window], scores[-window:]
     return {
         "run_dir": run.url,
         "steps": rows[-1]["step"] if rows else 0,
         "reward_start": sum(first) / len(first) if first else float("nan"),
         "reward_end": sum(last) / len(last) if last else float("nan"),
+        "val_start": val[0] if val else None,
+        "val_end": val[-1] if val else None,
         "window": window,
         "seconds": sum(r["timing_s/step"] for r in rows if _number(r.get("timing_s/step"))),
+        "snapshots": sum(e.get("event") == "snapshot_committed" for e in events),
+        "rollbacks": [
+            {"rule": e.get("rule"), "from_step": e.get("from_step"), "to_step": e.get("to_step")}
+            for e in events
+            if e.get("event") == "rollback"
+        ],
+        "best": _best_snapshot(run, cfg) if cfg is not None else None,
+        "loggers": list(cfg.trainer.loggers) if cfg is not None else [],
     }
+
+
+def _best_snapshot(run: Storage, cfg: RunConfig) -> dict[str, Any] | None:
+    """{"step", "metric", "value"} of the run's best snapshot by its validation metric, or None."""
+    manager = snapshot_manager(run, cfg)
+    rule = manager.best_rule
+    try:
+        best = manager.best(rule.metric, rule.mode)
+    except RlctlError:  # the storage is failing: the summary does without
+        return None
+    return {"step": best[0].step, "metric": rule.metric, "value": best[0].val_metric(rule.metric)} if best else None
 
 
 def _number(value: Any) -> bool:

@@ -114,13 +114,13 @@ BAD_FILES = [
     (
         "unknown trigger kind",
         RULE + "    trigger: {kind: treshold, metric: x}\n    actions: [{type: warn}]\n",
-        "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike); "
+        "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike, drop); "
         "did you mean 'threshold'?",
     ),
     (
         "missing trigger kind",
         RULE + "    trigger: {metric: x}\n    actions: [{type: warn}]\n",
-        "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike)",
+        "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike, drop)",
     ),
     (
         "unknown action type",
@@ -136,7 +136,7 @@ BAD_FILES = [
     (
         "misspelt choice",
         RULE + "    when: x > 1\n    actions:\n      - type: rollback\n        to: last_good\n",
-        "'rules.0.actions.0.to' (bad.yaml line 6): input should be 'last-good' or 'steps_back' (got 'last_good'); "
+        "'rules.0.actions.0.to' (bad.yaml line 6): input should be 'last-good', 'steps_back' or 'best' (got 'last_good'); "
         "did you mean 'last-good'?",
     ),
     (
@@ -667,7 +667,7 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
     with pytest.raises(
         ConfigError,
         match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
-        r"conservative, default, warn-only \(did you mean 'default'\?\)",
+        r"conservative, default, val-drop, warn-only \(did you mean 'default'\?\)",
     ):
         load_config(str(tmp_path / "run.yaml"), [])
 
