@@ -20,7 +20,7 @@ from typing import Any
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, parse_step_spec
 from rlctl.config import RunConfig
-from rlctl.errors import ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
+from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
@@ -48,6 +48,7 @@ def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> 
     _preflight(cfg)
     reporter = reporter or SilentReporter()
     run = run_storage(url, cfg)
+    _trackers_need_a_local_run_dir(run, cfg)
     refuse_used_run_dir(run)  # (again under the lease, before anything is written)
     run.makedirs()
     with _lease(run, cfg) as lease:
@@ -76,6 +77,7 @@ def resume_run(
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
     _preflight(cfg)
     run = run_storage(url, cfg)
+    _trackers_need_a_local_run_dir(run, cfg)
     reporter = reporter or SilentReporter()
     with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
         if lease.taken_over is not None:
@@ -97,6 +99,16 @@ def _preflight(cfg: RunConfig) -> None:
     from rlctl.engine.preflight import check_before_start  # imports the reward module
 
     check_before_start(cfg)
+
+
+def _trackers_need_a_local_run_dir(run: Storage, cfg: RunConfig) -> None:
+    """Trackers write their files into the run directory: a ConfigError before any work when it is on
+    object storage."""
+    if cfg.trainer.loggers and not run.is_local:
+        raise ConfigError(
+            f"'trainer.loggers' ({', '.join(cfg.trainer.loggers)}) write into the run directory, which must be "
+            f"local; {run.url} is not (snapshots may still go to object storage: checkpoint.dir)"
+        )
 
 
 def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:

@@ -51,6 +51,8 @@ class StepProgress:
             f"kl {_num(row.get('actor/ppo_kl'), '+.2e')}  "  # absent while a critic warms up
             f"{_num(row.get('timing_s/step'), '.2f')}s/step"
         )
+        if "val/score/mean" in row:
+            info += f"  val {_num(row['val/score/mean'], '.3f')}"
         if self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=info)
         if not self.live and (row["step"] % self.every == 0 or row["step"] == self.total):

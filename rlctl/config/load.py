@@ -84,8 +84,9 @@ def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
 
 
 def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
-    """ConfigError when a rule adjusts a setting this run does not have, or rolls back while
-    ``checkpoint.every`` is 0 (there would be no snapshot to return to)."""
+    """ConfigError when a rule adjusts a setting this run does not have, rolls back while
+    ``checkpoint.every`` is 0 (there would be no snapshot to return to), or watches a validation metric
+    in a run that never validates (it could never fire)."""
     for rule in rules:
         for action in rule.actions:
             for key in [*(getattr(action, "set", None) or {}), *(getattr(action, "multiply", None) or {})]:
@@ -101,3 +102,9 @@ def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
                     f"policy rule '{rule.name}' rolls back, but 'checkpoint.every' is 0: there would be no "
                     "snapshot to roll back to; set checkpoint.every to N > 0 (snapshot every N steps)"
                 )
+        watched = [getattr(rule.resolved_trigger, "metric", "")] + list(getattr(rule.resolved_trigger, "metrics", []))
+        if any(m.startswith("val/") for m in watched) and not cfg.validates:
+            raise ConfigError(
+                f"policy rule '{rule.name}' watches {watched[0] or watched[1]}, but this run never validates: "
+                "set trainer.val_every to N > 0 (validate every N steps)"
+            )

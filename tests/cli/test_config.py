@@ -118,6 +118,11 @@ def test_cli_renders_config_error_without_traceback(tmp_path, capsys):
             "'s4://bucket/ckpt'; did you mean s3:// or gs://?",
         ),
         (
+            "checkpoint:\n  every: 5\npolicies: [val-drop]\n",
+            "policy rule 'val-drop' watches val/score/mean, but this run never validates: set trainer.val_every "
+            "to N > 0 (validate every N steps)",
+        ),
+        (
             "policies: [default]\n",
             "policy rule 'nonfinite' rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll "
             "back to; set checkpoint.every to N > 0 (snapshot every N steps)",
@@ -132,6 +137,17 @@ def test_config_mistakes_found_before_any_work_leave_nothing(tmp_path, capsys, t
     out, err = capsys.readouterr()
     assert (out, err) == ("", f"Error: {message}\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_trackers_need_a_local_run_directory(tmp_path, capsys):
+    p = write(tmp_path, "trainer:\n  loggers: [tensorboard]\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", str(p), "--run-dir", "memory://tracked"])
+    assert exit_.value.code == ExitCode.CONFIG
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "Error: 'trainer.loggers' (tensorboard) write into the run directory, which must be local; "
+        "memory://tracked is not (snapshots may still go to object storage: checkpoint.dir)"
+    )
 
 
 def test_a_rollback_policy_with_snapshots_is_accepted(tmp_path):

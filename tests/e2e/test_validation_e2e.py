@@ -1,0 +1,88 @@
+"""Validation, best snapshots and trackers through the real CLI: a run that validates, whose validation
+score drops (a drill), rolls back to its best snapshot; its trackers show one value per step; then
+`resume --from best`, `export --step best` and `checkpoints` find that snapshot."""
+
+import json
+import math
+
+import pytest
+
+from helpers import events_of, metrics_of, run_cli
+
+pytestmark = pytest.mark.slow
+
+VAL = "val/score/mean"
+
+
+def drop_config(tmp_path, loggers=()):
+    cfg = {
+        "trainer": {
+            "total_steps": 8,
+            "prompts_per_step": 4,
+            "val_every": 2,
+            "val_before_train": True,
+            "loggers": list(loggers),
+        },
+        "algorithm": {"group_size": 4},
+        "rollout": {"max_new_tokens": 6},
+        "actor": {"lr": 2e-3},
+        "data": {"builtin_val_size": 16},
+        "checkpoint": {"every": 2, "keep_last": 1, "keep_best": {"metric": VAL, "mode": "max", "k": 1}},
+        # step 6's validation reads -1.0: far below the best so far (once per process, so the replay is clean)
+        "faults": f"metric@6={VAL}:-1.0",
+        "policies": [
+            {
+                "rules": [
+                    {
+                        "name": "val-drop",
+                        "trigger": {"kind": "drop", "metric": VAL, "amount": 0.5},
+                        "actions": [{"type": "rollback", "to": "best"}],
+                        "max_triggers": 2,
+                    }
+                ]
+            }
+        ],
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def best_step(rows, until):
+    """The step of the highest validation score at or before ``until`` (the earliest of a tie)."""
+    scored = [(r[VAL], -r["step"]) for r in rows if VAL in r and r["step"] <= until]
+    return -max(scored)[1]
+
+
+def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_export_find(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli("start", drop_config(tmp_path), "--run-dir", str(run))
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["step"] for row in rows] == list(range(9))  # step 0: the validation before training
+    assert [row["step"] for row in rows if VAL in row] == [0, 2, 4, 6, 8]
+    assert all(math.isfinite(row[VAL]) and f"{VAL.rsplit('/', 1)[0]}/best@1" in row for row in rows if VAL in row)
+
+    [firing] = [e for e in events_of(run) if e["event"] == "policy"]
+    assert (firing["rule"], firing["step"], firing["value"]) == ("val-drop", 6, -1.0)
+    [rollback] = [e for e in events_of(run) if e["event"] == "rollback"]
+    assert (rollback["from_step"], rollback["to_step"]) == (6, best_step(rows, 4))
+    assert "rollbacks   1:" in r.stderr and f"step 6: rule val-drop -> back to step {rollback['to_step']}" in r.stderr
+
+    listed = run_cli("checkpoints", str(run), "--format", "json")
+    assert listed.returncode == 0, listed.stderr
+    snaps = [s for s in json.loads(listed.stdout) if s["usable"]]
+    assert all(VAL in s for s in snaps)
+    best = max(snaps, key=lambda s: (s[VAL], -s["step"]))
+    assert best["step"] == best_step(rows, 8)  # retention kept it (keep_last is 1)
+
+    out = tmp_path / "exported"
+    r = run_cli("export", str(run), str(out), "--step", "best")
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+    r = run_cli("resume", str(run), "--from", "best", "--set", "trainer.total_steps=9")
+    assert r.returncode == 0, r.stderr
+    resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
+    assert (resume["from"], resume["step"]) == ("best", best["step"])
+    assert [row["step"] for row in metrics_of(run)] == list(range(10))
