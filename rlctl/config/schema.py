@@ -71,7 +71,7 @@ class TrainerConfig(Strict):
         default_factory=list,
         description="Experiment trackers fed every metric row and event, besides RUN_DIR/metrics.jsonl "
         "(always written): tensorboard (RUN_DIR/tensorboard), wandb (offline unless WANDB_MODE says "
-        "otherwise), mlflow (MLFLOW_TRACKING_URI, else RUN_DIR/mlruns). Each is an extra: "
+        "otherwise), mlflow (MLFLOW_TRACKING_URI, else sqlite:///RUN_DIR/mlflow.db). Each is an extra: "
         "pip install 'rlctl[tensorboard]'.",
     )
 

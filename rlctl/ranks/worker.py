@@ -225,7 +225,7 @@ def open_trackers(run: Storage, cfg: RunConfig) -> Trackers:
         run.local_path(),
         run_name=cfg.name,
         config=cfg.model_dump(mode="json"),
-        history=lambda: read_rows(run, METRICS),
+        history=lambda: read_rows(run, METRICS, require_step=True),
     )
 
 
