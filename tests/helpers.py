@@ -1,8 +1,12 @@
 """What the tests share: running the installed CLI in a subprocess, reading a run's rows and events,
-waiting for a run to reach a step. (Fixtures live in conftest.py.)"""
+waiting for a run to reach a step, reading trackers back with their own readers. (Fixtures live in
+conftest.py.)"""
 
 import contextlib
+import glob
+import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -93,3 +97,69 @@ def small_tmpfs(path, size="64k"):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# -- reading trackers back with their own readers -------------------------------------------------------
+def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B transaction log (.wandb): a 7-byte header, then 32 KiB blocks of
+    records (checksum, length, type), long records split FIRST/MIDDLE/LAST."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic) == (b":W&B", 0xBEE1)
+    pos, block, head, buf = 7, 32768, 7, b""
+    while pos + head <= len(data):
+        if block - pos % block < head:
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + head])
+        chunk, pos = data[pos + head : pos + head + length], pos + head + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def wandb_run(run_dir, run_id):
+    """(history {step: {key: value}}, run records, summary updates) of every offline piece of one run."""
+    history, runs, summary = {}, [], {}
+    for path in sorted(glob.glob(str(run_dir / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))):
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                history.setdefault(record.history.step.num, {}).update(items)
+            elif kind == "run":
+                runs.append(record.run)
+            elif kind == "summary":
+                summary |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update}
+    return history, runs, summary
+
+
+def wandb_ids(run_dir):
+    return sorted({p.rsplit("-", 1)[1] for p in os.listdir(run_dir / "wandb") if p.startswith("offline-run-")})
+
+
+def mlflow_runs(run_dir, experiment_name="demo"):
+    """The MLflow client of a run directory's local store, and the runs of an experiment, oldest first."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
+    experiment = client.get_experiment_by_name(experiment_name)
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    return client, runs
+
+
+def steps_of(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))

@@ -7,11 +7,12 @@ import math
 
 import pytest
 
-from helpers import events_of, metrics_of, run_cli
+from helpers import events_of, metrics_of, mlflow_runs, run_cli, steps_of, tb_scalars, wandb_run
 
 pytestmark = pytest.mark.slow
 
 VAL = "val/score/mean"
+ALL = ("tensorboard", "wandb", "mlflow")
 
 
 def drop_config(tmp_path, loggers=()):
@@ -54,9 +55,23 @@ def best_step(rows, until):
     return -max(scored)[1]
 
 
+def quiet_trackers(tmp_path):
+    """W&B and MLflow kept inside the test's directory, offline."""
+    home = tmp_path / "tracker-home"
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        **{var: str(home / var.lower()) for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")},
+    }
+
+
+def series(rows, key):
+    return [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+
+
 def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_export_find(tmp_path):
-    run = tmp_path / "run"
-    r = run_cli("start", drop_config(tmp_path), "--run-dir", str(run))
+    run, env = tmp_path / "run", quiet_trackers(tmp_path)
+    r = run_cli("start", drop_config(tmp_path, ALL), "--run-dir", str(run), env=env)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == list(range(9))  # step 0: the validation before training
@@ -81,8 +96,29 @@ def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_expo
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
-    r = run_cli("resume", str(run), "--from", "best", "--set", "trainer.total_steps=9")
+    r = run_cli("resume", str(run), "--from", "best", "--set", "trainer.total_steps=9", env=env)
     assert r.returncode == 0, r.stderr
     resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
     assert (resume["from"], resume["step"]) == ("best", best["step"])
-    assert [row["step"] for row in metrics_of(run)] == list(range(10))
+    rows = metrics_of(run)
+    assert [row["step"] for row in rows] == list(range(10))
+    trackers_show_the_run_as_metrics_jsonl_does(run, rows, rollback["to_step"])
+
+
+def trackers_show_the_run_as_metrics_jsonl_does(run, rows, rolled_back_to):
+    """After a rollback, a resume from an earlier snapshot (with a change) and the rollback again (the
+    config's drill fires once per process), each tracker holds one value per step, the one metrics.jsonl
+    holds: TensorBoard purged the abandoned steps; W&B and MLflow are on their fourth branch, the kept
+    history replayed into it."""
+    for key in ("critic/score/mean", VAL):
+        want = series(rows, key)
+        tb = tb_scalars(run)[key]
+        assert [s for s, _ in tb] == [s for s, _ in want]
+        assert [v for _, v in tb] == pytest.approx([v for _, v in want], rel=1e-6)  # float32 event files
+        branch = json.loads((run / "trackers.json").read_text())
+        history, _, _ = wandb_run(run, branch["wandb"]["run_id"])
+        assert series([{"step": s, **h} for s, h in sorted(history.items())], key) == want
+        client, runs = mlflow_runs(run, "run")
+        assert runs[-1].info.run_id == branch["mlflow"]["run_id"] and len(runs) == branch["mlflow"]["branch"] == 4
+        assert steps_of(client, branch["mlflow"]["run_id"], key) == want
+    assert (rolled_back_to, 1.0) in tb_scalars(run)["events/rollback"]

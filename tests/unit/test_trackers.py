@@ -6,12 +6,10 @@ state is untouched."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +20,8 @@ import torch
 
 from rlctl.errors import ConfigError
 from rlctl.trackers import PIP, REQUIRES, Trackers, missing
+
+from helpers import mlflow_runs, steps_of, tb_scalars, wandb_ids, wandb_run
 
 ALL = ["tensorboard", "wandb", "mlflow"]
 
@@ -100,14 +100,6 @@ def rolled(tmp_path_factory):
 # -- TensorBoard ----------------------------------------------------------------------------------------
 
 
-def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_tensorboard_keeps_one_value_per_step_the_new_one_after_a_rollback(rolled):
     scalars = tb_scalars(rolled[0])
     assert scalars["actor/pg_loss"] == [(s, OLD[s]) for s in (1, 2, 3)] + [(s, NEW[s]) for s in (4, 5, 6)]
@@ -133,49 +125,6 @@ def test_tensorboard_shows_events_as_text(rolled):
 # -- W&B ------------------------------------------------------------------------------------------------
 
 
-def wandb_records(path):
-    """The protobuf records of a W&B transaction log (.wandb): a 7-byte header, then 32 KiB blocks of
-    records (checksum, length, type), long records split FIRST/MIDDLE/LAST."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    with open(path, "rb") as fh:
-        data = fh.read()
-    ident, magic, _version = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic) == (b":W&B", 0xBEE1)
-    pos, block, head, buf = 7, 32768, 7, b""
-    while pos + head <= len(data):
-        if block - pos % block < head:
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + head])
-        chunk, pos = data[pos + head : pos + head + length], pos + head + length
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(buf)
-            yield record
-
-
-def wandb_run(run_dir, run_id):
-    """(history {step: {key: value}}, run records, summary updates) of every offline piece of one run."""
-    history, runs, summary = {}, [], {}
-    for path in sorted(glob.glob(str(run_dir / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))):
-        for record in wandb_records(path):
-            kind = record.WhichOneof("record_type")
-            if kind == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                history.setdefault(record.history.step.num, {}).update(items)
-            elif kind == "run":
-                runs.append(record.run)
-            elif kind == "summary":
-                summary |= {u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in record.summary.update}
-    return history, runs, summary
-
-
-def wandb_ids(run_dir):
-    return sorted({p.rsplit("-", 1)[1] for p in os.listdir(run_dir / "wandb") if p.startswith("offline-run-")})
-
-
 def test_wandb_turns_away_the_first_run_and_replays_history_into_a_branch(rolled):
     run_dir = rolled[0]
     branch = json.loads((run_dir / "trackers.json").read_text())["wandb"]
@@ -198,19 +147,6 @@ def test_wandb_turns_away_the_first_run_and_replays_history_into_a_branch(rolled
 
 
 # -- MLflow ---------------------------------------------------------------------------------------------
-
-
-def mlflow_runs(run_dir):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
-    experiment = client.get_experiment_by_name("demo")
-    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    return client, runs
-
-
-def steps_of(client, run_id, key):
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def test_mlflow_ends_the_turned_away_run_and_the_branch_has_one_value_per_step(rolled):
