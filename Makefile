@@ -35,9 +35,9 @@ test: lint
 test-fast: lint
 	$(VENV)/bin/pytest -q tests/unit tests/cli
 
-# the built-in demo (rlctl/configs/demo.yaml): about a minute on 2 cores; ends with a summary and a plot
+# the showcase (rlctl/configs/demo.yaml, `rlctl start demo`): about a minute on 2 cores; ends with a summary and a plot
 demo: venv
-	RUN=$$($(VENV)/bin/rlctl start) && $(VENV)/bin/rlctl inspect "$$RUN" --plot "$$RUN/run.png"
+	RUN=$$($(VENV)/bin/rlctl start demo) && $(VENV)/bin/rlctl inspect "$$RUN" --plot "$$RUN/run.png"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -185,7 +185,7 @@ def build_model_dir(key: str, out: Path) -> int:
 
 # -- rlctl (worker) ---------------------------------------------------------------------------------
 def rlctl_overrides(job: Job) -> list[str]:
-    # load_config(None, ...) starts from the packaged demo config: every key relied on is set here.
+    # load_config(None, ...) starts from the packaged built-in config: every key relied on is set here.
     return [
         "name=bench",
         f"seed={SEED}",

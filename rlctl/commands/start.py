@@ -27,8 +27,9 @@ from rlctl.ranks.signals import stops_from_the_start
 def start(
     config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None, overrides: tuple[str, ...]
 ) -> None:
-    """Start a new run from CONFIG (a YAML file holding what differs from the defaults), or from the
-    built-in demo when CONFIG is omitted.
+    """Start a new run from CONFIG (a YAML file holding what differs from the defaults), from the
+    built-in task when CONFIG is omitted, or from the showcase with `rlctl start demo` (validation,
+    snapshots, the default policy and a NaN it recovers from, in about a minute).
 
     Prints the run directory on stdout when the run completes; progress and the summary go to stderr.
     A SIGTERM or SIGUSR1 at any moment ends it with exit 75 (resume it); a start that failed before its

@@ -2,6 +2,7 @@
 ``rlctl.engine.algos``) and its loading from YAML and ``--set`` with located errors (``load``)."""
 
 from rlctl.config.load import (
+    BUILTIN_CONFIG,
     DEMO_CONFIG,
     check_policies_fit,
     inline_policies,
@@ -28,6 +29,7 @@ from rlctl.config.schema import (
 )
 
 __all__ = [
+    "BUILTIN_CONFIG",
     "DEMO_CONFIG",
     "ActorConfig",
     "AlgorithmConfig",

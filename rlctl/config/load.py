@@ -21,13 +21,16 @@ from rlctl.policies.loader import load_policies, resolve_policy_path
 from rlctl.policies.schema import RollbackAction, Rule
 from rlctl.yamlsrc import Origins, explain, read_yaml
 
-DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "demo.yaml"
+PACKAGED = Path(__file__).parent.parent / "configs"  # configs shipped with rlctl, picked by a bare name
+BUILTIN_CONFIG = PACKAGED / "builtin.yaml"  # what `rlctl start` runs without a CONFIG
+DEMO_CONFIG = PACKAGED / "demo.yaml"  # `rlctl start demo`: the showcase
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Defaults <- CONFIG (or the packaged demo) <- --set overrides, validated strictly. Policy files
+    """Defaults <- CONFIG (or the packaged built-in config) <- --set overrides, validated strictly. A
+    CONFIG that is no file but the bare name of a packaged config (``demo``) picks that one. Policy files
     are read (relative to the config's folder, then the working directory), checked, and inlined."""
-    source = Path(path) if path is not None else DEMO_CONFIG
+    source = config_source(path)
     data, origins = read_yaml(source)
     for item in overrides:
         key, value = parse_set(item)
@@ -35,6 +38,17 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         origins[key] = f"--set {item}"
     cfg = validate_config(data, origins)
     return inline_policies(cfg, source.parent)
+
+
+def config_source(path: str | os.PathLike[str] | None) -> Path:
+    """The file a CONFIG argument names: itself, a packaged config by bare name, or the built-in one."""
+    if path is None:
+        return BUILTIN_CONFIG
+    source = Path(path)
+    packaged = PACKAGED / f"{source.name}.yaml"
+    if not source.exists() and source.name == str(path) and packaged.is_file():
+        return packaged
+    return source
 
 
 def parse_set(item: str) -> tuple[tuple[str, ...], Any]:

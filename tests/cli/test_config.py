@@ -19,8 +19,9 @@ def write(tmp_path, text, name="run.yaml"):
 
 
 def test_defaults_and_demo():
-    cfg = load_config()  # the packaged demo
+    cfg = load_config()  # the packaged built-in config: the task, no snapshots, policies or validation
     assert cfg.name == "demo" and cfg.model.path is None and cfg.data.path is None
+    assert (cfg.policies, cfg.checkpoint.every, cfg.validates, cfg.faults) == ([], 0, False, None)
     assert RunConfig().algorithm.kl_estimator == "k3"
 
 
@@ -190,9 +191,16 @@ def test_every_field_has_a_description():
     assert missing == []
 
 
-def test_demo_config_is_valid_and_minimal():
-    cfg = load_config(DEMO_CONFIG)
-    assert cfg.trainer.total_steps >= 100
+def test_demo_config_is_valid_and_shows_what_rlctl_is_for(tmp_path, monkeypatch):
+    """`rlctl start demo` (make demo) picks the packaged showcase by its bare name, unless a file of that
+    name is in the way."""
+    cfg = load_config("demo")
+    assert cfg == load_config(DEMO_CONFIG)
+    assert cfg.trainer.total_steps >= 100 and cfg.validates and cfg.checkpoint.every and cfg.checkpoint.keep_best
+    assert [r["name"] for r in cfg.policies[0]["rules"]][0] == "nonfinite" and cfg.faults
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").write_text("trainer:\n  total_steps: 3\n")
+    assert load_config("demo").trainer.total_steps == 3
 
 
 def test_help_does_not_import_heavy_libraries():

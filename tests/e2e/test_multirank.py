@@ -17,7 +17,9 @@ from helpers import completed_hash, events_of, has_step, metrics_of, run_cli, sp
 pytestmark = pytest.mark.slow
 
 BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=12"]
-COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2"]
+# validation too: 5 held-out prompts over 2 ranks, so one rank's share is padded (ZeRO-3 gathers together)
+VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]
+COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", *VAL]
 RAY = ["--nproc", "2", "--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
 
 
@@ -27,6 +29,8 @@ def close_to_one_rank(rows2, rows1):
     tolerance: Adam's first steps move every weight by about ±lr, so weights whose gradient is float noise
     around 0 may go either way, and the samples drift apart from there."""
     assert len(rows2) == len(rows1) == 6
+    assert [r["step"] for r in rows2 if "val/score/mean" in r] == [r["step"] for r in rows1 if "val/score/mean" in r]
+    assert [r["step"] for r in rows2 if "val/score/mean" in r] == [3, 6]
     assert rows2[0]["critic/score/mean"] == rows1[0]["critic/score/mean"]
     assert rows2[0]["perf/tokens_seen"] == rows1[0]["perf/tokens_seen"]
     for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/pg_clipfrac"):
