@@ -311,11 +311,12 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     abandoned = _read(Storage(view.url), ABANDONED, None, require_step=True)
-    keys = [k for k in metrics if any(isinstance(r.get(k), (int, float)) for r in view.rows)]
-    if not metrics:
-        keys = [k for k in PLOT_METRICS if len({r[k] for r in view.rows if _numbers(r.get(k))}) > 1][:4]
+    keys = [k for k in (metrics or PLOT_METRICS) if any(_numbers(r.get(k)) for r in view.rows)]
+    if not metrics:  # the defaults that move, else those the run has
+        moving = [k for k in keys if len({r[k] for r in view.rows if _numbers(r.get(k))}) > 1]
+        keys = (moving or keys)[:4]
     if not keys:
-        raise ConfigError(f"none of the metrics {', '.join(metrics)} is in {view.url}")
+        raise ConfigError(f"none of the metrics {', '.join(metrics or PLOT_METRICS)} is in {view.url}")
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True, squeeze=False)
     commits = [e["step"] for e in view.events_of("snapshot_committed") if isinstance(e.get("step"), int)]
     for ax, key in zip(axes[:, 0], keys):

@@ -241,12 +241,14 @@ class KeepBest:
             raise ValueError(f"KeepBest needs mode max or min and k >= 1; got mode {self.mode!r}, k {self.k}")
 
     def rank(self, infos: Sequence[SnapshotInfo]) -> list[SnapshotInfo]:
-        """Those of ``infos`` that record the metric, best first. Of equal values, first the snapshot
-        taken at the step validated (its own weights gave the value; later ones carry it forward), then
-        the earlier step."""
+        """Those of ``infos`` taken at a validated step that record the metric, best first (of equal
+        values, the earlier step). A snapshot taken between validations carries the last one's value,
+        which its own weights never scored: it never ranks."""
         sign = -1.0 if self.mode == "max" else 1.0
-        scored = [(value, i) for i in infos if (value := i.val_metric(self.metric)) is not None]
-        scored.sort(key=lambda vi: (sign * vi[0], vi[1].step != vi[1].val_step, vi[1].step))
+        scored = [
+            (value, i) for i in infos if i.step == i.val_step and (value := i.val_metric(self.metric)) is not None
+        ]
+        scored.sort(key=lambda vi: (sign * vi[0], vi[1].step))
         return [i for _, i in scored]
 
 
@@ -460,9 +462,8 @@ class SnapshotManager:
         return self.retention.best or KeepBest()
 
     def best(self, metric: str, mode: str) -> list[SnapshotInfo]:
-        """The usable good snapshots that record validation ``metric``, best first (``mode`` "max":
-        highest first; "min": lowest; of equal values the one taken at the step validated, then the
-        earlier step)."""
+        """The usable good snapshots of validated steps that record validation ``metric``, best first
+        (``mode`` "max": highest first; "min": lowest; of equal values the earlier step)."""
         return KeepBest(metric, mode).rank([i for i in self.scan() if i.usable and i.good])
 
     def candidates(self, spec: int | str) -> list[SnapshotInfo]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.resume import step_spec
+from rlctl.commands.options import step_spec
 
 
 @click.command("export")

@@ -22,3 +22,16 @@ format_option = click.option(
     show_default=True,
     help="table for people; json, jsonl or csv for scripts.",
 )
+
+
+def step_spec(_ctx, _param, value: str) -> str:
+    """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
+    best, step-N or N."""
+    from rlctl.checkpoint.snapshots import parse_step_spec
+    from rlctl.errors import SnapshotError
+
+    try:
+        parse_step_spec(value)
+    except SnapshotError:
+        raise click.BadParameter(f"expected latest, last-good, best, step-N or N; got {value!r}") from None
+    return value

@@ -4,21 +4,8 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import set_option
+from rlctl.commands.options import set_option, step_spec
 from rlctl.ranks.signals import stops_from_the_start
-
-
-def step_spec(_ctx, _param, value: str) -> str:
-    """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
-    best, step-N or N."""
-    from rlctl.checkpoint.snapshots import parse_step_spec
-    from rlctl.errors import SnapshotError
-
-    try:
-        parse_step_spec(value)
-    except SnapshotError:
-        raise click.BadParameter(f"expected latest, last-good, best, step-N or N; got {value!r}") from None
-    return value
 
 
 @click.command("resume")

@@ -116,9 +116,22 @@ def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
                     f"policy rule '{rule.name}' rolls back, but 'checkpoint.every' is 0: there would be no "
                     "snapshot to roll back to; set checkpoint.every to N > 0 (snapshot every N steps)"
                 )
-        watched = [getattr(rule.resolved_trigger, "metric", "")] + list(getattr(rule.resolved_trigger, "metrics", []))
-        if any(m.startswith("val/") for m in watched) and not cfg.validates:
-            raise ConfigError(
-                f"policy rule '{rule.name}' watches {watched[0] or watched[1]}, but this run never validates: "
-                "set trainer.val_every to N > 0 (validate every N steps)"
-            )
+        check_validation_fits(cfg, rule)
+
+
+def check_validation_fits(cfg: RunConfig, rule: Rule) -> None:
+    """ConfigError when ``rule`` watches a validation metric in a run that never validates, or rolls back
+    to the best snapshot by a metric that no snapshot records (they record validation metrics only)."""
+    trigger = rule.resolved_trigger
+    watched = [m for m in [getattr(trigger, "metric", ""), *getattr(trigger, "metrics", [])] if m.startswith("val/")]
+    if watched and not cfg.validates:
+        raise ConfigError(
+            f"policy rule '{rule.name}' watches {watched[0]}, but this run never validates: "
+            "set trainer.val_every to N > 0 (validate every N steps)"
+        )
+    to_best = any(isinstance(a, RollbackAction) and a.to == "best" for a in rule.actions)
+    if to_best and not getattr(trigger, "metric", "").startswith("val/"):
+        raise ConfigError(
+            f"policy rule '{rule.name}' rolls back to the best snapshot by {trigger.metric}, but snapshots "
+            "record validation metrics only (val/...): roll back to last-good, or watch a val/ metric"
+        )

@@ -343,9 +343,22 @@ class RolloutConfig(Strict):
 
 
 class KeepBestConfig(Strict):
-    metric: str = Field("val/score/mean", min_length=1, description="The metric that ranks snapshots.")
+    """Which snapshots retention keeps as the best."""
+
+    metric: str = Field(
+        "val/score/mean",
+        min_length=1,
+        description="The validation metric (val/...) that ranks snapshots: their manifests record those.",
+    )
     mode: Literal["max", "min"] = Field("max", description="max: higher is better; min: lower is better.")
     k: int = Field(1, ge=1, description="How many of the best snapshots retention keeps.")
+
+    @field_validator("metric")
+    @classmethod
+    def _a_validation_metric(cls, v: str) -> str:
+        if not v.startswith("val/"):
+            raise ValueError(f"snapshots record validation metrics only (val/...), got {v!r}")
+        return v
 
 
 class CheckpointConfig(Strict):
@@ -504,6 +517,11 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _validation_has_prompts(self) -> RunConfig:
         validates = self.trainer.val_every > 0 or self.trainer.val_before_train
+        if self.checkpoint.keep_best is not None and not self.trainer.val_every:
+            raise ValueError(
+                "checkpoint.keep_best ranks snapshots by a validation metric, but this run never validates "
+                "after it starts: set trainer.val_every to N > 0"
+            )
         if validates and self.data.path is not None and self.data.val_path is None:
             raise ValueError(
                 "trainer.val_every / val_before_train need held-out prompts: set data.val_path "

@@ -24,24 +24,31 @@ def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
         from rlctl.engine.reward.builtin import make_prompts
 
         return make_prompts(cfg.builtin_size, seed)
-    return read_prompt_file(Path(cfg.path).expanduser(), cfg.prompt_key, "data.path")
+    return read_prompt_file(Path(cfg.path).expanduser(), cfg.prompt_key, "data.path", TRAIN_SPLITS)
 
 
 def load_val_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     """The held-out prompts: ``data.val_path``, or the built-in task's held-out split (prompts of its own,
     none of which is a training prompt)."""
     if cfg.val_path is not None:
-        return read_prompt_file(Path(cfg.val_path).expanduser(), cfg.prompt_key, "data.val_path")
+        return read_prompt_file(Path(cfg.val_path).expanduser(), cfg.prompt_key, "data.val_path", VAL_SPLITS)
     from rlctl.engine.reward.builtin import make_held_out_prompts
 
     return make_held_out_prompts(cfg.builtin_val_size, seed, load_rows(cfg, seed))
 
 
-def read_prompt_file(path: Path, prompt_key: str, key: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL or parquet file, or of a `datasets` directory (save_to_disk); an InputError naming
-    ``key``, the file and the line for anything that is not a row with a string prompt."""
+TRAIN_SPLITS = ("train",)  # the split of a DatasetDict directory that training takes
+VAL_SPLITS = ("validation", "test")  # and validation, the first there is: never train
+
+
+def read_prompt_file(
+    path: Path, prompt_key: str, key: str, splits: tuple[str, ...] = TRAIN_SPLITS
+) -> list[dict[str, Any]]:
+    """Rows of a JSONL or parquet file, or of a `datasets` directory (save_to_disk; of a DatasetDict, the
+    first of ``splits`` it has); an InputError naming ``key``, the file and the line for anything that is
+    not a row with a string prompt."""
     if path.is_dir():
-        rows = _read_dataset_dir(path, key)
+        rows = _read_dataset_dir(path, key, splits)
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -78,16 +85,15 @@ def _read_jsonl(path: Path, key: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_dataset_dir(path: Path, key: str) -> list[dict[str, Any]]:
+def _read_dataset_dir(path: Path, key: str, splits: tuple[str, ...]) -> list[dict[str, Any]]:
     """The rows of a `datasets` directory written by ``save_to_disk``, read with pyarrow alone: its
-    state.json names the Arrow stream files. A DatasetDict's directory gives its ``train`` split (its
-    first split without one)."""
+    state.json names the Arrow stream files. A DatasetDict's directory gives the first of ``splits`` it
+    has (an InputError listing its splits when it has none of them)."""
     import pyarrow as pa
 
+    if (path / "dataset_dict.json").is_file():
+        path = path / _split_of(path, key, splits)
     try:
-        if (path / "dataset_dict.json").is_file():
-            splits = orjson.loads((path / "dataset_dict.json").read_bytes())["splits"]
-            path = path / ("train" if "train" in splits else splits[0])
         state = orjson.loads((path / "state.json").read_bytes())
         tables = []
         for entry in state["_data_files"]:
@@ -96,6 +102,20 @@ def _read_dataset_dir(path: Path, key: str) -> list[dict[str, Any]]:
     except (OSError, KeyError, IndexError, TypeError, orjson.JSONDecodeError, pa.ArrowInvalid) as exc:
         raise InputError(f"'{key}' {path} is not a readable `datasets` directory (save_to_disk): {exc}") from None
     return pa.concat_tables(tables).to_pylist() if tables else []
+
+
+def _split_of(path: Path, key: str, wanted: tuple[str, ...]) -> str:
+    try:
+        splits = orjson.loads((path / "dataset_dict.json").read_bytes())["splits"]
+    except (OSError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
+        raise InputError(f"'{key}' {path} is not a readable `datasets` directory (save_to_disk): {exc}") from None
+    found = next((s for s in wanted if s in splits), None)
+    if found is None:
+        raise InputError(
+            f"'{key}' {path} holds the splits {', '.join(map(str, splits))}, none of {', '.join(wanted)}; "
+            "point it at the split's own directory"
+        )
+    return found
 
 
 class PromptCursor:

@@ -43,8 +43,8 @@ class Validator:
         self.cfg, self.rows, self.rollout, self.reward_fn, self.dist = cfg, rows, rollout, reward_fn, dist
         self.n = cfg.rollout.val_samples
         self.sources = sorted({str(r[SOURCE]) for r in rows if r.get(SOURCE) is not None})
-        # sequences generated at once: a training batch's worth
-        self.chunk = max(self.n, cfg.trainer.prompts_per_step * cfg.algorithm.group_size)
+        # sequences a rank generates at once: its share of a training batch
+        self.chunk = max(self.n, cfg.trainer.prompts_per_step * cfg.algorithm.group_size // dist.world)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` validates: every ``val_every`` steps, and the last step of the run."""
@@ -65,6 +65,7 @@ class Validator:
             end = start + per_chunk
             self._score_prompts(mine[start:end], counted[start:end], sums)
         totals = self.dist.reduce_row(sums, dict.fromkeys(sums, SUM))
+        self.rollout.forget_cache()  # the next training step samples as if there had been no validation
         return self._metrics(totals)
 
     def _empty_sums(self) -> dict[str, float]:

@@ -30,7 +30,7 @@ from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
 from rlctl.ranks.signals import STOPS, on_stop_signals
 from rlctl.rundir.directory import run_summary, snapshot_manager
 from rlctl.rundir.history import turn_away_after, turn_tag
-from rlctl.rundir.layout import CONFIG, METRICS
+from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.storage import Storage
 
@@ -184,12 +184,14 @@ def _resume(
     trainer.dist.barrier()  # every rank has restored before rank 0 moves later snapshots away
     if main:
         run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
-        moved = turn_away_after(run, snapshots, step, tag)
+        # (a run that starts over keeps no row, not even a validation before training)
+        moved = turn_away_after(run, snapshots, step if info is not None else -1, tag)
         events.emit(
             {
                 "event": "resume",
                 "from": restore["wanted"],
                 "step": step,
+                "replays_exactly": not restore["changes"] and not policy_acted_after(run, step),
                 "snapshot": info.name if info else None,
                 "location": snapshots.storage.url_of(info.name) if info else None,
                 "changes": restore["changes"],
@@ -197,6 +199,16 @@ def _resume(
             }
         )
     trainer.dist.barrier()
+
+
+def policy_acted_after(run: Storage, step: int) -> bool:
+    """Whether a policy rolled back, adjusted or skipped after ``step`` (in events.jsonl): the steps a
+    resume from ``step`` re-does then take another path than they took the first time."""
+    acted = ("rollback", "adjust", "skip")
+    return any(
+        e.get("event") in acted and isinstance(at := e.get("step", e.get("from_step")), int) and at > step
+        for e in read_rows(run, EVENTS)
+    )
 
 
 def _restore(

@@ -174,11 +174,12 @@ class Trackers:
 
     def _turn_of(self, event: dict[str, Any]) -> tuple[int, bool] | None:
         """(the step the run turned to, whether the later steps get other values) of a rollback or a
-        resume; None for any other event."""
+        resume (other values: it changed knobs, or a policy acted after its step, so the steps re-done
+        take another path: ``replays_exactly`` false); None for any other event."""
         if event["event"] == "rollback" and is_step(event.get("to_step")):
             return event["to_step"], True
         if event["event"] == "resume" and is_step(event.get("step")):
-            return event["step"], bool(event.get("changes"))
+            return event["step"], bool(event.get("changes")) or event.get("replays_exactly") is False
         return None
 
     def _mark(self, event: dict[str, Any], step: int) -> None:

@@ -83,15 +83,15 @@ def test_retention_keeps_the_k_best_while_keep_last_evicts_the_others(storage):
     assert steps(low.scan()) == [5, 9]  # 5 (0.2) is the lowest; 2, 4 and 8 go
 
 
-def test_ties_go_to_the_snapshot_of_the_step_validated_then_to_the_earlier_step(storage):
+def test_only_validated_steps_rank_and_ties_go_to_the_earlier_step(storage):
     m = SnapshotManager(storage)
-    save(m, 1, 0.5, val_step=0)  # carried from the validation before training
+    save(m, 1, 0.9, val_step=0)  # carried from the validation before training: never ranks
     save(m, 2, 0.5)  # its own weights gave 0.5
-    save(m, 3, 0.5, val_step=2)  # carried: 3's weights were never validated
+    save(m, 3, 0.9, val_step=2)  # carried: 3's weights were never validated
     save(m, 5, 0.5)
     save(m, 6, 0.1, val_step=6)
-    assert steps(m.best(SCORE, "max")) == [2, 5, 1, 3, 6]
-    assert steps(m.best(SCORE, "min")) == [6, 2, 5, 1, 3]
+    assert steps(m.best(SCORE, "max")) == [2, 5, 6]
+    assert steps(m.best(SCORE, "min")) == [6, 2, 5]
     kept = SnapshotManager(storage, retention=Retention(keep_last=1, best=KeepBest(SCORE, "max", 1)))
     save(kept, 7, 0.2)
     assert steps(kept.scan()) == [2, 7]
@@ -177,7 +177,9 @@ def test_saving_a_malformed_val_is_refused_before_anything_is_written(storage):
 
 def test_the_run_config_keep_best_reaches_retention(tmp_path):
     run = Storage(str(tmp_path / "run"))
-    cfg = RunConfig.model_validate({"checkpoint": {"keep_last": 1, "keep_best": {"metric": LENGTH, "mode": "min"}}})
+    cfg = RunConfig.model_validate(
+        {"trainer": {"val_every": 1}, "checkpoint": {"keep_last": 1, "keep_best": {"metric": LENGTH, "mode": "min"}}}
+    )
     m = snapshot_manager(run, cfg)
     assert m.retention.best == KeepBest(LENGTH, "min", 1) == m.best_rule and m.retention.keep_last == 1
     assert snapshot_manager(run, RunConfig()).retention.best is None
@@ -201,7 +203,9 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
     from rlctl.run import _choose
 
     run, notes = Storage(str(tmp_path / "run")), Notes()
-    cfg = RunConfig.model_validate({"checkpoint": {"keep_last": 1, "keep_best": {"k": 3}}})  # (keep_last evicts)
+    cfg = RunConfig.model_validate(
+        {"trainer": {"val_every": 1}, "checkpoint": {"keep_last": 1, "keep_best": {"k": 3}}}
+    )  # (keep_last evicts)
     m = snapshot_manager(run, cfg)
     save(m, 1, 0.3)
     save(m, 2, 0.9)
@@ -227,7 +231,7 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
 def make_run(tmp_path, keep_best=None, scores=(0.25, None, 0.5)):
     """A run directory with its config and one snapshot per score (None: one without a validation)."""
     run = Storage(str(tmp_path / "run"))
-    cfg = RunConfig.model_validate({"checkpoint": {"keep_best": keep_best}})
+    cfg = RunConfig.model_validate({"trainer": {"val_every": 1}, "checkpoint": {"keep_best": keep_best}})
     run.write_bytes("config.yaml", cfg.to_yaml().encode())
     m = snapshot_manager(run, cfg)
     for step, score in enumerate(scores, start=1):

@@ -217,6 +217,15 @@ def test_a_resume_continues_the_same_runs_and_purges_or_skips_the_redone_steps(t
     history, _, _ = wandb_run(run_dir, ids2["wandb"]["run_id"])
     assert {s: h["actor/pg_loss"] for s, h in history.items()} == {**OLD, 6: NEW[6]}
 
+    acted = Run(run_dir)  # no change asked for, but a policy acted after step 4: the re-done steps differ
+    acted.rows = [r for r in changed.rows if r["step"] <= 4]
+    acted.trackers.log_event({"event": "resume", "step": 4, "changes": {}, "replays_exactly": False})
+    acted.row(5, -1.0)
+    acted.trackers.close()
+    assert json.loads((run_dir / "trackers.json").read_text())["mlflow"]["branch"] == 3
+    client, runs = mlflow_runs(run_dir)
+    assert steps_of(client, runs[-1].info.run_id, "actor/pg_loss")[-1] == (5, -1.0)
+
 
 # -- failures, laziness, missing packages -----------------------------------------------------------------
 

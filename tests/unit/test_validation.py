@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlctl.config import DataConfig, validate_config
+from rlctl.config import DataConfig, load_config, validate_config
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import load_rows, load_val_rows, read_prompt_file
 from rlctl.engine.dist import Dist
@@ -36,12 +36,17 @@ def test_held_out_prompts_from_jsonl_parquet_and_datasets_directories(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(str(ds))
     splits = tmp_path / "splits_ds"
     datasets.DatasetDict(
-        {"test": datasets.Dataset.from_list(ROWS[:1]), "train": datasets.Dataset.from_list(ROWS)}
+        {"test": datasets.Dataset.from_list(ROWS), "train": datasets.Dataset.from_list(ROWS[:1])}
     ).save_to_disk(str(splits))
     for path in (jl, pqf, ds, splits):
         assert load_val_rows(DataConfig(val_path=str(path)), seed=0) == ROWS, path
-    # the training data may be a datasets directory too
+    # the training data may be a datasets directory too; of a DatasetDict, training takes "train"
     assert load_rows(DataConfig(path=str(ds)), seed=0) == ROWS
+    assert load_rows(DataConfig(path=str(splits)), seed=0) == ROWS[:1]
+    only_train = tmp_path / "only_train"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(only_train))
+    with pytest.raises(InputError, match="holds the splits train, none of validation, test"):
+        load_val_rows(DataConfig(val_path=str(only_train)), seed=0)
 
 
 def test_a_directory_that_is_not_a_dataset_is_one_sentence(tmp_path):
@@ -63,6 +68,17 @@ def test_the_builtin_held_out_split_is_fixed_and_never_a_training_prompt():
     assert not train & {r["prompt"] for r in val}
     assert load_val_rows(cfg, seed=3) == val
     assert load_val_rows(cfg, seed=4) != val
+
+
+def test_a_held_out_split_larger_than_the_words_left_is_one_sentence_not_a_hang():
+    from itertools import product
+
+    from rlctl.engine.reward.builtin import LETTERS, make_held_out_prompts
+
+    every = [{"prompt": "".join(w) + "="} for n in (3, 4) for w in product(LETTERS, repeat=n)]
+    assert len(make_held_out_prompts(5, 0, every[5:])) == 5
+    with pytest.raises(InputError, match=r"'data.builtin_val_size' \(6\) asks for more .* \(5 words"):
+        make_held_out_prompts(6, 0, every[5:])
 
 
 def test_temperature_zero_is_greedy_and_draws_no_noise():
@@ -94,6 +110,9 @@ class EchoBackend:
     def sync_weights(self):
         pass
 
+    def forget_cache(self):
+        self.forgot = True
+
 
 def _cfg(**rollout):
     return validate_config(
@@ -124,7 +143,7 @@ def test_validator_metrics_mean_best_at_n_lengths_and_per_source():
     # two chunks of one prompt x 2 samples (a training batch is 1 x 2 sequences); validation's own seeds
     # and temperature
     assert backend.calls == [(2, VAL_STEP, 0.7)] * 3
-    assert v.run() == m
+    assert v.run() == m and backend.forgot
     assert [s for s in range(1, 6) if v.due(s)] == [2, 4, 5]  # every 2 steps, and the last
 
 
@@ -138,6 +157,17 @@ def test_validation_config_rules(tmp_path):
     with pytest.raises(ConfigError, match="tensorboard is listed more than once"):
         validate_config({"trainer": {"loggers": ["tensorboard", "tensorboard"]}}, {})
     assert validate_config({"trainer": {"val_every": 5}}, {}).validates  # the built-in task has its split
+    with pytest.raises(ConfigError, match="keep_best ranks snapshots by a validation metric, but this run never"):
+        validate_config({"checkpoint": {"keep_best": {"k": 2}}}, {})
+    with pytest.raises(ConfigError, match="snapshots record validation metrics only"):
+        validate_config({"trainer": {"val_every": 5}, "checkpoint": {"keep_best": {"metric": "critic/score/mean"}}}, {})
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "rules:\n  - name: r\n    trigger: {kind: drop, metric: critic/score/mean, amount: 0.1}\n"
+        "    actions: [{type: rollback, to: best}]\n"
+    )
+    with pytest.raises(ConfigError, match="rolls back to the best snapshot by critic/score/mean, but snapshots"):
+        load_config(None, ["checkpoint.every=2", f"policies=[{policy}]"])
 
 
 def test_trainer_state_keeps_the_last_validation_and_reads_version_1():

@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 import string
 
+from rlctl.errors import InputError
+
 LETTERS = string.ascii_lowercase[:12]
 
 
@@ -29,8 +31,15 @@ def make_prompts(n: int, seed: int, min_len: int = 2, max_len: int = 4) -> list[
 
 
 def make_held_out_prompts(n: int, seed: int, training: list[dict]) -> list[dict]:
-    """``n`` prompts of the same task, none of them a training prompt: the built-in held-out split."""
+    """``n`` prompts of the same task (words of 3 or 4 letters), none of them a training prompt: the
+    built-in held-out split. An InputError when the training prompts leave fewer than ``n`` such words."""
     seen = {row["prompt"] for row in training}
+    free = len(LETTERS) ** 3 + len(LETTERS) ** 4 - sum(len(p) in (4, 5) for p in seen)
+    if n > free:
+        raise InputError(
+            f"'data.builtin_val_size' ({n}) asks for more held-out prompts than the built-in task has left "
+            f"({free} words of 3 or 4 letters are not training prompts); lower it or 'data.builtin_size'"
+        )
     rng = random.Random(f"{seed}/held-out")
     rows = []
     while len(rows) < n:

@@ -26,6 +26,10 @@ class RolloutBackend(Protocol):
 
     def decode(self, seqs: Sequences) -> list[str]: ...
 
+    def forget_cache(self) -> None:
+        """Drop what generation cached across calls (vLLM's prefix cache), so what comes next samples as
+        after a restore: validation leaves no trace in training."""
+
 
 def make_backend(name: str, **kwargs) -> RolloutBackend:
     if name == "hf":

@@ -114,6 +114,9 @@ class HFRollout:
     def sync_weights(self) -> None:
         """The backend generates with the actor's own module: its weights are always current."""
 
+    def forget_cache(self) -> None:
+        """Nothing is cached across calls (the KV cache lives for one generation)."""
+
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
         if self.cfg.data.apply_chat_template:

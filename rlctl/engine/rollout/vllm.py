@@ -151,6 +151,10 @@ class VLLMRollout(HFRollout):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def forget_cache(self) -> None:
+        """Reset the prefix cache (as every weight sync does)."""
+        self.llm.reset_prefix_cache()
+
     @torch.no_grad()
     def generate(
         self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
