@@ -99,6 +99,21 @@ def small_tmpfs(path, size="64k"):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+class Counter:
+    """The smallest Stateful: one versioned number."""
+
+    VERSION = 1
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"version": self.VERSION, "value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
 # -- reading trackers back with their own readers -------------------------------------------------------
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

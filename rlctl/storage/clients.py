@@ -28,9 +28,10 @@ _fence_lock = threading.Lock()
 _fenced_modules = 0
 
 
-def _private_random_module() -> types.ModuleType:
-    """A stand-in for the ``random`` module whose functions draw from a generator of their own."""
-    mod = types.ModuleType("random", "the random module over a private generator (rlctl.storage)")
+def private_random_module(owner: str = "rlctl.storage") -> types.ModuleType:
+    """A stand-in for the ``random`` module whose functions draw from a generator of their own (for
+    third-party packages whose module-level ``random`` must stay off the run's RNG state)."""
+    mod = types.ModuleType("random", f"the random module over a private generator ({owner})")
     mod.__dict__.update({k: v for k, v in vars(random).items() if not k.startswith("__")})
     rng = random.Random()
     for name, value in vars(random).items():
@@ -39,7 +40,7 @@ def _private_random_module() -> types.ModuleType:
     return mod
 
 
-_PRIVATE_RANDOM = _private_random_module()
+_PRIVATE_RANDOM = private_random_module()
 
 
 def fence_third_party_random() -> None:

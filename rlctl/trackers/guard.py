@@ -14,10 +14,11 @@ import random
 import signal
 import sys
 import threading
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from rlctl.storage.clients import private_random_module
 
 _SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, n))
 
@@ -74,18 +75,7 @@ def untouched() -> Iterator[None]:
         _restore_hooks(handlers, excepthook, exit_fn)
 
 
-def _private_random() -> types.ModuleType:
-    """A stand-in for the ``random`` module whose functions draw from a generator of their own."""
-    mod = types.ModuleType("random", "the random module over a private generator (rlctl.trackers)")
-    mod.__dict__.update({k: v for k, v in vars(random).items() if not k.startswith("__")})
-    rng = random.Random()
-    for name, value in vars(random).items():
-        if isinstance(getattr(value, "__self__", None), random.Random):
-            setattr(mod, name, getattr(rng, name))
-    return mod
-
-
-_PRIVATE = _private_random()
+_PRIVATE = private_random_module("rlctl.trackers")
 _fenced_at = 0
 
 

@@ -16,21 +16,10 @@ from rlctl.errors import SnapshotError
 from rlctl.rundir.directory import snapshot_manager
 from rlctl.storage import Storage
 
+from helpers import Counter
+
 SCORE = "val/score/mean"
 LENGTH = "val/response_length/mean"
-
-
-class Counter:
-    VERSION = 1
-
-    def __init__(self, value=0):
-        self.value = value
-
-    def state_dict(self):
-        return {"version": self.VERSION, "value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
 
 
 def save(manager, step, score=None, val_step=None, good=True, **more):

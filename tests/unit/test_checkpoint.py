@@ -19,20 +19,7 @@ from rlctl.rundir.directory import zero_topology
 from rlctl.rundir.lease import LEASE_FILE, Lease
 from rlctl.storage import Storage
 
-from helpers import small_tmpfs
-
-
-class Counter:
-    VERSION = 1
-
-    def __init__(self, value=0):
-        self.value = value
-
-    def state_dict(self):
-        return {"version": self.VERSION, "value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
+from helpers import Counter, small_tmpfs
 
 
 class Blob:
