@@ -128,7 +128,7 @@ def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_
 def test_from_banana_is_a_usage_error(tmp_path):
     r = run_cli("resume", str(tmp_path), "--from", "banana")
     assert r.returncode == ExitCode.USAGE == 2
-    assert "Invalid value for '--from': expected latest, last-good, step-N or N; got 'banana'" in r.stderr
+    assert "Invalid value for '--from': expected latest, last-good, best, step-N or N; got 'banana'" in r.stderr
 
 
 def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retrained(tmp_path):
