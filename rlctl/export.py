@@ -23,13 +23,12 @@ def export_snapshot(run_dir: str, spec: str, out_dir: str, note: Callable[[str],
     """Export the snapshot ``spec`` names (latest, last-good, best, step-N or N: the first usable
     candidate, each one skipped before it said to ``note``) to ``out_dir``, which must be new or empty.
     The snapshot exported."""
+    from rlctl.engine.runtime import quiet_libraries
+
+    quiet_libraries()  # (imports DeepSpeed first, without MLflow)
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from rlctl.engine.runtime import quiet_libraries
-
-    quiet_libraries()
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

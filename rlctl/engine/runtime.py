@@ -250,8 +250,25 @@ def check_rollout_device(device: str, backend: str) -> None:
             )
 
 
+def import_deepspeed():
+    """DeepSpeed, imported without its autotuner importing MLflow when MLflow is installed (2 s at every
+    start of every rank; rlctl imports MLflow itself only for a run that logs to it, and later)."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hidden = "mlflow" not in sys.modules
+    if hidden:
+        sys.modules["mlflow"] = None  # an ImportError for DeepSpeed's `try: import mlflow`
+    try:
+        import deepspeed
+    finally:
+        if hidden and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def quiet_libraries() -> None:
     """Library chatter goes to stderr and only above INFO: stdout is for data."""
+    import_deepspeed()
     import transformers
 
     transformers.utils.logging.set_verbosity_error()

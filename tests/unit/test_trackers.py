@@ -320,3 +320,17 @@ def test_a_row_gives_numbers_only():
 
     values = metric_values({"step": 3, "timestamp": 1.0, "a": 1, "b": "Infinity", "c": "-Infinity", "d": True})
     assert values == {"a": 1.0, "b": float("inf"), "c": float("-inf")}
+
+
+def test_deepspeed_is_imported_without_mlflow_which_a_run_can_still_import_later():
+    """DeepSpeed's autotuner imports MLflow when it is installed (2 s at every start of every rank);
+    rlctl hides it for that import only, so a run that logs to MLflow still imports it."""
+    code = (
+        "import sys\n"
+        "from rlctl.engine.runtime import import_deepspeed\n"
+        "import_deepspeed()\n"
+        "assert 'deepspeed' in sys.modules and 'mlflow' not in sys.modules, sorted(sys.modules)\n"
+        "import mlflow\n"
+        "assert mlflow.MlflowClient\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
