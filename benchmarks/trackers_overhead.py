@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/trackers_overhead.py [--rows 200]
 
-Feeds ROWS rows as wide as a real run's (every key the trainer logs, 40 metrics) to the JSONL metrics
+Feeds ROWS rows as wide as a real run's (38 metrics: the keys the trainer and validation log) to the JSONL metrics
 log alone, then to a ``Trackers`` of each kind (TensorBoard; W&B offline; MLflow's local SQLite store),
 each into a fresh run directory. Prints the first row's time (imports and start-up) and the mean time
 per later row, and the per-row ratio to the JSONL log. Times vary on a shared machine: compare the
