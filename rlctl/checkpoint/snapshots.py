@@ -304,6 +304,11 @@ class Retention:
     best: KeepBest | None = None  # also keep the k best good snapshots by a validation metric
     rollback_best: tuple[KeepBest, ...] = ()  # and the best by each metric a policy may roll back to
 
+    @property
+    def best_rules(self) -> list[KeepBest]:
+        """Every rule of "best" whose snapshots retention keeps."""
+        return [*([self.best] if self.best is not None else []), *self.rollback_best]
+
 
 @dataclass
 class _Job:
@@ -781,7 +786,7 @@ class SnapshotManager:
             keep.add(good[-1].step)
         if r.keep_every:
             keep |= {i.step for i in usable if i.step % r.keep_every == 0}
-        for rule in (r.best, *r.rollback_best) if r.best is not None else r.rollback_best:
+        for rule in r.best_rules:
             keep |= {i.step for i in rule.rank(good)[: rule.k]}
         removed = []
         for info in usable:

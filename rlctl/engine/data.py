@@ -27,14 +27,19 @@ def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     return read_prompt_file(Path(cfg.path).expanduser(), cfg.prompt_key, "data.path", TRAIN_SPLITS)
 
 
-def load_val_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
+def load_val_rows(cfg: DataConfig, seed: int, training: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The held-out prompts: ``data.val_path``, or the built-in task's held-out split (prompts of its own,
-    none of which is a training prompt)."""
+    none of which is among the ``training`` rows)."""
     if cfg.val_path is not None:
         return read_prompt_file(Path(cfg.val_path).expanduser(), cfg.prompt_key, "data.val_path", VAL_SPLITS)
     from rlctl.engine.reward.builtin import make_held_out_prompts
 
-    return make_held_out_prompts(cfg.builtin_val_size, seed, load_rows(cfg, seed))
+    return make_held_out_prompts(cfg.builtin_val_size, seed, training)
+
+
+def columns_of(rows: list[dict[str, Any]], prompt_key: str) -> dict[str, list]:
+    """The rows' columns other than the prompt, aligned with them (what the reward function receives)."""
+    return {c: [r.get(c) for r in rows] for c in rows[0] if c != prompt_key}
 
 
 TRAIN_SPLITS = ("train",)  # the split of a DatasetDict directory that training takes

@@ -16,7 +16,7 @@ import torch
 from rlctl.config import AlgorithmConfig, RunConfig
 from rlctl.engine import algos
 from rlctl.engine.batch import Sequences
-from rlctl.engine.data import PromptCursor
+from rlctl.engine.data import PromptCursor, columns_of
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
@@ -139,7 +139,7 @@ class Experience:
         rows = rows[self.dist.shard(len(rows))]
         keys = [(idx, s) for idx, _ in rows for s in range(g)]
         expanded = [row for _, row in rows for _ in range(g)]
-        columns = {c: [r.get(c) for r in expanded] for c in expanded[0] if c != key}
+        columns = columns_of(expanded, key)
         return keys, [r[key] for r in expanded], columns
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:

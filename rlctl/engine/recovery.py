@@ -206,7 +206,8 @@ class Recovery:
         if verdict.rollback_best is None:
             return newest
         best = [i for i in snapshots.best(*verdict.rollback_best) if i.step <= step]
-        return best + [i for i in newest if i.step not in {b.step for b in best}]
+        tried = {i.step for i in best}
+        return best + [i for i in newest if i.step not in tried]
 
     def halt_no_target(self, verdict) -> None:
         self.host.emit({"event": "halted", "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})

@@ -97,7 +97,7 @@ class Trainer:
         self._build_models()
         self.experience = Experience(cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist)
         self.validator = (
-            Validator(cfg, load_val_rows(cfg.data, cfg.seed), self.rollout, reward_fn, self.dist)
+            Validator(cfg, load_val_rows(cfg.data, cfg.seed, self.data.rows), self.rollout, reward_fn, self.dist)
             if cfg.validates
             else None
         )

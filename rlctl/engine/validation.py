@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlctl.config import RunConfig
+from rlctl.engine.data import columns_of
 from rlctl.engine.dist import SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
@@ -81,7 +82,7 @@ class Validator:
         keys = [(i, s) for i in indices for s in range(self.n)]
         prompts = [r[key] for r in rows]
         seqs = self.rollout.generate(prompts, keys, VAL_STEP, temperature=self.cfg.rollout.val_temperature)
-        columns = {c: [r.get(c) for r in rows] for c in rows[0] if c != key}
+        columns = columns_of(rows, key)
         reward = self.cfg.reward
         scores = score_completions(
             self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs

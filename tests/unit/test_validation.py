@@ -39,14 +39,14 @@ def test_held_out_prompts_from_jsonl_parquet_and_datasets_directories(tmp_path):
         {"test": datasets.Dataset.from_list(ROWS), "train": datasets.Dataset.from_list(ROWS[:1])}
     ).save_to_disk(str(splits))
     for path in (jl, pqf, ds, splits):
-        assert load_val_rows(DataConfig(val_path=str(path)), seed=0) == ROWS, path
+        assert load_val_rows(DataConfig(val_path=str(path)), seed=0, training=[]) == ROWS, path
     # the training data may be a datasets directory too; of a DatasetDict, training takes "train"
     assert load_rows(DataConfig(path=str(ds)), seed=0) == ROWS
     assert load_rows(DataConfig(path=str(splits)), seed=0) == ROWS[:1]
     only_train = tmp_path / "only_train"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(only_train))
     with pytest.raises(InputError, match="holds the splits train, none of validation, test"):
-        load_val_rows(DataConfig(val_path=str(only_train)), seed=0)
+        load_val_rows(DataConfig(val_path=str(only_train)), seed=0, training=[])
 
 
 def test_a_directory_that_is_not_a_dataset_is_one_sentence(tmp_path):
@@ -62,12 +62,13 @@ def test_a_directory_that_is_not_a_dataset_is_one_sentence(tmp_path):
 
 def test_the_builtin_held_out_split_is_fixed_and_never_a_training_prompt():
     cfg = DataConfig(builtin_size=4096, builtin_val_size=64)
-    train = {r["prompt"] for r in load_rows(cfg, seed=3)}
-    val = load_val_rows(cfg, seed=3)
+    rows = load_rows(cfg, seed=3)
+    train = {r["prompt"] for r in rows}
+    val = load_val_rows(cfg, seed=3, training=rows)
     assert len(val) == 64 and len({r["prompt"] for r in val}) == 64
     assert not train & {r["prompt"] for r in val}
-    assert load_val_rows(cfg, seed=3) == val
-    assert load_val_rows(cfg, seed=4) != val
+    assert load_val_rows(cfg, seed=3, training=rows) == val
+    assert load_val_rows(cfg, seed=4, training=load_rows(cfg, seed=4)) != val
 
 
 def test_a_held_out_split_larger_than_the_words_left_is_one_sentence_not_a_hang():
