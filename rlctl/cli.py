@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resume": ("rlctl.commands.resume", "resume", "Continue a run from a snapshot (latest, last-good, best, step-N)."),
     "checkpoints": ("rlctl.commands.checkpoints", "checkpoints", "List a run's snapshots and whether each is usable."),
     "export": ("rlctl.commands.export", "export", "Write a snapshot as a Hugging Face model directory."),
-    "policy": ("rlctl.commands.policy", "policy", "Check and explain rollback policy files."),
+    "policy": ("rlctl.commands.policy", "policy", "Check, replay and calibrate rollback policies."),
     "inspect": ("rlctl.commands.inspect", "inspect", "Show a run: summary, metric dumps, events, plots, --check."),
     "runs": ("rlctl.commands.runs", "runs", "List the runs under a directory with their status."),
 }

@@ -10,6 +10,9 @@ A comma-separated list of ``name[@step][=value]``:
 - ``nan_log_prob@5``    make one log-prob of step 5 NaN, as a broken kernel or a degenerate sample
                         would (once per process: a step replayed after a rollback is clean);
                         ``nan_log_prob@5=1``: in rank 1's share of the batch only
+- ``degenerate@4``      the rollout of step 4 emits one token over and over: every response becomes "!"
+                        repeated up to rollout.max_new_tokens, as a collapsed policy writes ``!!!!!!!!``
+                        (once per process); ``degenerate@4=a``: the token "a" (one token of the tokenizer)
 - ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike;
                         validation metrics too (``metric@6=val/score/mean:0.0``: a validation drop)
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
@@ -34,7 +37,17 @@ from dataclasses import dataclass
 
 from rlctl.errors import ConfigError
 
-KNOWN = {"sleep", "commit_delay", "write_delay", "nan_log_prob", "metric", "crash", "stale_rollout", "enospc"}
+KNOWN = {
+    "sleep",
+    "commit_delay",
+    "write_delay",
+    "nan_log_prob",
+    "degenerate",
+    "metric",
+    "crash",
+    "stale_rollout",
+    "enospc",
+}
 _fired: set[tuple[str, int | None]] = set()
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 

@@ -1,9 +1,12 @@
 """The run config: the strict schema (``schema``, choices derived from the registries of
-``rlctl.engine.algos``) and its loading from YAML and ``--set`` with located errors (``load``)."""
+``rlctl.engine.algos``), its knobs and their schedules (``knobs``), and its loading from YAML and
+``--set`` with located errors (``load``)."""
 
+from rlctl.config.knobs import ScheduleConfig, ScheduleEntry, adjust_knob, follow_schedules, get_knob, set_knob
 from rlctl.config.load import (
     BUILTIN_CONFIG,
     DEMO_CONFIG,
+    check_adjust_fits,
     check_policies_fit,
     inline_policies,
     load_config,
@@ -45,10 +48,17 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",
+    "ScheduleConfig",
+    "ScheduleEntry",
     "TrainerConfig",
+    "adjust_knob",
+    "check_adjust_fits",
     "check_policies_fit",
+    "follow_schedules",
+    "get_knob",
     "inline_policies",
     "load_config",
     "parse_set",
+    "set_knob",
     "validate_config",
 ]

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from rlctl.config.knobs import get_knob, is_float_field, lift_schedules
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.policies.loader import load_policies, resolve_policy_path
-from rlctl.policies.schema import RollbackAction, Rule
+from rlctl.policies.schema import AdjustAction, RollbackAction, Rule, rule_metrics
 from rlctl.yamlsrc import Origins, explain, read_yaml
 
 PACKAGED = Path(__file__).parent.parent / "configs"  # configs shipped with rlctl, picked by a bare name
@@ -75,11 +76,14 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def validate_config(data: dict[str, Any], origins: Origins | None = None) -> RunConfig:
-    """The RunConfig of already-parsed data; ConfigError with a located sentence per mistake."""
+    """The RunConfig of already-parsed data; ConfigError with a located sentence per mistake. Knobs
+    written as a schedule at their own place move to ``schedules``, and so do their origins."""
+    origins = {} if origins is None else origins
+    data = lift_schedules(data, origins)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(explain(exc, origins or {}, RunConfig, "invalid config")) from None
+        raise ConfigError(explain(exc, origins, RunConfig, "invalid config")) from None
 
 
 def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
@@ -98,19 +102,13 @@ def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:
 
 
 def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
-    """ConfigError when a rule adjusts a setting this run does not have, rolls back while
-    ``checkpoint.every`` is 0 (there would be no snapshot to return to), or watches a validation metric
-    in a run that never validates (it could never fire)."""
+    """ConfigError when a rule adjusts a setting this run does not have, multiplies or adds to a knob
+    this run leaves empty, rolls back while ``checkpoint.every`` is 0 (there would be no snapshot to
+    return to), or watches a validation metric in a run that never validates (it could never fire)."""
     for rule in rules:
         for action in rule.actions:
-            for key in [*(getattr(action, "set", None) or {}), *(getattr(action, "multiply", None) or {})]:
-                section, _, name = key.partition(".")
-                model = getattr(cfg, section, None)
-                if not isinstance(model, BaseModel) or name not in type(model).model_fields:
-                    raise ConfigError(
-                        f"policy rule '{rule.name}' adjusts '{key}', which this run does not have "
-                        f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
-                    )
+            if isinstance(action, AdjustAction):
+                check_adjust_fits(cfg, rule.name, action)
             if isinstance(action, RollbackAction) and cfg.checkpoint.every == 0:
                 raise ConfigError(
                     f"policy rule '{rule.name}' rolls back, but 'checkpoint.every' is 0: there would be no "
@@ -119,11 +117,36 @@ def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
         check_validation_fits(cfg, rule)
 
 
+def check_adjust_fits(cfg: RunConfig, rule: str, action: AdjustAction) -> None:
+    """ConfigError when an adjust action names a knob that is no number field of this run's config, or
+    multiplies / adds to one this run leaves empty (clip_ratio_high following clip_ratio)."""
+    for op, verb in (("set", "adjusts"), ("multiply", "multiplies"), ("add", "adds to")):
+        for key in getattr(action, op, None) or {}:
+            if not is_float_field(RunConfig, key):
+                raise ConfigError(
+                    f"policy rule '{rule}' adjusts '{key}', which this run does not have "
+                    f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
+                )
+            if op != "set" and get_knob(cfg, key) is None and key not in cfg.schedules:
+                raise ConfigError(
+                    f"policy rule '{rule}' {verb} {key}, which this run leaves empty{_follows(key)}; set it in "
+                    "the config or use set"
+                )
+
+
+def _follows(key: str) -> str:
+    """What an empty knob stands for, in words."""
+    name = key.rpartition(".")[2]
+    if name in ("clip_ratio_low", "clip_ratio_high"):
+        return " (it follows clip_ratio)"
+    return " (no dual clip)" if name == "clip_ratio_c" else ""
+
+
 def check_validation_fits(cfg: RunConfig, rule: Rule) -> None:
     """ConfigError when ``rule`` watches a validation metric in a run that never validates, or rolls back
     to the best snapshot by a metric that no snapshot records (they record validation metrics only)."""
     trigger = rule.resolved_trigger
-    watched = [m for m in [getattr(trigger, "metric", ""), *getattr(trigger, "metrics", [])] if m.startswith("val/")]
+    watched = [m for m in rule_metrics(rule) if m.startswith("val/")]
     if watched and not cfg.validates:
         raise ConfigError(
             f"policy rule '{rule.name}' watches {watched[0]}, but this run never validates: "

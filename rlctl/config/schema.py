@@ -17,6 +17,7 @@ import yaml
 from fsspec.core import split_protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlctl.config.knobs import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
 from rlctl.engine.algos.registry import (
     ADVANTAGES,
     AGG_MODES,
@@ -274,8 +275,6 @@ class AlgorithmConfig(Strict):
             raise ValueError("adv_estimator gae needs a critic (name: ppo), and ppo uses gae")
         if est in GROUP_ESTIMATORS and self.group_size < 2:
             raise ValueError(f"adv_estimator {est} compares samples of a prompt: group_size must be at least 2")
-        if self.kl_in_reward and self.kl_coef == 0:
-            raise ValueError("kl_in_reward needs kl_coef > 0")
         return self
 
 
@@ -464,6 +463,50 @@ class RunConfig(Strict):
         description="Rollback policies checked after every step: paths to YAML files (see policies/) or "
         "inline policies. The resolved config holds them inline.",
     )
+    schedules: dict[KnobKey, ScheduleConfig] = Field(
+        default_factory=dict,
+        description="Knobs whose value follows the step, e.g. {algorithm.kl_coef: {schedule: [{until: 0.2, value: "
+        "0.0}, {value: 0.001}]}}; a knob may also be written so at its own place (it is moved here). The knob's "
+        "field holds its value at the current step; policy adjustments compose with it (scale, offset, min, max).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_schedules(cls, data: Any) -> Any:
+        return lift_schedules(data)
+
+    @field_validator("schedules")
+    @classmethod
+    def _schedule_values_legal(cls, v: dict[str, ScheduleConfig]) -> dict[str, ScheduleConfig]:
+        for key, sched in v.items():
+            legal = domain(RunConfig, key)
+            for i, entry in enumerate(sched.schedule):
+                if not legal.contains(entry.value):
+                    raise ValueError(
+                        f"{key}: the value of entry {i} ({entry.value:g}) is not a legal {key} ({legal.describe()})"
+                    )
+        return v
+
+    @model_validator(mode="after")
+    def _schedules_fit(self) -> RunConfig:
+        """A scheduled KL coefficient has no adaptive controller; ``kl_in_reward`` needs a coefficient
+        that is (or is scheduled to become) above 0; a scheduled knob not written as a number takes
+        its value at step 0."""
+        if "algorithm.kl_coef" in self.schedules and self.algorithm.kl_ctrl.type == "adaptive":
+            raise ValueError(
+                "algorithm.kl_coef has a schedule, but algorithm.kl_ctrl.type is adaptive (the controller moves "
+                "the coefficient): use one or the other"
+            )
+        if self.algorithm.kl_in_reward and not may_exceed(self, "algorithm.kl_coef", 0.0):
+            raise ValueError("algorithm.kl_in_reward needs algorithm.kl_coef > 0 (or a schedule that rises above 0)")
+        for key, sched in self.schedules.items():
+            *parents, name = key.split(".")
+            node = self
+            for part in parents:
+                node = getattr(node, part)
+            if name not in node.model_fields_set:
+                set_knob(self, key, in_domain(self, key, sched.value_at(0, self.trainer.total_steps))[0])
+        return self
 
     @field_validator("faults")
     @classmethod

@@ -18,13 +18,14 @@ from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
 from rlctl.engine import algos
 from rlctl.engine.batch import Sequences, position_ids_for
-from rlctl.engine.dist import MEAN, SUM
+from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch
 from rlctl.engine.model import load_causal_lm
 from rlctl.engine.runtime import Runtime
 
 # How the ranks reduce each metric ``Actor.update`` reports (also how its micro-batches combine: counts
-# add up, the others are means of values weighted so that their mean is the batch's).
+# add up, extremes take the max or min, the others are means of values weighted so that their mean is
+# the batch's).
 METRICS = {
     "actor/pg_loss": MEAN,
     "actor/kl_loss": MEAN,
@@ -39,6 +40,8 @@ METRICS = {
     "actor/nonfinite/loss": SUM,
     "actor/nonfinite/old_log_prob": SUM,
     "actor/skipped_updates": SUM,
+    "actor/ppo_ratio/max": MAX,
+    "actor/log_prob/min": MIN,
 }
 
 
@@ -123,11 +126,10 @@ class Actor(DSModule):
                         self.engine.get_global_grad_norm() if "actor/skipped_updates" not in stats else float("nan")
                     )
                     totals["_boundaries"] = totals.get("_boundaries", 0.0) + 1
-                for key, value in stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
+                accumulate(totals, stats)
                 n_micro += 1
         boundaries = totals.pop("_boundaries", 1.0)
-        out = {k: v if METRICS[k] == SUM else v / n_micro for k, v in totals.items()}  # counts add up
+        out = {k: v / n_micro if METRICS[k] == MEAN else v for k, v in totals.items()}  # counts add up
         out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries
         out.setdefault("actor/skipped_updates", 0.0)
         out["actor/lr"] = lr
@@ -153,9 +155,7 @@ class Actor(DSModule):
         mb, mask = seqs.select(idx), seqs.response_mask[idx]
         log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
         if poison:  # fault drill: one NaN log-prob, as a broken kernel would give
-            hit = torch.zeros_like(log_prob, dtype=torch.bool)
-            hit[0, 0] = True
-            log_prob = torch.where(hit, torch.full_like(log_prob, float("nan")), log_prob)
+            log_prob = poisoned(log_prob)
         old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
         pl = algos.compute_policy_loss(
             log_prob,
@@ -186,6 +186,8 @@ class Actor(DSModule):
             "actor/entropy": algos.masked_mean(entropy, mask).item() * tw,
             "actor/nonfinite/log_prob": algos.count_nonfinite(log_prob, mask),
             "actor/nonfinite/loss": float(not torch.isfinite(loss).item()),
+            "actor/ppo_ratio/max": pl.ratio_max.item(),
+            "actor/log_prob/min": algos.core.masked_min(log_prob.detach(), mask).item(),
         }
         if old_log_prob is None:  # on-policy: the old log-probs are this forward's
             stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
@@ -227,6 +229,25 @@ def sequence_log_probs(
         with torch.no_grad():
             entropy = algos.entropy_from_logits(logits.detach())
     return token_lp, entropy
+
+
+def poisoned(log_prob: torch.Tensor) -> torch.Tensor:
+    """The nan_log_prob fault drill: ``log_prob`` with its first value NaN (gradients still flow)."""
+    hit = torch.zeros_like(log_prob, dtype=torch.bool)
+    hit[0, 0] = True
+    return torch.where(hit, torch.full_like(log_prob, float("nan")), log_prob)
+
+
+def accumulate(totals: dict[str, float], stats: dict[str, float]) -> None:
+    """Fold one micro-batch's ``stats`` into ``totals``: a MAX or MIN metric keeps the extreme (NaN
+    wins), the others add up (sums of counts, sums of weighted values to divide into means)."""
+    for key, value in stats.items():
+        if key not in totals:
+            totals[key] = value
+        elif METRICS.get(key) in (MAX, MIN):
+            totals[key] = combine([totals[key], value], METRICS[key])
+        else:
+            totals[key] = totals[key] + value
 
 
 def _as_float(x) -> float:

@@ -46,11 +46,12 @@ def reduce_rows(rows: list[dict[str, Any]], how: Reductions) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in keys:
         values = [row[key] for row in rows]
-        out[key] = _combine(values, how[key])
+        out[key] = combine(values, how[key])
     return out
 
 
-def _combine(values: list[Any], how: str) -> Any:
+def combine(values: list[Any], how: str) -> Any:
+    """One value from several (ranks, or an actor's micro-batches) as ``how`` says; NaN anywhere wins."""
     if how == FIRST or not all(isinstance(v, (int, float)) for v in values):
         return values[0]
     if all(v == values[0] for v in values) and how != SUM:

@@ -241,6 +241,27 @@ class DSModule:
             group["lr"] = lr * factor
         sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
+    def set_grad_clip(self, clip: float) -> None:
+        """Change the gradient-norm clip from the next optimizer step on. DeepSpeed 0.19 reads it from
+        the engine's config (``gradient_clipping()``: the clip of a step without a ZeRO optimizer) and,
+        under ZeRO 1/2/3, from the ZeRO optimizer's ``clip_grad`` (``unscale_and_clip_grads``), which a
+        checkpoint load of stage 1/2 also overwrites with the saved one: set both, after every restore."""
+        self.engine._config.gradient_clipping = clip
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = clip
+
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """Change AdamW's weight decay from the next optimizer step on (every parameter group)."""
+        for group in self.optimizer.param_groups:
+            group["weight_decay"] = weight_decay
+
+    def set_knobs(self, lr: float, grad_clip: float, weight_decay: float | None = None) -> None:
+        """The optimizer's knobs, as the run's config now says (``weight_decay`` None: leave it)."""
+        self.set_lr(lr)
+        self.set_grad_clip(grad_clip)
+        if weight_decay is not None:
+            self.set_weight_decay(weight_decay)
+
     def weights_sha256(self) -> str:
         """A hash of every parameter's bytes, by name: equal hashes mean bit-identical weights."""
         h = hashlib.sha256()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlctl import faults
 from rlctl.config import AlgorithmConfig, RunConfig
 from rlctl.engine import algos
 from rlctl.engine.batch import Sequences
@@ -20,6 +21,8 @@ from rlctl.engine.data import PromptCursor, columns_of
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
+from rlctl.engine.signals import degeneration_metrics
+from rlctl.errors import ConfigError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
 METRICS = {
@@ -39,6 +42,12 @@ METRICS = {
     "prompt_length/mean": MEAN,
     "actor/nonfinite/ref_log_prob": SUM,
     "actor/nonfinite/old_log_prob": SUM,
+    # every rank holds an equal share of the responses: the mean of the ranks' means is the batch's
+    "response/repetition/mean": MEAN,
+    "response/repetition/max": MAX,
+    "response/longest_run/mean": MEAN,
+    "response/longest_run/max": MAX,
+    "response/degenerate_frac": MEAN,
 }
 SAMPLING_METRICS = {"dynamic_sampling/rounds": MEAN, "dynamic_sampling/kept_groups": SUM}
 
@@ -55,7 +64,9 @@ class Experience:
         reward_fn: Callable,
         pad_id: int,
         dist: Dist,
+        tokenizer=None,
     ):
+        """``tokenizer`` names the token of the ``degenerate`` drill (the rollout backend's when None)."""
         self.cfg, self.data, self.rollout, self.reward_fn, self.pad_id, self.dist = (
             cfg,
             data,
@@ -64,7 +75,11 @@ class Experience:
             pad_id,
             dist,
         )
+        self.tokenizer = tokenizer
         self.drawn: list[int] = []
+        for fault in faults.active():  # a drill token that is not one token: an error now, not at its step
+            if fault.name == "degenerate":
+                self.drill_token(fault.value or "")
 
     def rollout_batch(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
         """Generate and score one batch: its sequences, (B,) scores and the dynamic sampling metrics.
@@ -75,8 +90,9 @@ class Experience:
         G, want = a.group_size, self.cfg.trainer.prompts_per_step // self.dist.world
         parts, part_scores, drawn, rounds, kept = [], [], [], 0, 0
         filler: list[tuple[Sequences, torch.Tensor]] = []  # tied groups, to top up a short batch
+        drill = faults.once("degenerate", step)  # every round of this step, the first time it runs
         while True:
-            seqs, scores = self._generate_round(step)
+            seqs, scores = self._generate_round(step, drill)
             drawn += self.drawn
             rounds += 1
             if not a.dynamic_sampling.enabled:
@@ -103,11 +119,14 @@ class Experience:
         )
         return seqs, scores, sampling
 
-    def _generate_round(self, step: int) -> tuple[Sequences, torch.Tensor]:
-        """One round: draw prompts, generate (seeds differ by prompt index), score, add the overlong penalty."""
+    def _generate_round(self, step: int, drill: str | None = None) -> tuple[Sequences, torch.Tensor]:
+        """One round: draw prompts, generate (seeds differ by prompt index), score, add the overlong
+        penalty. ``drill``: the ``degenerate`` fault drill's token text ("" for "!"), or None."""
         cfg, a = self.cfg, self.cfg.algorithm
         keys, prompts, columns = self.draw_prompts()
         seqs = self.rollout.generate(prompts, keys, step)
+        if drill is not None:
+            seqs = repeated_token(seqs, self.drill_token(drill), cfg.rollout.max_new_tokens)
         scores = self.score(prompts, self.rollout.decode(seqs), columns)
         if a.overlong.enabled:
             lengths = seqs.response_mask.sum(-1)
@@ -130,6 +149,18 @@ class Experience:
         seqs = Sequences.concat(parts, self.pad_id).select(slice(0, want * G))
         return seqs, torch.cat(part_scores)[: want * G]
 
+    def drill_token(self, text: str) -> int:
+        """The id of the ``degenerate`` drill's token: ``text`` ("!" when empty), which must be one token."""
+        tokenizer = self.tokenizer if self.tokenizer is not None else self.rollout.tokenizer
+        text = text or "!"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ConfigError(
+                f"fault drill degenerate (RLCTL_FAULTS or 'faults'): {text!r} is {len(ids)} tokens for this tokenizer, "
+                "not one; name a single token (degenerate@STEP=TOKEN)"
+            )
+        return ids[0]
+
     def draw_prompts(self) -> tuple[list[tuple[int, int]], list[str], dict[str, list]]:
         """Each drawn prompt repeated group_size times, with (prompt index, sample index) keys and the
         dataset's other columns aligned for the reward function."""
@@ -150,6 +181,19 @@ class Experience:
         return torch.as_tensor(scores, dtype=torch.float32)
 
 
+def repeated_token(seqs: Sequences, token: int, length: int) -> Sequences:
+    """The ``degenerate`` fault drill: every response of ``seqs`` replaced by ``token`` repeated
+    ``length`` times (the response budget, no eos), as a collapsed policy writes ``!!!!!!!!``. The
+    rollout engine's log-probs are dropped (None): it never sampled these tokens, so the old
+    log-probs come from the actor's own forward on them (and rollout/logprob_diff is not reported for
+    the step)."""
+    B, P = len(seqs), seqs.prompt_len
+    prompt_ids, prompt_mask = seqs.input_ids[:, :P], seqs.attention_mask[:, :P]
+    responses = torch.full((B, length), token, dtype=prompt_ids.dtype, device=prompt_ids.device)
+    mask = torch.ones((B, length), dtype=prompt_mask.dtype, device=prompt_mask.device)
+    return Sequences(torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, mask], 1), mask, P, None)
+
+
 def batch_metrics(
     seqs: Sequences,
     scores: torch.Tensor,
@@ -161,7 +205,8 @@ def batch_metrics(
     ref: torch.Tensor | None,
     max_new_tokens: int,
 ) -> dict[str, float]:
-    """verl's batch metrics. (B,) scores; (B, T) token rewards, advantages, returns, values."""
+    """verl's batch metrics, and the degeneration signals of the responses (``signals``). (B,) scores;
+    (B, T) token rewards, advantages, returns, values."""
     mask = seqs.response_mask
     lengths = mask.sum(-1).float()
     prompt_lengths = seqs.attention_mask[:, : seqs.prompt_len].sum(-1).float()
@@ -181,6 +226,7 @@ def batch_metrics(
         "response_length/clip_ratio": (lengths >= max_new_tokens).float().mean().item(),
         "prompt_length/mean": prompt_lengths.mean().item(),
         "actor/nonfinite/ref_log_prob": 0.0 if ref is None else algos.count_nonfinite(ref, mask),
+        **degeneration_metrics(seqs.responses, mask),
     }
     if values is not None:
         out["critic/values/mean"] = algos.masked_mean(values, mask).item()

@@ -26,6 +26,7 @@ import orjson
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig
+from rlctl.config.knobs import adjust_knob, get_knob
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
 from rlctl.errors import Halted, SnapshotError, StorageError
@@ -155,23 +156,32 @@ class Recovery:
         )
 
     def adjust(self, verdict) -> None:
-        """Change config knobs as the verdict says; the run's config records them (they persist across
-        resumes) and the engine follows them at once."""
+        """Change knobs as the verdict's adjustments say, in order (``rlctl.config.knobs.adjust_knob``: a
+        scheduled knob's schedule composes them; a value outside the knob's legal domain is held at the
+        nearest legal one, and the event says so). The run's config records them (they persist across
+        rollbacks and resumes) and the engine follows them at once. An adaptive controller's KL
+        coefficient is adjusted from its current value."""
         h = self.host
-        changes = {}
-        for key, op, value in verdict.adjust:
-            section, name = key.split(".")
-            model = getattr(h.cfg, section)
-            before = getattr(model, name)
-            setattr(model, name, value if op == "set" else before * value)
-            changes[key] = {"from": before, "to": getattr(model, name)}
-        if "algorithm.kl_coef" in changes:
-            h.kl_ctrl.value = h.cfg.algorithm.kl_coef
+        changes: dict[str, dict[str, Any]] = {}
+        for adj in verdict.adjust:
+            before = self._knob_now(adj.key)
+            after, note = adjust_knob(h.cfg, adj.key, before, adj.op, adj.value, adj.min, adj.max, h.state.step)
+            if adj.key == "algorithm.kl_coef":
+                h.kl_ctrl.value = after
+            first = changes.get(adj.key, {}).get("from", before)
+            changes[adj.key] = {"from": first, "to": after, **({"held": note} if note else {})}
         h.guard.adjustments.append({"step": verdict.step, "changes": changes})
         if h.dist.is_main:
             h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())
         h.apply_knobs()
         h.emit({"event": "adjust", "step": verdict.step, "changes": changes})
+
+    def _knob_now(self, key: str) -> float | None:
+        """A knob's value now: the config's, or an adaptive controller's current KL coefficient."""
+        h = self.host
+        if key == "algorithm.kl_coef" and h.cfg.algorithm.kl_ctrl.type != "fixed":
+            return h.kl_ctrl.value
+        return get_knob(h.cfg, key)
 
     def rollback(self, verdict) -> None:
         """Restore the snapshot the verdict asks for (halting when there is none), then turn the run away

@@ -20,6 +20,7 @@ from rlctl import faults
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
+from rlctl.config.knobs import follow_schedules, may_exceed
 from rlctl.engine import algos
 from rlctl.engine.actor import METRICS as ACTOR_METRICS
 from rlctl.engine.actor import Actor, sequence_log_probs
@@ -41,7 +42,7 @@ from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.layout import METRICS
+from rlctl.rundir.layout import CONFIG, METRICS
 from rlctl.storage import Storage
 
 
@@ -95,7 +96,9 @@ class Trainer:
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
         self._build_models()
-        self.experience = Experience(cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist)
+        self.experience = Experience(
+            cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist, tokenizer=self.tokenizer
+        )
         self.validator = (
             Validator(cfg, load_val_rows(cfg.data, cfg.seed, self.data.rows), self.rollout, reward_fn, self.dist)
             if cfg.validates
@@ -124,7 +127,7 @@ class Trainer:
         cfg, fence = self.cfg, self.snapshots.wait_staged if self.snapshots is not None else None
         self.actor = Actor(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
         self.ref = None
-        if cfg.algorithm.kl_coef > 0:
+        if may_exceed(cfg, "algorithm.kl_coef", 0.0):  # a warm-up from 0: loaded before it rises
             self.ensure_reference()
         self.critic = (
             Critic(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
@@ -142,13 +145,30 @@ class Trainer:
             self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
 
     def apply_knobs(self) -> None:
-        """Make the engine follow the config's knobs (after a restore, a resume --set or a policy's
-        adjust): the config is where adjustments persist, the snapshot may predate them."""
-        self.actor.set_lr(self.cfg.actor.lr)
-        if self.cfg.algorithm.kl_ctrl.type == "fixed":  # an adaptive coefficient is state, restored as is
-            self.kl_ctrl.value = self.cfg.algorithm.kl_coef
+        """Make the engine follow every knob of the config (``rlctl.policies.knobs``) from the next step
+        on (after a restore, a resume --set, a policy's adjust or a schedule): the config is where
+        adjustments persist, the snapshot may predate them. The optimizers' lr, weight decay and
+        gradient clip are set; the KL controllers' coefficient (fixed; an adaptive one's is state,
+        restored as is) and target; the rest (clip ratios, entropy coefficient, value clip range,
+        temperature) are read from the config where they are used."""
+        cfg = self.cfg
+        self.actor.set_knobs(lr=cfg.actor.lr, grad_clip=cfg.actor.grad_clip, weight_decay=cfg.actor.weight_decay)
+        if self.critic is not None:
+            self.critic.set_knobs(lr=cfg.critic.lr, grad_clip=cfg.critic.grad_clip)
+        if cfg.algorithm.kl_ctrl.type == "fixed":
+            self.kl_ctrl.value = cfg.algorithm.kl_coef
+        else:
+            self.kl_ctrl.target_kl = cfg.algorithm.kl_ctrl.target_kl
         if self.kl_ctrl.value > 0:
             self.ensure_reference()
+
+    def follow_schedules(self, step: int) -> None:
+        """Set every scheduled knob to its value at ``step`` and make the engine follow (before the step
+        generates, so that its row shows the values it used); RUN_DIR/config.yaml shows the new values."""
+        if self.cfg.schedules:
+            if follow_schedules(self.cfg, step) and self.dist.is_main:
+                self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())
+            self.apply_knobs()
 
     # -- state ---------------------------------------------------------------------------------------
     def stateful(self) -> dict[str, Any]:
@@ -304,6 +324,7 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
         t: dict[str, float] = {}
+        self.follow_schedules(step)
         with timed(t, "step"):
             with timed(t, "gen"):
                 seqs, scores, sampling = self.experience.rollout_batch(step)

@@ -7,10 +7,12 @@ links there), so a bare name such as ``default`` works from any install.
 """
 
 from rlctl.policies.evaluator import Firing, PolicyEngine, firing_event, is_healthy
+from rlctl.policies.expr import Expression, parse_expression
 from rlctl.policies.loader import load_policies, load_policy_file, validate_policy
-from rlctl.policies.schema import PolicyFile, Rule
+from rlctl.policies.schema import PolicyFile, Rule, rule_metrics
 
 __all__ = [
+    "Expression",
     "Firing",
     "PolicyEngine",
     "PolicyFile",
@@ -19,5 +21,7 @@ __all__ = [
     "is_healthy",
     "load_policies",
     "load_policy_file",
+    "parse_expression",
+    "rule_metrics",
     "validate_policy",
 ]

@@ -7,8 +7,9 @@ other triggers ignore both. ``PolicyEngine`` adds what needs memory: consecutive
 ``warmup``, ``cooldown``, trigger counts and escalation (``max_triggers`` then ``then``), and the
 histories. It is Stateful, so a resumed run keeps its counts and histories.
 
-A row that does not carry a trigger's metric (a validation metric between validations) is not an
-observation: the check answers ``absent``, and the rule's streak neither grows nor breaks.
+A row that does not carry a trigger's metric (a validation metric between validations; for an expression,
+any one of its metrics) is not an observation: the check answers ``absent``, and the rule's streak neither
+grows nor breaks.
 
 Rollbacks: the engine's state is *not* meant to be restored from the snapshot a rollback returns to
 (the trigger counts would reset and ``max_triggers`` could never run out). Keep the live engine and
@@ -27,9 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.errors import ConfigError
+from rlctl.policies.expr import as_number as as_number  # re-exported: rows are read one way everywhere
 from rlctl.policies.schema import (
     Action,
     DropTrigger,
+    ExpressionTrigger,
     HaltAction,
     NonfiniteTrigger,
     Rule,
@@ -43,20 +46,6 @@ from rlctl.stateful import check_version
 STATE_VERSION = 1
 COUNTER_PREFIX = "actor/nonfinite/"  # counts of NaN/Inf in old_log_prob, ref_log_prob, log_prob, loss
 SKIPPED_UPDATES = "actor/skipped_updates"
-
-_NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def as_number(value: Any) -> float | None:
-    """A metric value as a float: ints, floats and the strings "NaN"/"Infinity"/"-Infinity"; None for
-    anything else (bools, other strings, lists, missing)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        return _NONFINITE_STRINGS.get(value)
-    return None
 
 
 def json_number(value: float | None) -> float | str | None:
@@ -178,11 +167,24 @@ def improves(trigger: DropTrigger, value: float, history: Sequence[float]) -> bo
     return value > max(history) if trigger.mode == "max" else value < min(history)
 
 
+def check_expression(
+    trigger: ExpressionTrigger, row: Mapping[str, Any], history: Sequence[float], seen: int
+) -> Observation:
+    """Holds when the expression does. A row without one of its metrics is absent. With a comparison at
+    the top, the observation shows its left side (metric and value) and its right side (limit)."""
+    expression = trigger.parsed
+    reading = expression.evaluate(row)
+    if reading is None:
+        return ABSENT
+    return Observation(reading.held, expression.subject, reading.value, reading.limit)
+
+
 TRIGGER_CHECKS: dict[str, Callable[[Any, Mapping[str, Any], Sequence[float], int], Observation]] = {
     "threshold": check_threshold,
     "nonfinite": check_nonfinite,
     "spike": check_spike,
     "drop": check_drop,
+    "expression": check_expression,
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rlctl.policies.evaluator import Firing, PolicyEngine
 from rlctl.policies.schema import AdjustAction, DropTrigger, HaltAction, RollbackAction, Rule, SkipAction
@@ -21,6 +21,23 @@ from rlctl.stateful import StateMismatchError, check_version
 class PolicyStateError(StateMismatchError):
     """A policy state (RUN_DIR/policy_state.json, or a snapshot's) that this guard cannot load: another
     version, or not the shape it writes. Nothing was changed; the caller may warn and go on."""
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """One change of one knob that a verdict asks for: ``set`` it to ``value``, ``multiply`` it by
+    ``value`` or ``add`` ``value`` to it; then hold the result within ``min`` and ``max`` (where given)."""
+
+    key: str  # a KNOBS key
+    op: Literal["set", "multiply", "add"]
+    value: float
+    min: float | None = None  # bounds applied to the knob's value after the change
+    max: float | None = None
+
+
+def adjustments(action: AdjustAction) -> list[Adjustment]:
+    """The changes one adjust action asks for, each with its bounds: set, then multiply, then add."""
+    return [Adjustment(key, op, value, action.min.get(key), action.max.get(key)) for key, op, value in action.changes()]
 
 
 @dataclass
@@ -35,7 +52,7 @@ class Verdict:
     # with to: best, (metric, mode) of the rule's drop trigger: restore the snapshot whose validation holds
     # the best value of that metric (max: highest, min: lowest), else the last good snapshot
     rollback_best: tuple[str, str] | None = None
-    adjust: list[tuple[str, str, float]] = field(default_factory=list)  # (key, "set"|"multiply", value)
+    adjust: list[Adjustment] = field(default_factory=list)  # in rule order
     skip_offending: bool = False
     skip_batches: int = 0
 
@@ -77,8 +94,7 @@ def merge(step: int, firings: Iterable[Firing]) -> Verdict:
                     verdict.rollback, verdict.rollback_rule = action, firing.rule
                     verdict.rollback_best = firing.drop_metric if action.to == "best" else None
             elif isinstance(action, AdjustAction):
-                verdict.adjust += [(k, "set", v) for k, v in action.set.items()]
-                verdict.adjust += [(k, "multiply", v) for k, v in action.multiply.items()]
+                verdict.adjust += adjustments(action)
             elif isinstance(action, SkipAction):
                 verdict.skip_offending |= action.offending
                 verdict.skip_batches += action.batches

@@ -2,7 +2,8 @@
 
 Every mistake is one ConfigError sentence naming the file, the YAML line and the dotted key (list items
 by index: ``rules.0.trigger.metric``), with a "did you mean" for a typo: an unknown key, an unknown
-``kind`` or ``type``, an unknown adjustable setting, a misspelt choice. Never a traceback.
+``kind`` or ``type``, an unknown knob, a misspelt choice; a malformed ``when`` expression adds its column
+and a caret line under the spot. Never a traceback.
 
 The sentences are ``rlctl.yamlsrc.explain``'s, the same as the run config's. A bare name (``default``)
 picks a ready-made policy shipped in the package (``rlctl/policies/ready/``).

@@ -1,11 +1,12 @@
 """The rollback-policy schema: strict pydantic models, each field described, each able to say what it
 does in plain words.
 
-A policy file holds ``rules``; a rule is a *trigger* (threshold, nonfinite, spike or drop, told apart
-by ``kind``), how long it must hold (``sustained``), when it is armed (``warmup``), the *actions* to take
-(rollback, adjust, skip, halt, warn, told apart by ``type``) and the limits that keep a run from looping
-forever (``max_triggers`` then ``then``, ``cooldown``). ``when: "actor/ppo_kl > 0.05"`` on a rule is sugar
-for a threshold trigger.
+A policy file holds ``rules``; a rule is a *trigger* (threshold, nonfinite, spike, drop or expression,
+told apart by ``kind``), how long it must hold (``sustained``), when it is armed (``warmup``), the
+*actions* to take (rollback, adjust, skip, halt, warn, told apart by ``type``) and the limits that keep
+a run from looping forever (``max_triggers`` then ``then``, ``cooldown``). ``when: "actor/ppo_kl > 0.05"`` on a rule is sugar
+for a threshold trigger; any other ``when`` is an expression over several metrics (``rlctl.policies.expr``).
+``adjust`` changes the knobs of ``rlctl.policies.knobs`` (set, multiply or add, within optional bounds).
 
 Rule names must be unique within a set of rules; the loader and the evaluator check that (across files
 too), because only they know where the rules came from. A run config names its policies by
@@ -15,9 +16,12 @@ too), because only they know where the rules came from. A run config names its p
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, field_validator, model_validator
+
+from rlctl.policies.expr import Binary, Expression, Metric, Negate, Number, parse_expression
+from rlctl.policies.knobs import KNOBS
 
 Mode = Literal["max", "min"]
 
@@ -33,12 +37,15 @@ def _num(value: float) -> str:
     return f"{value:g}"
 
 
+def _fail(message: str) -> NoReturn:
+    """Reject a model in a validator (pydantic turns the ValueError into a located error)."""
+    raise ValueError(message)
+
+
 # --------------------------------------------------------------------------------------------------
 # Triggers
 
 Op = Literal[">", ">=", "<", "<="]
-
-_WHEN = re.compile(r"^\s*(?P<metric>[^\s<>=]+)\s*(?P<op>>=|<=|>|<)\s*(?P<value>\S+)\s*$")
 
 
 class ThresholdTrigger(PolicyModel):
@@ -160,29 +167,68 @@ class DropTrigger(PolicyModel):
         return text
 
 
-Trigger = Annotated[ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger, Field(discriminator="kind")]
+class ExpressionTrigger(PolicyModel):
+    kind: Literal["expression"] = Field(
+        description="Fires when an expression over one or more metrics holds, e.g. "
+        "'actor/reward_kl_penalty / abs(actor/pg_loss) > 0.2'."
+    )
+    expr: str = Field(
+        min_length=1,
+        description="The condition: metrics, numbers, + - * /, abs() min() max(), comparisons (> >= < <= == !=) "
+        "joined by and/or/not. A row without one of its metrics is no observation; a comparison meeting NaN does "
+        "not hold.",
+    )
+
+    @field_validator("expr")
+    @classmethod
+    def _expr_parses(cls, v: str) -> str:
+        parse_expression(v)
+        return v
+
+    @property
+    def parsed(self) -> Expression:
+        """The expression's tree (parsed once per text)."""
+        return parse_expression(self.expr)
+
+    def describe(self) -> str:
+        return self.parsed.describe()
 
 
-def parse_when(text: str) -> ThresholdTrigger:
-    """``"actor/ppo_kl > 0.05"`` -> the threshold trigger it stands for; ValueError when malformed."""
-    match = _WHEN.match(text)
-    if match is None:
-        raise ValueError(f"expected 'METRIC OP NUMBER' such as 'actor/ppo_kl > 0.05', got {text!r}")
-    try:
-        value = float(match["value"])
-    except ValueError:
-        raise ValueError(f"{match['value']!r} is not a number in {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"the threshold must be a finite number, got {match['value']!r}")
-    return ThresholdTrigger(kind="threshold", metric=match["metric"], op=match["op"], value=value)
+Trigger = Annotated[
+    ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger | ExpressionTrigger, Field(discriminator="kind")
+]
+AnyTrigger = ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger | ExpressionTrigger
+
+
+def parse_when(text: str) -> ThresholdTrigger | ExpressionTrigger:
+    """A rule's ``when``: exactly ``METRIC OP NUMBER`` (``"actor/ppo_kl > 0.05"``) is the threshold trigger it
+    stands for, anything else an expression trigger; ValueError (with the column) when malformed."""
+    root = parse_expression(text).root
+    if isinstance(root, Binary) and root.op in get_args(Op):
+        limit = root.right
+        sign = -1.0 if isinstance(limit, Negate) else 1.0
+        limit = limit.operand if isinstance(limit, Negate) else limit
+        if isinstance(root.left, Metric) and isinstance(limit, Number):
+            return ThresholdTrigger(kind="threshold", metric=root.left.name, op=root.op, value=sign * limit.value)
+    return ExpressionTrigger(kind="expression", expr=text)
+
+
+def trigger_metrics(trigger: AnyTrigger) -> list[str]:
+    """The metric names a trigger reads; for a nonfinite trigger, its glob patterns."""
+    if isinstance(trigger, NonfiniteTrigger):
+        return list(trigger.metrics)
+    if isinstance(trigger, ExpressionTrigger):
+        return trigger.parsed.metrics()
+    return [trigger.metric]
 
 
 # --------------------------------------------------------------------------------------------------
 # Actions
 
-AdjustKey = Literal[
-    "actor.lr", "algorithm.kl_coef", "algorithm.clip_ratio", "algorithm.entropy_coef", "rollout.temperature"
-]
+AdjustKey = Literal[tuple(KNOBS)]  # type: ignore[valid-type]  # the knobs, in their documented order
+NonNegative = Annotated[FiniteFloat, Field(ge=0)]
+Positive = Annotated[FiniteFloat, Field(gt=0)]
+AdjustOp = Literal["set", "multiply", "add"]
 
 
 class RollbackAction(PolicyModel):
@@ -218,27 +264,78 @@ class RollbackAction(PolicyModel):
 
 
 class AdjustAction(PolicyModel):
-    type: Literal["adjust"] = Field(description="Change hyperparameters of the run from now on.")
-    set: dict[AdjustKey, PositiveFloat] = Field(
-        default_factory=dict, description="Settings to replace, e.g. {actor.lr: 1.0e-7}."
+    type: Literal["adjust"] = Field(
+        description="Change knobs of the run from now on (rlctl.policies.knobs: the settings safe to change mid-run)."
     )
-    multiply: dict[AdjustKey, PositiveFloat] = Field(
-        default_factory=dict, description="Settings to scale, e.g. {actor.lr: 0.5} halves the learning rate."
+    set: dict[AdjustKey, NonNegative] = Field(
+        default_factory=dict, description="Knobs to replace, e.g. {actor.lr: 1.0e-7}; 0 is allowed (kl_coef: 0)."
+    )
+    multiply: dict[AdjustKey, Positive] = Field(
+        default_factory=dict, description="Knobs to scale, e.g. {actor.lr: 0.5} halves the learning rate."
+    )
+    add: dict[AdjustKey, FiniteFloat] = Field(
+        default_factory=dict,
+        description="Amounts to add to knobs (negative to subtract), e.g. {algorithm.kl_ctrl.target_kl: -0.005}.",
+    )
+    min: dict[AdjustKey, FiniteFloat] = Field(
+        default_factory=dict,
+        description="Lower bounds of knobs this action changes: after the change the knob is at least this, "
+        "so repeated firings cannot run it away.",
+    )
+    max: dict[AdjustKey, FiniteFloat] = Field(
+        default_factory=dict, description="Upper bounds of knobs this action changes: after the change, at most this."
     )
 
+    def changes(self) -> list[tuple[str, AdjustOp, float]]:
+        """(knob, op, value) of each change, in the order set, multiply, add."""
+        ops: list[tuple[AdjustOp, dict[str, float]]] = [
+            ("set", self.set),
+            ("multiply", self.multiply),
+            ("add", self.add),
+        ]
+        return [(key, op, value) for op, values in ops for key, value in values.items()]
+
     @model_validator(mode="after")
-    def _changes_something(self) -> AdjustAction:
-        if not self.set and not self.multiply:
-            raise ValueError("adjust needs 'set' or 'multiply' with at least one setting")
-        both = sorted(self.set.keys() & self.multiply.keys())
-        if both:
-            raise ValueError(f"{', '.join(both)} is both set and multiplied; choose one")
+    def _changes_fit(self) -> AdjustAction:
+        changes = self.changes()
+        if not changes:
+            _fail("adjust needs 'set', 'multiply' or 'add' with at least one knob")
+        ops: dict[str, list[str]] = {}
+        for key, op, _ in changes:
+            ops.setdefault(key, []).append(op)
+        for key, used in ops.items():
+            if len(used) > 1:
+                _fail(f"{key} is in both '{used[0]}' and '{used[1]}'; give each knob one change")
+        for bound in ("min", "max"):
+            for key in getattr(self, bound):
+                if key not in ops:
+                    _fail(f"'{bound}' names {key}, which this action does not change; bound only knobs it changes")
+        for key, lo in self.min.items():
+            if key in self.max and lo > self.max[key]:
+                _fail(f"the bounds of {key} are empty: min {_num(lo)} is above max {_num(self.max[key])}")
+        for key, value in self.set.items():
+            if not self.min.get(key, value) <= value <= self.max.get(key, value):
+                _fail(f"set {key} to {_num(value)} lies outside its own bounds")
         return self
 
     def describe(self) -> str:
-        parts = [f"set {k} to {_num(v)}" for k, v in self.set.items()]
-        parts += [f"multiply {k} by {_num(v)}" for k, v in self.multiply.items()]
+        words = {"set": "set {k} to {v}", "multiply": "multiply {k} by {v}", "add": "add {v} to {k}"}
+        parts = []
+        for key, op, value in self.changes():
+            if op == "add" and value < 0:
+                text = f"subtract {_num(-value)} from {key}"
+            else:
+                text = words[op].format(k=key, v=_num(value))
+            parts.append(text + self._bounds(key))
         return ", ".join(parts)
+
+    def _bounds(self, key: str) -> str:
+        lo, hi = self.min.get(key), self.max.get(key)
+        if lo is not None and hi is not None:
+            return f" (between {_num(lo)} and {_num(hi)})"
+        if lo is not None:
+            return f" (at least {_num(lo)})"
+        return f" (at most {_num(hi)})" if hi is not None else ""
 
 
 class SkipAction(PolicyModel):
@@ -288,10 +385,13 @@ class Rule(PolicyModel):
     name: str = Field(description="Unique name of the rule, used in events and messages (letters, digits, - _ .).")
     description: str = Field("", description="What the rule is for, in plain words.")
     trigger: Trigger | None = Field(
-        None, description="What fires the rule: a threshold, nonfinite, spike or drop trigger, chosen by `kind`."
+        None,
+        description="What fires the rule: a threshold, nonfinite, spike, drop or expression trigger, chosen by `kind`.",
     )
     when: str | None = Field(
-        None, description='Shorthand for a threshold trigger, e.g. "actor/ppo_kl > 0.05" (instead of `trigger`).'
+        None,
+        description='Instead of `trigger`: "METRIC OP NUMBER" (a threshold trigger, e.g. "actor/ppo_kl > 0.05") or '
+        'any expression (e.g. "actor/entropy < 0.05 and response/degenerate_frac > 0.5").',
     )
     sustained: int = Field(
         1,
@@ -346,7 +446,9 @@ class Rule(PolicyModel):
         if self.when is not None:
             self.trigger = parse_when(self.when)
         if self.trigger is None:
-            raise ValueError("needs a 'trigger' (kind: threshold, nonfinite, spike or drop) or a 'when' expression")
+            raise ValueError(
+                "needs a 'trigger' (kind: threshold, nonfinite, spike, drop or expression) or a 'when' expression"
+            )
         return self
 
     @model_validator(mode="after")
@@ -360,7 +462,7 @@ class Rule(PolicyModel):
         return self
 
     @property
-    def resolved_trigger(self) -> ThresholdTrigger | NonfiniteTrigger | SpikeTrigger | DropTrigger:
+    def resolved_trigger(self) -> AnyTrigger:
         """The trigger, whether written as `trigger` or as `when` (validation guarantees one)."""
         assert self.trigger is not None
         return self.trigger
@@ -411,6 +513,7 @@ TRIGGER_KINDS: dict[str, type[PolicyModel]] = {
     "nonfinite": NonfiniteTrigger,
     "spike": SpikeTrigger,
     "drop": DropTrigger,
+    "expression": ExpressionTrigger,
 }
 ACTION_TYPES: dict[str, type[PolicyModel]] = {
     "rollback": RollbackAction,
@@ -420,3 +523,8 @@ ACTION_TYPES: dict[str, type[PolicyModel]] = {
     "warn": WarnAction,
 }
 ALL_MODELS: tuple[type[PolicyModel], ...] = (PolicyFile, Rule, *TRIGGER_KINDS.values(), *ACTION_TYPES.values())
+
+
+def rule_metrics(rule: Rule) -> list[str]:
+    """The metric names a rule's trigger reads (for a nonfinite trigger, its glob patterns), in order."""
+    return trigger_metrics(rule.resolved_trigger)

@@ -1,34 +1,19 @@
-"""What ``rlctl resume --set`` may change (knobs of the optimisation, not the identity of the run),
-and applying such changes to a run's config."""
+"""What ``rlctl resume --set`` may change (``rlctl.policies.knobs.SAFE_ON_RESUME``: the knobs and a few
+settings of the process, not the identity of the run), and applying such changes to a run's config.
+
+A knob set to a number replaces its schedule, if it had one; set to ``{schedule: [...]}`` it gets one."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rlctl.config import RunConfig, check_policies_fit, parse_set, validate_config
+from rlctl.config.knobs import get_knob
 from rlctl.errors import ConfigError
 from rlctl.policies import load_policies
+from rlctl.policies.knobs import SAFE_ON_RESUME
 
-SAFE_ON_RESUME = frozenset(
-    {
-        "trainer.total_steps",
-        "trainer.num_threads",
-        "trainer.lease_timeout",
-        "trainer.lease_heartbeat",
-        "actor.lr",
-        "actor.grad_clip",
-        "algorithm.kl_coef",
-        "algorithm.clip_ratio",
-        "rollout.temperature",
-        "rollout.max_new_tokens",
-        "checkpoint.every",
-        "checkpoint.keep_last",
-        "checkpoint.keep_every",
-        "checkpoint.asynchronous",
-        "checkpoint.staging_dir",
-        "cluster.address",
-    }
-)
+__all__ = ["SAFE_ON_RESUME", "apply_resume_overrides"]
 
 
 def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, Any]]:
@@ -50,11 +35,13 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
             node = node[part]
         changes[dotted] = {"from": node.get(key[-1]), "to": value}
         node[key[-1]] = value
+        if not isinstance(value, dict):  # a number replaces the knob's schedule
+            data.get("schedules", {}).pop(dotted, None)
         origins[key] = f"--set {item}"
     new = validate_config(data, origins)
     for dotted, change in changes.items():  # record typed values
-        section, name = dotted.split(".")
-        change["to"] = getattr(getattr(new, section), name)
+        sched = new.schedules.get(dotted)
+        change["to"] = sched.model_dump(mode="json") if isinstance(change["to"], dict) else get_knob(new, dotted)
     if new.policies:  # e.g. checkpoint.every=0 under a policy that rolls back
         check_policies_fit(new, load_policies(new.policies))
     return new, changes

@@ -17,6 +17,8 @@ from rlctl.errors import ConfigError
 from rlctl.policies import PolicyEngine, firing_event, is_healthy, load_policies, load_policy_file, validate_policy
 from rlctl.policies.schema import ALL_MODELS, PolicyFile
 
+from helpers import run_cli
+
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
 
@@ -114,13 +116,13 @@ BAD_FILES = [
     (
         "unknown trigger kind",
         RULE + "    trigger: {kind: treshold, metric: x}\n    actions: [{type: warn}]\n",
-        "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike, drop); "
-        "did you mean 'threshold'?",
+        "'rules.0.trigger.kind' (bad.yaml line 3): unknown kind 'treshold' (one of threshold, nonfinite, spike, drop, "
+        "expression); did you mean 'threshold'?",
     ),
     (
         "missing trigger kind",
         RULE + "    trigger: {metric: x}\n    actions: [{type: warn}]\n",
-        "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike, drop)",
+        "'rules.0.trigger' (bad.yaml line 3): needs 'kind' (one of threshold, nonfinite, spike, drop, expression)",
     ),
     (
         "unknown action type",
@@ -143,13 +145,60 @@ BAD_FILES = [
         "unknown adjust key",
         RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        multiply:\n          actor.lrr: 0.5\n",
         "'rules.0.actions.0.multiply' (bad.yaml line 7): unknown setting 'actor.lrr' (one of actor.lr, "
-        "algorithm.kl_coef, algorithm.clip_ratio, algorithm.entropy_coef, rollout.temperature); "
-        "did you mean 'actor.lr'?",
+        "actor.grad_clip, actor.weight_decay, critic.lr, critic.grad_clip, critic.cliprange_value, algorithm.kl_coef, "
+        "algorithm.kl_ctrl.target_kl, algorithm.clip_ratio, algorithm.clip_ratio_low, algorithm.clip_ratio_high, "
+        "algorithm.clip_ratio_c, algorithm.entropy_coef, rollout.temperature); did you mean 'actor.lr'?",
     ),
     (
-        "adjust by a negative factor",
+        "adjust set to a negative value",
         RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        set: {actor.lr: -1}\n",
-        "'rules.0.actions.0.set.actor.lr' (bad.yaml line 6): input should be greater than 0 (got -1)",
+        "'rules.0.actions.0.set.actor.lr' (bad.yaml line 6): input should be greater than or equal to 0 (got -1)",
+    ),
+    (
+        "adjust by a zero factor",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        multiply: {actor.lr: 0}\n",
+        "'rules.0.actions.0.multiply.actor.lr' (bad.yaml line 6): input should be greater than 0 (got 0)",
+    ),
+    (
+        "adjust adds a non-finite amount",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        add: {actor.lr: .inf}\n",
+        "'rules.0.actions.0.add.actor.lr' (bad.yaml line 6): input should be a finite number (got inf)",
+    ),
+    (
+        "adjust bounds a knob it does not change",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        add: {algorithm.kl_coef: 0.01}\n"
+        "        max: {actor.lr: 1}\n",
+        "'rules.0.actions.0' (bad.yaml line 5): 'max' names actor.lr, which this action does not change; bound only "
+        "knobs it changes.",
+    ),
+    (
+        "adjust with an empty range",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        add: {algorithm.kl_coef: 0.01}\n"
+        "        min: {algorithm.kl_coef: 0.2}\n        max: {algorithm.kl_coef: 0.1}\n",
+        "'rules.0.actions.0' (bad.yaml line 5): the bounds of algorithm.kl_coef are empty: min 0.2 is above max 0.1.",
+    ),
+    (
+        "adjust changes one knob twice",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        set: {actor.lr: 1e-6}\n"
+        "        add: {actor.lr: 1e-7}\n",
+        "'rules.0.actions.0' (bad.yaml line 5): actor.lr is in both 'set' and 'add'; give each knob one change.",
+    ),
+    (
+        "adjust sets a knob outside its own bounds",
+        RULE + "    when: x > 1\n    actions:\n      - type: adjust\n        set: {algorithm.kl_coef: 0.5}\n"
+        "        max: {algorithm.kl_coef: 0.1}\n",
+        "'rules.0.actions.0' (bad.yaml line 5): set algorithm.kl_coef to 0.5 lies outside its own bounds.",
+    ),
+    (
+        "malformed when expression",
+        RULE + "    when: actor/kl / abs(actor/pg_loss) > (0.2 +)\n    actions: [{type: warn}]\n",
+        "'rules.0.when' (bad.yaml line 3): at column 39: expected a number, a metric or '(' but found ')'\n"
+        "    actor/kl / abs(actor/pg_loss) > (0.2 +)\n" + " " * (4 + 38) + "^ here.",
+    ),
+    (
+        "expression trigger that does not compare",
+        RULE + "    trigger: {kind: expression, expr: a + b}\n    actions: [{type: warn}]\n",
+        "'rules.0.trigger.expr' (bad.yaml line 3): at column 1: a 'when' expression must compare",
     ),
     (
         "spike with sigma and factor",
@@ -197,8 +246,7 @@ BAD_FILES = [
     (
         "bad when expression",
         RULE + "    when: actor/ppo_kl >> 0.1\n    actions: [{type: warn}]\n",
-        "'rules.0.when' (bad.yaml line 3): expected 'METRIC OP NUMBER' such as 'actor/ppo_kl > 0.05', "
-        "got 'actor/ppo_kl >> 0.1'",
+        "'rules.0.when' (bad.yaml line 3): at column 15: expected a number, a metric or '(' but found '>'",
     ),
     (
         "when and trigger both",
@@ -295,8 +343,8 @@ def test_inline_policy_errors_name_the_source():
             {"rules": [{"name": "r", "when": "x > 1", "actions": [{"type": "adjust"}]}]}, source="run.yaml policies.0"
         )
     assert err.value.message == (
-        "invalid policy run.yaml policies.0: 'rules.0.actions.0': adjust needs 'set' or 'multiply' with at least "
-        "one setting."
+        "invalid policy run.yaml policies.0: 'rules.0.actions.0': adjust needs 'set', 'multiply' or 'add' with at "
+        "least one knob."
     )
     with pytest.raises(ConfigError, match="must be a mapping of keys to values, got str"):
         validate_policy("policies/default.yaml")
@@ -601,17 +649,13 @@ def test_policy_check_explains_in_plain_words():
     result = CliRunner().invoke(policy, ["check", "policies/default.yaml"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].startswith("policies/default.yaml: valid, 4 rules. Roll back on NaN/Inf")
+    default = load_policy_file("policies/default.yaml")
+    assert lines[0] == f"policies/default.yaml: valid, {len(default.rules)} rules. {default.description}"
     assert (
         "  rule kl-drift: when actor/ppo_kl > 0.1 for 2 consecutive steps: roll back to the last good snapshot, "
         "multiply actor.lr by 0.5; at most 3 times, then halt; cooldown 10 steps." in lines
     )
-    assert (
-        "  rule grad-spike: when actor/grad_norm rises above mean + 6 std of its last 128 finite values, once 16 "
-        "are known (armed after step 20): roll back to the last good snapshot, skip the offending step's prompts "
-        "and the next batch; at most 5 times, then halt; cooldown 5 steps." in lines
-    )
-    assert sum(line.startswith("  rule ") for line in lines) == 4
+    assert [line for line in lines if line.startswith("  rule ")] == [f"  {r.describe()}" for r in default.rules]
 
 
 def test_policy_check_several_files_and_json():
@@ -643,6 +687,31 @@ def test_policy_check_bad_file_raises_the_config_error(tmp_path):
     assert result.output == ""
 
 
+def test_policy_check_cli_on_expressions_and_bounded_adjust(tmp_path):
+    """The real entry point: a malformed expression is exit 3 with the file, line, key and column (no
+    traceback); a good one is read back in plain words."""
+    bad = write(tmp_path, RULE + '    when: "actor/kl / abs(actor/pg_loss) > (0.2 +)"\n    actions: [{type: warn}]\n')
+    result = run_cli("policy", "check", str(bad))
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert (
+        f"invalid policy file {bad}: 'rules.0.when' (bad.yaml line 3): at column 39: expected a number, a metric or "
+        "'(' but found ')'\n    actor/kl / abs(actor/pg_loss) > (0.2 +)\n" + " " * 42 + "^ here." in result.stderr
+    )
+    good = write(
+        tmp_path,
+        RULE + '    when: "actor/kl / abs(actor/pg_loss) > 0.2"\n    sustained: 2\n    actions:\n'
+        "      - type: adjust\n        add: {algorithm.kl_coef: 0.01}\n        max: {algorithm.kl_coef: 0.1}\n",
+        name="good.yaml",
+    )
+    result = run_cli("policy", "check", str(good))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "  rule r: when actor/kl / abs(actor/pg_loss) > 0.2 for 2 consecutive steps: add 0.01 to algorithm.kl_coef "
+        "(at most 0.1)." in result.stdout.splitlines()
+    )
+
+
 def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypatch):
     """`policies: [default]` in a run config outside the repository (and `rlctl policy check default`)
     find policies/default.yaml; a file of that name next to the config still wins; a typo is a
@@ -657,7 +726,8 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
         assert load_config(str(tmp_path / "run.yaml"), []).policies == [shipped[stem]]
     (tmp_path / "run.yaml").write_text("policies: [default]\n")
     result = CliRunner().invoke(policy, ["check", "default"])
-    assert result.exit_code == 0 and result.output.startswith("default: valid, 4 rules."), result.output
+    rules = len(shipped["default"]["rules"])
+    assert result.exit_code == 0 and result.output.startswith(f"default: valid, {rules} rules."), result.output
 
     (tmp_path / "default.yaml").write_text(RULE + "    when: x > 1\n    actions: [{type: warn}]\n")
     (tmp_path / "run.yaml").write_text("policies: [default.yaml]\n")  # a file by that name: the file
@@ -667,7 +737,7 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
     with pytest.raises(
         ConfigError,
         match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
-        r"conservative, default, val-drop, warn-only \(did you mean 'default'\?\)",
+        r"conservative, default, degeneration, val-drop, warn-only \(did you mean 'default'\?\)",
     ):
         load_config(str(tmp_path / "run.yaml"), [])
 

@@ -80,6 +80,36 @@ def test_policy_loss_by_hand():
     assert ppo_kl.item() == pytest.approx((-0.5 + 0.5 + 0.0) / 3, abs=1e-7)
 
 
+def test_policy_loss_ratio_max_is_before_clamp_and_clip_and_ignores_padding():
+    # real tokens: log-ratios 0.5, -0.5, 25 (ratio e^25 = 7.2e10: beyond the loss's clamp at e^20 and any
+    # clip); padding has e^30, which must not count
+    lp = torch.tensor([[0.5, -0.5], [25.0, 30.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.ones(2, 2)
+    out = algos.compute_policy_loss(lp, torch.zeros(2, 2), adv, mask, clip_low=0.2, clip_high=0.2)
+    assert out.ratio_max.item() == pytest.approx(math.exp(25.0), rel=1e-6)
+    on = algos.compute_policy_loss(lp, lp.detach(), adv, mask, clip_low=0.2, clip_high=0.2, level="sequence")
+    assert on.ratio_max.item() == 1.0  # on-policy, at either level: exactly 1
+    nan = algos.compute_policy_loss(
+        torch.tensor([[0.0, math.nan]]),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        clip_low=0.2,
+        clip_high=0.2,
+    )
+    assert math.isnan(nan.ratio_max.item())
+
+
+def test_masked_max_and_min_ignore_padding_but_propagate_nan():
+    x = torch.tensor([[1.0, -4.0, 9.0], [2.0, math.nan, -7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert algos.core.masked_max(x, mask).item() == 2.0
+    assert algos.core.masked_min(x, mask).item() == -4.0
+    mask[1, 1] = 1
+    assert math.isnan(algos.core.masked_max(x, mask).item()) and math.isnan(algos.core.masked_min(x, mask).item())
+
+
 def test_policy_loss_negative_advantage_clips_low():
     # ratio 0.5 with adv -1: unclipped 0.5, clipped -(-1)*0.8 = 0.8 -> loss 0.8, clipped
     lp = torch.tensor([[math.log(0.5)]])

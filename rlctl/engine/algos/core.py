@@ -19,6 +19,18 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / keep.sum().clamp(min=1).to(total.dtype)
 
 
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-dim max of ``x`` over positions where ``mask`` is 1 (-inf when there is none). A NaN at a
+    masked-in position makes it NaN; padding never leaks in."""
+    return torch.where(mask.bool(), x, torch.full_like(x, float("-inf"))).max()
+
+
+def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-dim min of ``x`` over positions where ``mask`` is 1 (+inf when there is none). A NaN at a
+    masked-in position makes it NaN; padding never leaks in."""
+    return torch.where(mask.bool(), x, torch.full_like(x, float("inf"))).min()
+
+
 def count_nonfinite(x: torch.Tensor, mask: torch.Tensor) -> float:
     """Number of NaN/Inf values of ``x`` at masked-in positions (padding is not counted)."""
     return float((~torch.isfinite(x) & mask.bool()).sum().item())
@@ -278,12 +290,16 @@ class PolicyLoss:
     ppo_kl: masked mean of log pi_old - log pi (token log-ratios, clamped at the token level).
     pg_clipfrac_lower: fraction of real tokens (all of them, as verl) that have A < 0 and where the dual
         clip was active; 0 without dual clip and for GSPO.
+    ratio_max: the largest per-token importance ratio exp(log pi - log pi_old) over real tokens, before
+        any clamp or clip (fp64, so it reads 5e8 where that is the truth; inf past ~1e308; 0 with no real
+        token; NaN when a log-prob is NaN). Exactly 1.0 on-policy, where log pi_old is log pi detached.
     """
 
     pg_loss: torch.Tensor
     pg_clipfrac: torch.Tensor
     ppo_kl: torch.Tensor
     pg_clipfrac_lower: torch.Tensor
+    ratio_max: torch.Tensor
 
 
 def compute_policy_loss(
@@ -316,6 +332,7 @@ def compute_policy_loss(
     # Padding is zeroed up front, so it cannot reach the loss nor send a NaN gradient (0 * NaN) back.
     log_prob, old_log_prob, advantages = (_real(x, keep) for x in (log_prob, old_log_prob, advantages))
     log_ratio = log_prob - old_log_prob
+    ratio_max = masked_max(log_ratio.detach(), keep).double().exp()
     if level == "token":
         if clip_c is not None and clip_c <= 1.0:
             raise ValueError(f"the dual-clip bound clip_c must be > 1, got {clip_c}")
@@ -342,6 +359,7 @@ def compute_policy_loss(
         pg_clipfrac=pg_clipfrac.detach(),
         ppo_kl=masked_mean(-log_ratio, mask).detach(),
         pg_clipfrac_lower=pg_clipfrac_lower.detach(),
+        ratio_max=ratio_max,
     )
 
 

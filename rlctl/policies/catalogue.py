@@ -1,0 +1,151 @@
+"""The catalogue of the metric keys rlctl writes into a run's rows, each with a one-line meaning.
+
+A rule that reads a metric no run writes can never fire; ``rlctl policy check`` warns about such names
+with a "did you mean" from this list. Keys are exact (``actor/ppo_kl``) or patterns whose ``<part>``
+stands for one path segment chosen by the run (``val/<data_source>/score/mean``, ``timing_s/<phase>``).
+Pure data and string matching: adding a metric to the engine means adding it here
+(tests/unit/test_catalogue.py fails until then).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from functools import cache
+
+from rlctl.policies.schema import Rule, rule_metrics
+from rlctl.yamlsrc import closest
+
+METRICS: dict[str, str] = {
+    # the actor's update
+    "actor/pg_loss": "policy-gradient loss of the actor's update",
+    "actor/kl_loss": "KL to the reference model as a loss term (algorithm.use_kl_loss)",
+    "actor/ppo_kl": "mean KL between the rollout-time (old) policy and the updated actor",
+    "actor/pg_clipfrac": "share of response tokens whose ratio was clipped",
+    "actor/pg_clipfrac_lower": "share of tokens clipped by the dual-clip lower bound",
+    "actor/entropy": "mean entropy of the actor's token distributions over the responses",
+    "actor/grad_norm": "the actor's gradient norm before clipping",
+    "actor/lr": "the actor's learning rate at this step",
+    "actor/kl_coef": "the KL coefficient used at this step (fixed, scheduled or adaptive)",
+    "actor/reward_kl_penalty": "the KL penalty folded into the reward (algorithm.kl_in_reward)",
+    "actor/nonfinite/log_prob": "count of NaN/Inf log-probs of the actor's update",
+    "actor/nonfinite/loss": "count of NaN/Inf losses of the actor's update",
+    "actor/nonfinite/old_log_prob": "count of NaN/Inf old (rollout-time) log-probs",
+    "actor/nonfinite/ref_log_prob": "count of NaN/Inf reference-model log-probs",
+    "actor/skipped_updates": "updates skipped because their loss or gradient was not finite",
+    "actor/ppo_ratio/max": "largest importance ratio of any response token of the step, before clipping",
+    "actor/log_prob/min": "smallest log-prob of a sampled response token under the actor",
+    # the rollout and its scores
+    "rollout/logprob_diff": "mean gap between the rollout engine's and the actor's log-probs",
+    "critic/score/mean": "mean reward-function score of the step's responses",
+    "critic/score/max": "highest score of the step's responses",
+    "critic/score/min": "lowest score of the step's responses",
+    "critic/rewards/mean": "mean total token reward per response (score less any KL penalty)",
+    "critic/advantages/mean": "mean advantage over response tokens",
+    "critic/advantages/max": "largest advantage of a response token",
+    "critic/advantages/min": "smallest advantage of a response token",
+    "critic/returns/mean": "mean return over response tokens",
+    "critic/values/mean": "mean value-model estimate over response tokens (with a critic)",
+    "critic/vf_loss": "the value model's loss (with a critic)",
+    "critic/vf_clipfrac": "share of value predictions clipped (with a critic)",
+    "critic/grad_norm": "the value model's gradient norm (with a critic)",
+    "critic/lr": "the value model's learning rate (with a critic)",
+    "response_length/mean": "mean response length in tokens",
+    "response_length/max": "longest response of the step, in tokens",
+    "response_length/min": "shortest response of the step, in tokens",
+    "response_length/clip_ratio": "share of responses cut at rollout.max_new_tokens",
+    "prompt_length/mean": "mean prompt length in tokens",
+    "response/repetition/mean": "mean over responses of the share of a response's most frequent token",
+    "response/repetition/max": "largest share of one token in any response of the step",
+    "response/longest_run/mean": "mean over responses of its longest run of one repeated token, as a share of it",
+    "response/longest_run/max": "longest run of one repeated token in any response, as a share of it",
+    "response/degenerate_frac": "share of responses dominated by one token or one short n-gram",
+    "dynamic_sampling/rounds": "generation rounds dynamic sampling needed to fill the batch",
+    "dynamic_sampling/kept_groups": "groups with a score spread that dynamic sampling kept",
+    # throughput
+    "perf/throughput": "tokens per second of the step",
+    "perf/tokens_seen": "tokens trained on so far in the run",
+    # validation (every trainer.val_every steps)
+    "val/score/mean": "mean score of every validation answer",
+    "val/response_length/mean": "mean length of the validation answers",
+}
+
+PATTERNS: dict[str, str] = {
+    "val/score/mean@<n>": "over validation prompts, the mean of each prompt's n answers' mean score",
+    "val/score/best@<n>": "over validation prompts, the mean of each prompt's best score of n answers",
+    "val/<data_source>/score/mean": "mean validation score of the prompts of one data_source",
+    "timing_s/<phase>": "seconds the step spent in a phase (gen, old_log_prob, ref, values, update_actor, ...)",
+}
+
+
+@cache
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    """``val/<data_source>/score/mean`` -> a regex where each ``<part>`` is one non-empty segment."""
+    parts = re.split(r"(<[^<>]+>)", pattern)
+    return re.compile("".join("[^/]+" if p.startswith("<") else re.escape(p) for p in parts) + r"\Z")
+
+
+def _samples() -> list[str]:
+    """Every exact key, and each pattern with its parts named (``timing_s/phase``): what globs match."""
+    return [*METRICS, *(re.sub(r"<([^<>]+)>", r"\1", p) for p in PATTERNS)]
+
+
+def is_glob(name: str) -> bool:
+    """Whether ``name`` is a glob pattern (a nonfinite trigger's ``actor/*``) rather than one key."""
+    return any(c in name for c in "*?[")
+
+
+def known_metric(name: str) -> bool:
+    """Whether rlctl writes ``name`` (a key, or a key matching a pattern); a glob is known when it
+    matches some key rlctl writes."""
+    if is_glob(name):
+        return any(fnmatch.fnmatchcase(sample, name) for sample in _samples())
+    return name in METRICS or any(_pattern_regex(p).match(name) for p in PATTERNS)
+
+
+def meaning(name: str) -> str | None:
+    """The one-line meaning of a key rlctl writes, or None."""
+    if name in METRICS:
+        return METRICS[name]
+    return next((text for p, text in PATTERNS.items() if _pattern_regex(p).match(name)), None)
+
+
+def suggest(name: str, keys: list[str] | None = None) -> str | None:
+    """The key nearest to a misspelt ``name``: among ``keys`` (a run's own) when given, else among the
+    catalogue's keys and patterns; None when nothing is close."""
+    return closest(name, keys if keys is not None else [*METRICS, *PATTERNS])
+
+
+@dataclass(frozen=True)
+class UnknownMetric:
+    """A metric name a rule reads that no run writes (or that the run checked against never wrote)."""
+
+    rule: str
+    metric: str
+    suggestion: str | None  # the nearest key, for a typo
+    catalogued: bool = False  # checked against a run's keys: rlctl does write it (in other runs)
+
+
+def unknown_metrics(rules: Iterable[Rule], keys: Collection[str] | None = None) -> list[UnknownMetric]:
+    """The metric names ``rules`` read (``rule_metrics``) that are not in the catalogue, or, with
+    ``keys`` (a run's own metric keys), not among them; each with a did-you-mean."""
+    pool = sorted(keys) if keys is not None else None
+    out = []
+    for rule in rules:
+        for name in rule_metrics(rule):
+            if _written(name, pool):
+                continue
+            catalogued = pool is not None and known_metric(name)
+            guess = None if is_glob(name) or catalogued else suggest(name, pool)
+            out.append(UnknownMetric(rule.name, name, guess, catalogued))
+    return out
+
+
+def _written(name: str, keys: list[str] | None) -> bool:
+    if keys is None:
+        return known_metric(name)
+    if is_glob(name):
+        return any(fnmatch.fnmatchcase(k, name) for k in keys)
+    return name in keys

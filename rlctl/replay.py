@@ -1,0 +1,193 @@
+"""Trying policies on a recorded run: its whole metric history, replayed through a PolicyEngine that
+acts on nothing, and where each rule would have fired.
+
+The history is what the live run saw: the rows of metrics.jsonl and the abandoned ones
+(metrics.abandoned.jsonl, each tagged by the rollback or resume that turned away from it), in the order
+they were written: by their ``timestamp``, ties by step, then by file order (metrics.jsonl first). Where
+the history goes back to an earlier step (a turn), the engine is set as the live run's was: after a
+rollback, rewound to the step before (its trigger counts kept); after a resume, the snapshot's state or
+the one policy_state.json carried (``Turns``). So replaying a run with the policy it ran under lists the
+firings of its events.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlctl.errors import ConfigError, InputError
+from rlctl.metrics import BadLines, read_rows
+from rlctl.policies import Firing, PolicyEngine, Rule, load_policies
+from rlctl.rundir.directory import read_config_data
+from rlctl.rundir.layout import ABANDONED, CONFIG, METRICS
+from rlctl.storage import Storage
+
+Warn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One metric row as the live run wrote it; ``turned``: the tag of the rollback or resume that
+    turned the run away from it (None for a row of metrics.jsonl)."""
+
+    row: dict[str, Any]
+    turned: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return self.row["step"]
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A firing of the replay, and the tag of the turn that later abandoned its row (None if kept)."""
+
+    firing: Firing
+    turned: dict[str, Any] | None
+
+    def record(self) -> dict[str, Any]:
+        """The firing as events.jsonl would hold it (without ``event``), and ``turned_away``."""
+        event = {k: v for k, v in self.firing.as_event().items() if k != "event"}
+        return {**event, "turned_away": self.turned.get("event") if self.turned else None}
+
+
+# -- the history --------------------------------------------------------------------------------------
+def read_history(url: str, warn: Warn | None = None) -> list[HistoryRow]:
+    """The run's metric rows, kept and abandoned, in the order they were written. A line that cannot
+    be read is skipped and said once per file (through ``warn``); a run without any row is an
+    InputError, a directory that is no run a ConfigError."""
+    run = Storage(url)
+    if not run.exists(CONFIG) and not run.exists(METRICS):
+        raise ConfigError(f"{run.url} is not an rlctl run directory (it has no {CONFIG})")
+    kept_bad, gone_bad = BadLines(run.url_of(METRICS)), BadLines(run.url_of(ABANDONED))
+    kept = read_rows(run, METRICS, kept_bad, require_step=True)
+    gone = read_rows(run, ABANDONED, gone_bad, require_step=True)
+    for bad in (kept_bad, gone_bad):
+        if warn is not None and (text := bad.warning()) is not None:
+            warn(text)
+    if not kept and not gone:
+        raise InputError(f"run {run.url} has no metric rows ({METRICS} is missing or empty): nothing to replay")
+    return order_history(kept, gone)
+
+
+def order_history(kept: Sequence[dict[str, Any]], abandoned: Sequence[dict[str, Any]]) -> list[HistoryRow]:
+    """Rows of metrics.jsonl and of metrics.abandoned.jsonl merged in the order they were written: by
+    ``timestamp`` (a row without one takes its file predecessor's), then step, then file order."""
+    history = [HistoryRow(r) for r in kept]
+    history += [HistoryRow({k: v for k, v in r.items() if k != "abandoned"}, _tag(r)) for r in abandoned]
+    stamps = _stamps(kept) + _stamps(abandoned)
+    order = sorted(range(len(history)), key=lambda i: (stamps[i], history[i].step, i))
+    return [history[i] for i in order]
+
+
+def _tag(row: dict[str, Any]) -> dict[str, Any]:
+    tag = row.get("abandoned")
+    return tag if isinstance(tag, dict) else {"event": "unknown"}
+
+
+def _stamps(rows: Sequence[dict[str, Any]]) -> list[float]:
+    out, last = [], float("-inf")
+    for r in rows:
+        stamp = r.get("timestamp")
+        if isinstance(stamp, (int, float)) and not isinstance(stamp, bool):
+            last = float(stamp)
+        out.append(last)
+    return out
+
+
+# -- the policies -------------------------------------------------------------------------------------
+def policy_rules(url: str, files: Sequence[str | os.PathLike[str]]) -> list[Rule]:
+    """The rules of the policy ``files``, or, when none is named, of the policies the run ran under
+    (its config.yaml holds them inline)."""
+    if files:
+        return load_policies(files)
+    config = read_config_data(Storage(url))
+    specs = config.get("policies")
+    if not specs:
+        raise ConfigError(f"run {url} ran without policies; name the policy to replay with --policy FILE")
+    return load_policies(specs)
+
+
+# -- the replay ---------------------------------------------------------------------------------------
+def replay(history: Iterable[HistoryRow], rules: Sequence[Rule]) -> list[Replayed]:
+    """Every firing of ``rules`` over ``history``, acting on nothing. Where the history goes back to an
+    earlier step, the engine's state is what the live run's was after that turn (``Turns``)."""
+    engine = PolicyEngine(rules)
+    turns = Turns(engine)
+    out: list[Replayed] = []
+    previous: HistoryRow | None = None
+    for item in history:
+        if previous is not None and item.step <= previous.step:
+            turns.turn(item.step - 1, resumed=(previous.turned or {}).get("event") == "resume")
+        firings = engine.evaluate(item.step, item.row)
+        turns.evaluated(item.step, halted=any(a.type == "halt" for f in firings for a in f.actions))
+        out += [Replayed(f, item.turned) for f in firings]
+        previous = item
+    return out
+
+
+class Turns:
+    """The policy state a live run carries across a turn (rlctl.engine.recovery): a rollback rewinds
+    the live state (counts kept) and writes it to policy_state.json as of the step rolled back to, as a
+    halt does as of its step; a resume takes the snapshot's state, or the file's when the file is of the
+    snapshot's step or later (rewound to it). The turn's kind is the tag of the row just before it (the
+    turn abandoned that row)."""
+
+    def __init__(self, engine: PolicyEngine):
+        self.engine = engine
+        self.fresh = engine.state_dict()
+        self.snapshots: dict[int, dict[str, Any]] = {}  # the state after each step of the current path
+        self.persisted: tuple[int, dict[str, Any]] | None = None  # what policy_state.json holds
+
+    def evaluated(self, step: int, halted: bool) -> None:
+        self.snapshots[step] = self.engine.state_dict()
+        if halted:
+            self.persisted = (step, self.snapshots[step])
+
+    def turn(self, step: int, resumed: bool) -> None:
+        """The run went back to ``step``: by a resume from its snapshot, or a rollback."""
+        if resumed and (self.persisted is None or self.persisted[0] < step):
+            self.engine.load_state_dict(self.snapshots.get(step, self.fresh))
+            return
+        if resumed:
+            self.engine.load_state_dict(self.persisted[1])  # type: ignore[index]
+        self.engine.rewind(step)
+        self.persisted = (step, self.engine.state_dict())
+
+
+def firing_counts(replayed: Sequence[Replayed], rules: Sequence[Rule]) -> dict[str, list[int]]:
+    """For each rule, in rule order, the steps where it fired (empty: it never fired)."""
+    steps: dict[str, list[int]] = {r.name: [] for r in rules}
+    for item in replayed:
+        steps[item.firing.rule].append(item.firing.step)
+    return steps
+
+
+def actions_text(firing: Firing) -> str:
+    """What a firing would have done, short: ``rollback+adjust`` or ``halt (escalated)``."""
+    text = "+".join(a.type for a in firing.actions)
+    return f"{text} (escalated)" if firing.escalated else text
+
+
+def footer(steps: dict[str, list[int]]) -> list[str]:
+    """Lines under the table: how often each rule fired and where, then the rules that never did."""
+    lines = [
+        f"{name}: fired {len(at)} time{'s' if len(at) > 1 else ''}, at step{'s' if len(at) > 1 else ''} "
+        + ", ".join(map(str, at))
+        for name, at in steps.items()
+        if at
+    ]
+    never = [name for name, at in steps.items() if not at]
+    if never:
+        lines.append(f"never fired: {', '.join(never)}")
+    return lines
+
+
+NOT_METRICS = frozenset({"step", "timestamp"})
+
+
+def metric_keys(history: Iterable[HistoryRow]) -> set[str]:
+    """Every metric key the run wrote, kept or abandoned (``step`` and ``timestamp`` aside)."""
+    return {k for item in history for k in item.row if k not in NOT_METRICS}

@@ -1,0 +1,93 @@
+"""Knobs on real runs (the installed `rlctl`, real DeepSpeed, the tiny built-in model): a KL warm-up
+schedule shows in `actor/kl_coef` step by step; an expression trigger fires a bounded `add` twice, and the
+knob's value survives a SIGKILL and a resume that re-runs a step bit for bit."""
+
+import json
+import signal
+
+import pytest
+import yaml
+
+from helpers import SMALL, events_of, metrics_of, run_cli, spawn, stable, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def kinds(run_dir, kind):
+    return [e for e in events_of(run_dir) if e["event"] == kind]
+
+
+def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "trainer": {"total_steps": 10},
+                "algorithm": {"kl_coef": {"schedule": [{"until": 0.4, "value": 0.0}, {"value": 0.001}]}},
+                "actor": {
+                    "lr": {
+                        "schedule": [{"until": 1, "value": 1e-3}, {"until": 3, "value": 3e-3}],
+                        "mode": "linear",
+                        "unit": "step",
+                    }
+                },
+            }
+        )
+    )
+    run = tmp_path / "run"
+    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL)
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["actor/kl_coef"] for row in rows] == [0.0] * 4 + [0.001] * 6  # 0 for the first 40%
+    assert [row["actor/lr"] for row in rows] == pytest.approx([1e-3, 2e-3] + [3e-3] * 8, rel=1e-12)
+    # the reference was loaded from the start (the KL is measured while its coefficient is still 0)
+    assert any(row["actor/kl_loss"] > 0 for row in rows[:4])
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["algorithm"]["kl_coef"], saved["actor"]["lr"]) == (0.001, 3e-3)  # the values at the last step
+    assert saved["schedules"]["algorithm.kl_coef"]["schedule"] == [
+        {"until": 0.4, "value": 0.0},
+        {"until": None, "value": 0.001},
+    ]
+
+
+def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_path):
+    rules = [
+        {
+            "name": "kl-up",
+            "when": "actor/ppo_kl * 10 > 1",
+            "actions": [{"type": "adjust", "add": {"algorithm.kl_coef": 0.01}, "max": {"algorithm.kl_coef": 0.015}}],
+        }
+    ]
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        json.dumps({"trainer": {"total_steps": 8}, "checkpoint": {"every": 2}, "policies": [{"rules": rules}]})
+    )
+    run = tmp_path / "run"
+    drills = "metric@2=actor/ppo_kl:5.0,metric@3=actor/ppo_kl:5.0,sleep@5=120"
+    proc = spawn("start", str(cfg), "--run-dir", str(run), *SMALL, faults=drills)
+
+    def after_step_5_with_snapshot_4():
+        rows = (run / "metrics.jsonl").exists() and metrics_of(run)
+        return bool(rows) and rows[-1]["step"] == 5 and any(e["step"] == 4 for e in kinds(run, "snapshot_committed"))
+
+    wait_for(after_step_5_with_snapshot_4, proc)
+    proc.send_signal(signal.SIGKILL)  # after both adjustments; the newest snapshot (step 4) holds them
+    proc.wait()
+    adjusts = [(e["step"], e["changes"]) for e in kinds(run, "adjust")]
+    assert adjusts == [
+        (2, {"algorithm.kl_coef": {"from": 0.0, "to": 0.01}}),
+        (3, {"algorithm.kl_coef": {"from": 0.01, "to": 0.015}}),  # 0.02, held at the action's max
+    ]
+    assert yaml.safe_load((run / "config.yaml").read_text())["algorithm"]["kl_coef"] == 0.015
+    before_kill = stable(metrics_of(run))
+
+    r = run_cli("resume", str(run))
+    assert r.returncode == 0, r.stderr
+    assert "continuing from step 4" in r.stderr
+    rows = metrics_of(run)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert [row["actor/kl_coef"] for row in rows] == [0.0, 0.0, 0.01] + [0.015] * 5
+    assert stable(rows)[:5] == before_kill  # step 5 re-run from the snapshot of step 4: bit for bit
+    abandoned = metrics_of(run, "metrics.abandoned.jsonl")
+    assert [a["step"] for a in abandoned] == [5] and stable(abandoned) == before_kill[4:]
+    assert [f["step"] for f in kinds(run, "policy")] == [2, 3]  # the trigger fired on the drills only
