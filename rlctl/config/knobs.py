@@ -13,8 +13,12 @@ Composition with policy adjustments: a schedule carries ``scale`` (1), ``offset`
 ``max`` (none), and the knob's value at step s is ``clamp(schedule(s) * scale + offset, min, max)``,
 then held in the knob's legal domain. An adjust of a scheduled knob changes those: multiply m ->
 scale *= m and offset *= m; add d -> offset += d; set v -> scale = 0 and offset = v (pinned); its
-min / max tighten the stored bounds. An unscheduled knob's value is changed directly, then held within
-the action's min / max and the legal domain.
+min / max tighten the stored bounds (where they cross, the max wins, as in the clamp). An unscheduled
+knob's value is changed directly, then held within the action's min / max and the legal domain.
+
+A run's knobs (each one's value, and a scheduled one's composition) travel as plain data in the policy
+state (``knob_settings`` / ``apply_knob_settings``): a resume from a snapshot older than an adjustment
+takes the knobs of the snapshot's step, so that the re-run steps fire it again without compounding.
 
 Pure functions of pydantic models: this module does not know the run config's classes (``schema``
 imports it), only how to walk a model by a dotted key.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -49,10 +54,14 @@ class ScheduleEntry(BaseModel):
     until: float | None = Field(
         None,
         ge=0,
+        allow_inf_nan=False,
         description="Progress up to which (inclusive) this entry applies: a fraction of trainer.total_steps "
         "(unit: fraction) or a step (unit: step). Only the last entry may omit it.",
     )
-    value: float = Field(description="The knob's value (step mode), or the value reached at `until` (linear).")
+    value: float = Field(
+        allow_inf_nan=False,
+        description="The knob's value (step mode), or the value reached at `until` (linear).",
+    )
 
 
 class ScheduleConfig(BaseModel):
@@ -69,10 +78,20 @@ class ScheduleConfig(BaseModel):
     unit: Literal["fraction", "step"] = Field(
         "fraction", description="fraction: `until` is a fraction of trainer.total_steps; step: a step number."
     )
-    scale: float = Field(1.0, description="Policy adjustments: the schedule's value is multiplied by this ...")
-    offset: float = Field(0.0, description="... and this is added (multiply scales both; add adds; set pins).")
-    min: float | None = Field(None, description="Policy adjustments: the value never goes below this.")
-    max: float | None = Field(None, description="Policy adjustments: the value never goes above this.")
+    scale: float = Field(
+        1.0, allow_inf_nan=False, description="Policy adjustments: the schedule's value is multiplied by this ..."
+    )
+    offset: float = Field(
+        0.0, allow_inf_nan=False, description="... and this is added (multiply scales both; add adds; set pins)."
+    )
+    min: float | None = Field(
+        None, allow_inf_nan=False, description="Policy adjustments: the value never goes below this."
+    )
+    max: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="Policy adjustments: the value never goes above this (max wins over min).",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> ScheduleConfig:
@@ -129,7 +148,9 @@ class ScheduleConfig(BaseModel):
         return [self.compose(e.value) for e in self.schedule]
 
     def adjusted(self, op: str, value: float, lo: float | None = None, hi: float | None = None) -> ScheduleConfig:
-        """A copy with a policy adjustment composed in (see the module's docstring)."""
+        """A copy with a policy adjustment composed in (see the module's docstring). Bounds only tighten;
+        where the new min lies above the max (or the new max below the min), the max wins, as it does in
+        ``compose``: min is lowered to it, so the stored bounds stay valid (min <= max)."""
         scale, offset = self.scale, self.offset
         if op == "multiply":
             scale, offset = scale * value, offset * value
@@ -139,6 +160,8 @@ class ScheduleConfig(BaseModel):
             scale, offset = 0.0, value
         low = lo if self.min is None else (self.min if lo is None else max(self.min, lo))
         high = hi if self.max is None else (self.max if hi is None else min(self.max, hi))
+        if low is not None and high is not None and low > high:
+            low = high
         return self.model_copy(update={"scale": scale, "offset": offset, "min": low, "max": high})
 
 
@@ -328,3 +351,47 @@ def may_exceed(cfg: Any, key: str, threshold: float) -> bool:
     now = get_knob(cfg, key)
     sched = cfg.schedules.get(key)
     return (now is not None and now > threshold) or (sched is not None and any(v > threshold for v in sched.extremes()))
+
+
+# --------------------------------------------------------------------------------------------------
+# The knobs' settings as plain data (what the policy state carries, so a resume restores them)
+
+COMPOSITION = ("scale", "offset", "min", "max")
+
+
+def knob_settings(cfg: Any) -> dict[str, dict[str, float | None]]:
+    """Every knob of run config ``cfg`` as plain data: ``{key: {"value": v}}``, and for a scheduled knob
+    its composition with policy adjustments as well (``scale``, ``offset``, ``min``, ``max``)."""
+    settings: dict[str, dict[str, float | None]] = {}
+    for key in KNOBS:
+        entry: dict[str, float | None] = {"value": get_knob(cfg, key)}
+        sched = cfg.schedules.get(key)
+        if sched is not None:
+            entry.update({name: getattr(sched, name) for name in COMPOSITION})
+        settings[key] = entry
+    return settings
+
+
+def apply_knob_settings(cfg: Any, settings: dict[str, dict[str, Any]], keep: Collection[str] = ()) -> None:
+    """Set the knobs of run config ``cfg`` as ``settings`` (from ``knob_settings``) say, except those in
+    ``keep`` (a resume's ``--set``) and those the settings do not name; a scheduled knob takes the
+    composition too (its schedule stays the config's). All or nothing: ValueError when a setting does not
+    fit (an unknown key, a value outside the knob's legal domain, bounds that cross), nothing changed."""
+    updates = []
+    for key, entry in settings.items():
+        if key in keep:
+            continue
+        if key not in KNOBS or not isinstance(entry, dict) or "value" not in entry:
+            raise ValueError(f"{key!r} is no knob setting")
+        value, sched = entry["value"], cfg.schedules.get(key)
+        if value is None and knob_field(type(cfg), key).annotation is float:
+            raise ValueError(f"{key} cannot be empty")
+        if value is not None and not domain(type(cfg), key).contains(float(value)):
+            raise ValueError(f"{key} = {value!r} is outside its legal values ({domain(type(cfg), key).describe()})")
+        if sched is not None and all(name in entry for name in COMPOSITION):
+            sched = ScheduleConfig.model_validate({**sched.model_dump(), **{name: entry[name] for name in COMPOSITION}})
+        updates.append((key, value, sched))
+    for key, value, sched in updates:
+        set_knob(cfg, key, value)
+        if sched is not None:
+            cfg.schedules[key] = sched

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rlctl.config.knobs import get_knob, is_float_field, lift_schedules
+from rlctl.config.knobs import domain, get_knob, is_float_field, lift_schedules
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.policies.loader import load_policies, resolve_policy_path
@@ -118,19 +118,36 @@ def check_policies_fit(cfg: RunConfig, rules: list[Rule]) -> None:
 
 
 def check_adjust_fits(cfg: RunConfig, rule: str, action: AdjustAction) -> None:
-    """ConfigError when an adjust action names a knob that is no number field of this run's config, or
-    multiplies / adds to one this run leaves empty (clip_ratio_high following clip_ratio)."""
-    for op, verb in (("set", "adjusts"), ("multiply", "multiplies"), ("add", "adds to")):
+    """ConfigError when an adjust action names a knob that is no number field of this run's config or
+    does nothing in this run (a critic setting without a critic, target_kl without the adaptive
+    controller), multiplies / adds to one this run leaves empty (clip_ratio_high following clip_ratio),
+    or sets it, or bounds it, outside the knob's legal values."""
+    for op, verb in (("set", "sets"), ("multiply", "multiplies"), ("add", "adds to")):
         for key in getattr(action, op, None) or {}:
             if not is_float_field(RunConfig, key):
                 raise ConfigError(
                     f"policy rule '{rule}' adjusts '{key}', which this run does not have "
                     f"(algorithm '{cfg.algorithm.name}' has no such setting yet)"
                 )
+            if (idle := cfg.algorithm.idle_knob(key)) is not None:
+                raise ConfigError(f"policy rule '{rule}' {verb} {key}, but {idle}: it would do nothing")
             if op != "set" and get_knob(cfg, key) is None and key not in cfg.schedules:
                 raise ConfigError(
                     f"policy rule '{rule}' {verb} {key}, which this run leaves empty{_follows(key)}; set it in "
                     "the config or use set"
+                )
+    _check_adjust_values(rule, action)
+
+
+def _check_adjust_values(rule: str, action: AdjustAction) -> None:
+    """ConfigError when an adjust action sets a knob, or bounds it (min / max), outside its legal values."""
+    for op, what in (("set", "sets {key} to"), ("min", "bounds {key} with min"), ("max", "bounds {key} with max")):
+        for key, value in (getattr(action, op, None) or {}).items():
+            legal = domain(RunConfig, key)
+            if not legal.contains(value):
+                raise ConfigError(
+                    f"policy rule '{rule}' {what.format(key=key)} {value:g}, outside {key}'s legal values "
+                    f"({legal.describe()})"
                 )
 
 

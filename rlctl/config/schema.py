@@ -15,7 +15,7 @@ from typing import Any, Literal
 import fsspec
 import yaml
 from fsspec.core import split_protocol
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlctl.config.knobs import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
 from rlctl.engine.algos.registry import (
@@ -268,6 +268,15 @@ class AlgorithmConfig(Strict):
     def clip_high(self) -> float:
         return self.clip_ratio_high if self.clip_ratio_high is not None else self.clip_ratio
 
+    def idle_knob(self, key: str) -> str | None:
+        """Why the knob ``key`` does nothing under this algorithm, in words that end a sentence; None
+        when it acts: a critic setting without a critic, target_kl without the adaptive controller."""
+        if key.startswith("critic.") and self.name != "ppo":
+            return f"algorithm.name is {self.name}, which has no critic (the critic settings apply to ppo)"
+        if key == "algorithm.kl_ctrl.target_kl" and self.kl_ctrl.type != "adaptive":
+            return f"algorithm.kl_ctrl.type is {self.kl_ctrl.type} (target_kl steers the adaptive controller only)"
+        return None
+
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmConfig:
         est = self.estimator
@@ -477,8 +486,12 @@ class RunConfig(Strict):
 
     @field_validator("schedules")
     @classmethod
-    def _schedule_values_legal(cls, v: dict[str, ScheduleConfig]) -> dict[str, ScheduleConfig]:
+    def _schedule_values_legal(cls, v: dict[str, ScheduleConfig], info: ValidationInfo) -> dict[str, ScheduleConfig]:
+        """Every entry's value is legal for its knob, and every scheduled knob acts in this run."""
+        algorithm = info.data.get("algorithm")
         for key, sched in v.items():
+            if algorithm is not None and (idle := algorithm.idle_knob(key)) is not None:
+                raise ValueError(f"{key} has a schedule, but {idle}: it would do nothing")
             legal = domain(RunConfig, key)
             for i, entry in enumerate(sched.schedule):
                 if not legal.contains(entry.value):

@@ -11,14 +11,17 @@ the halted one). A resume restores the snapshot's own policy state, which holds 
 step; it takes the file instead only when the file is of that very step (a rollback to it, then a
 kill before the next snapshot), and carries the file's counts back to it when the file is of a later
 step (a resume from before a halt or a rollback), as a rollback would. Firings that turn nothing are
-not written: a resume replays their steps and they fire again.
+not written: a resume replays their steps and they fire again. The policy state carries the knob
+settings too (refreshed from the config before every snapshot and every write of the file), and a
+resume sets the config's knobs from it (except those ``resume --set`` changes): an adjustment that no
+snapshot recorded is not applied twice. A rollback keeps the live knobs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -26,7 +29,7 @@ import orjson
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig
-from rlctl.config.knobs import adjust_knob, get_knob
+from rlctl.config.knobs import adjust_knob, apply_knob_settings, get_knob, knob_settings
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
 from rlctl.errors import Halted, SnapshotError, StorageError
@@ -49,7 +52,7 @@ class Host(Protocol):
     state: Any  # .step: where the restore left the run
     emit: Callable[[dict[str, Any]], None]
 
-    def restore(self, info: SnapshotInfo, rollback: bool = False) -> None: ...
+    def restore(self, info: SnapshotInfo, rollback: bool = False, keep_knobs: Collection[str] = ()) -> None: ...
 
     def apply_knobs(self) -> None: ...
 
@@ -61,8 +64,10 @@ class Recovery:
         self.host = host
 
     def act_on(self, verdict, drawn: list[int]) -> None:
-        """Carry out a step's policy verdict: log every firing, then halt, or adjust, roll back and skip.
-        ``drawn``: the dataset indices of the step's prompts (what ``skip_offending`` skips)."""
+        """Carry out a step's policy verdict: log every firing, then halt, or roll back, adjust and skip
+        (the rollback first: the restore would undo an adjustment of the state it loads, an adaptive KL
+        controller's coefficient). ``drawn``: the dataset indices of the step's prompts (what
+        ``skip_offending`` skips)."""
         h = self.host
         for firing in verdict.firings:
             h.emit(firing.as_event())
@@ -71,10 +76,10 @@ class Recovery:
             self.halt(verdict.halt)
         if verdict.skip_offending:
             h.guard.skipped_prompts |= set(drawn)
-        if verdict.adjust:
-            self.adjust(verdict)
         if verdict.rollback is not None:
             self.rollback(verdict)
+        if verdict.adjust:
+            self.adjust(verdict)
         for _ in range(verdict.skip_batches):
             h.data.next_batch(h.cfg.trainer.prompts_per_step)
         h.data.exclude = h.guard.skipped_prompts
@@ -91,31 +96,48 @@ class Recovery:
             self.persist_policy_state()
 
     def persist_policy_state(self) -> None:
-        """Write the policy state, as of the trainer's step, to RUN_DIR/policy_state.json (rank 0)."""
+        """Write the policy state, as of the trainer's step and with the config's knobs, to
+        RUN_DIR/policy_state.json (rank 0)."""
         h = self.host
+        h.guard.knobs = knob_settings(h.cfg)
         if h.dist.is_main:
             h.run.write_bytes(POLICY_STATE, orjson.dumps({"step": h.state.step, **h.guard.state_dict()}))
 
-    def carry_policy_state(self, step: int) -> None:
+    def carry_policy_state(self, step: int, keep_knobs: Collection[str] = ()) -> None:
         """After a resume restored the snapshot of ``step`` (and its policy state): take the state of
         RUN_DIR/policy_state.json when it is of ``step``; when it is of a later step, take its counts
         and rewind its history to ``step`` (then write it as of ``step``); when it is older, keep the
-        snapshot's. A file that cannot be read is a warning, and the snapshot's state stays."""
+        snapshot's. A file that cannot be read is a warning, and the snapshot's state stays. Then the
+        config's knobs follow the state's settings, except ``keep_knobs`` (changed by resume --set)."""
         h = self.host
         saved = self._read_policy_state()
-        if saved is None or saved[0] < step:
-            return
-        at, state = saved
-        own = h.guard.state_dict()
-        try:
-            h.guard.load_state_dict(state)
-        except (ValueError, LookupError, TypeError, AttributeError) as exc:
-            h.guard.load_state_dict(own)
-            self._ignore_policy_state(f"it does not fit this run's policies ({exc})")
-            return
+        at, own = -1, h.guard.state_dict()
+        if saved is not None and saved[0] >= step:
+            at, state = saved
+            try:
+                h.guard.load_state_dict(state)
+            except (ValueError, LookupError, TypeError, AttributeError) as exc:
+                h.guard.load_state_dict(own)
+                self._ignore_policy_state(f"it does not fit this run's policies ({exc})")
+                at = -1
+        self._take_knobs(keep_knobs)
         if at > step:
             h.guard.rewind(step)
             self.persist_policy_state()
+
+    def _take_knobs(self, keep: Collection[str]) -> None:
+        """Set the config's knobs from the policy state's settings (none recorded: the config's stand);
+        settings that do not fit the config are a warning, and the config's stand."""
+        h = self.host
+        if h.guard.knobs is None:
+            return
+        try:
+            apply_knob_settings(h.cfg, h.guard.knobs, keep)
+        except (ValueError, TypeError) as exc:
+            reason = f"its knob settings do not fit this run ({exc}); the config's knobs stand"
+            h.emit({"event": "policy_state_ignored", "reason": reason})
+            if h.dist.is_main:
+                print(f"warning: policy state: {reason}", file=sys.stderr)
 
     def _read_policy_state(self) -> tuple[int, dict[str, Any]] | None:
         """(the step it belongs to, the policy state) from RUN_DIR/policy_state.json; None when there is
@@ -165,7 +187,7 @@ class Recovery:
         changes: dict[str, dict[str, Any]] = {}
         for adj in verdict.adjust:
             before = self._knob_now(adj.key)
-            after, note = adjust_knob(h.cfg, adj.key, before, adj.op, adj.value, adj.min, adj.max, h.state.step)
+            after, note = adjust_knob(h.cfg, adj.key, before, adj.op, adj.value, adj.min, adj.max, verdict.step)
             if adj.key == "algorithm.kl_coef":
                 h.kl_ctrl.value = after
             first = changes.get(adj.key, {}).get("from", before)

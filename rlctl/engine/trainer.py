@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +20,7 @@ from rlctl import faults
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
-from rlctl.config.knobs import follow_schedules, may_exceed
+from rlctl.config.knobs import follow_schedules, knob_settings, may_exceed
 from rlctl.engine import algos
 from rlctl.engine.actor import METRICS as ACTOR_METRICS
 from rlctl.engine.actor import Actor, sequence_log_probs
@@ -182,11 +182,12 @@ class Trainer:
         """The engines, saved in their own checkpoint format."""
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
-    def restore(self, info, rollback: bool = False) -> None:
+    def restore(self, info, rollback: bool = False, keep_knobs: Collection[str] = ()) -> None:
         """Load a snapshot into every Stateful and the engine, then re-apply the config's knobs and
         re-sync the rollout weights. A rollback keeps the live policy state (its trigger counts must
-        survive) and rewinds its history to the snapshot's step; a resume takes the snapshot's, or the
-        counts of a later rollback or halt (``Recovery.carry_policy_state``)."""
+        survive) and rewinds its history to the snapshot's step, and keeps the live knobs; a resume takes
+        the snapshot's policy state, or the counts of a later rollback or halt, and the knobs that state
+        records, except ``keep_knobs`` (those resume --set changed: ``Recovery.carry_policy_state``)."""
         states = self.stateful()
         if rollback:
             states.pop("policy", None)
@@ -195,7 +196,7 @@ class Trainer:
             if rollback:
                 self.guard.rewind(info.step)
             else:
-                self.recovery.carry_policy_state(info.step)
+                self.recovery.carry_policy_state(info.step, keep_knobs)
             self.data.exclude = self.guard.skipped_prompts
         self._snapshotted = self.state.step
         self.apply_knobs()
@@ -203,6 +204,8 @@ class Trainer:
 
     def snapshot(self, good: bool) -> None:
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits (rank 0)
+        if self.guard is not None:
+            self.guard.knobs = knob_settings(self.cfg)  # a resume from this snapshot takes these knobs
         self.snapshots.save(
             self.state.step,
             self.stateful(),

@@ -1,10 +1,14 @@
 """What the run does about a step: the firings of every rule, merged into one verdict.
 
 ``PolicyGuard`` wraps the evaluator and keeps what must outlive a rollback: the evaluator's counts and
-windows, the prompts skipped so far, and the adjustments made. It is Stateful (a snapshot carries it),
+windows, the prompts skipped so far, and the adjustments made. It also carries the run's knob settings
+(``knobs``: plain data the trainer refreshes before each snapshot and each write of the file), so that a
+resume takes the knobs of the step it resumes from, not those of later adjustments that no snapshot
+recorded (their steps are re-run, and fire again). It is Stateful (a snapshot carries it),
 but a rollback never restores it from the snapshot it returns to: the trigger counts would reset and
 ``max_triggers`` could never run out. The trainer also writes it to RUN_DIR/policy_state.json at every
-firing, so a kill before the next snapshot loses none of it.
+rollback and halt, so a kill before the next snapshot loses none of what they did (a firing that only
+adjusts or warns is re-done when a resume re-runs its step).
 """
 
 from __future__ import annotations
@@ -102,13 +106,16 @@ def merge(step: int, firings: Iterable[Firing]) -> Verdict:
 
 
 class PolicyGuard:
-    VERSION = 1
+    VERSION = 2  # 2: the knob settings (version 1, still read, had none: knobs None)
 
     def __init__(self, rules: list[Rule]):
         self.rules = rules
         self.engine = PolicyEngine(rules)
         self.skipped_prompts: set[int] = set()
         self.adjustments: list[dict[str, Any]] = []
+        # {knob key: {"value": v, and for a scheduled knob "scale", "offset", "min", "max"}} as of the
+        # state's step (``rlctl.config.knobs.knob_settings``); None: unknown (the config's stand)
+        self.knobs: dict[str, dict[str, Any]] | None = None
 
     @property
     def rolls_back(self) -> bool:
@@ -142,19 +149,29 @@ class PolicyGuard:
             "engine": self.engine.state_dict(),
             "skipped_prompts": sorted(self.skipped_prompts),
             "adjustments": list(self.adjustments),
+            "knobs": _copy_knobs(self.knobs),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the evaluator, the skipped prompts and the adjustments, all or nothing: a state of
-        another version or shape raises PolicyStateError and leaves the guard as it was."""
+        """Restore the evaluator, the skipped prompts, the adjustments and the knob settings, all or nothing:
+        a state of another version or shape raises PolicyStateError and leaves the guard as it was. A
+        version 1 state has no knob settings (knobs None)."""
         try:
-            check_version("policy guard", state, self.VERSION)
+            old = isinstance(state, dict) and state.get("version") == 1
+            check_version("policy guard", state, 1 if old else self.VERSION)
             engine = PolicyEngine(self.rules)
             engine.load_state_dict(state["engine"])
             skipped = {int(i) for i in state["skipped_prompts"]}
             adjustments = [dict(a) for a in state["adjustments"]]
+            knobs = None if old else _copy_knobs(state["knobs"])
         except StateMismatchError as exc:  # another version
             raise PolicyStateError(str(exc)) from None
         except (LookupError, TypeError, ValueError, AttributeError) as exc:  # a hand-edited or cut-off state
             raise PolicyStateError(f"policy state is not readable ({type(exc).__name__}: {exc})") from None
         self.engine, self.skipped_prompts, self.adjustments = engine, skipped, adjustments
+        self.knobs = knobs
+
+
+def _copy_knobs(knobs: Mapping[str, Mapping[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
+    """A copy of knob settings (TypeError / ValueError when they are not a mapping of mappings)."""
+    return None if knobs is None else {str(key): dict(entry) for key, entry in knobs.items()}

@@ -167,15 +167,17 @@ def _resume(
     restore: dict[str, Any],
     main: bool,
 ) -> None:
-    """Restore the best usable snapshot named in ``restore``, apply the changed knobs, and (rank 0)
-    record the config and turn the run away from the steps after the snapshot."""
+    """Restore the best usable snapshot named in ``restore`` (with the knobs its policy state records,
+    but the ones resume --set changed), apply the changed knobs, and (rank 0) record the config (its
+    knobs now the restored ones) and turn the run away from the steps after the snapshot."""
     infos = {i.name: i for i in snapshots.scan()}
     usable = [infos[n] for n in restore["names"] if n in infos]
     if restore["names"] and not usable:
         raise SnapshotError(
             f"the snapshots to resume from ({', '.join(restore['names'])}) are no longer in {snapshots.storage.url}"
         )
-    info = _restore(trainer, snapshots, usable, reporter)  # None: the run never trained; it starts over
+    # None: the run never trained; it starts over. The knobs --set changed keep their new values.
+    info = _restore(trainer, snapshots, usable, reporter, keep_knobs=set(restore["changes"]))
     step = info.step if info else 0
     tag = turn_tag("resume", from_step=step)
     if "algorithm.kl_coef" in restore["changes"]:  # also for an adaptive controller: the user said so
@@ -212,11 +214,12 @@ def policy_acted_after(run: Storage, step: int) -> bool:
 
 
 def _restore(
-    trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter
+    trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter, keep_knobs: set[str]
 ) -> SnapshotInfo | None:
+    """Restore the first of ``usable`` that loads (the snapshot's knobs, except ``keep_knobs``)."""
     for info in usable:
         try:
-            trainer.restore(info)
+            trainer.restore(info, keep_knobs=keep_knobs)
             return info
         except SnapshotError as exc:
             if len(usable) == 1:

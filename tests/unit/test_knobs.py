@@ -7,16 +7,19 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 
 from rlctl.config import RunConfig, check_policies_fit, load_config, validate_config
 from rlctl.config.knobs import (
     ScheduleConfig,
     adjust_knob,
+    apply_knob_settings,
     domain,
     follow_schedules,
     get_knob,
     in_domain,
     is_float_field,
+    knob_settings,
     may_exceed,
     set_knob,
 )
@@ -112,6 +115,77 @@ def test_adjustments_compose_with_a_schedule():
     assert pinned.schedule == s.schedule  # the schedule itself is never rewritten
 
 
+def test_bounds_that_cross_after_two_rules_keep_the_max_and_the_config_still_loads():
+    """Rule A adds 0.01 with max 0.015, rule B doubles with min 0.02: the max wins (as in the clamp), so
+    min is lowered to it and RUN_DIR/config.yaml (what a resume reads) still validates."""
+    cfg = validate_config(
+        {
+            "trainer": {"total_steps": 10},
+            "algorithm": {"kl_coef": {"schedule": [{"until": 0.5, "value": 0.0}, {"value": 0.002}]}},
+        }
+    )
+    adjust_knob(cfg, "algorithm.kl_coef", 0.0, "add", 0.01, None, 0.015, step=2)
+    new, _ = adjust_knob(cfg, "algorithm.kl_coef", 0.01, "multiply", 2.0, 0.02, None, step=2)
+    s = cfg.schedules["algorithm.kl_coef"]
+    assert (s.scale, s.offset, s.min, s.max) == (2.0, 0.02, 0.015, 0.015) and new == 0.015
+    again = validate_config(yaml.safe_load(cfg.to_yaml()))
+    assert again.schedules == cfg.schedules and again.algorithm.kl_coef == 0.015
+    assert s.adjusted("add", 1.0, hi=0.01).min == 0.01  # a new max below the min lowers the min too
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("where", ["value", "scale", "offset", "min", "max", "until"])
+def test_a_schedule_takes_finite_numbers_only(where, bad):
+    entry = {"until": bad if where == "until" else 0.5, "value": bad if where == "value" else 0.1}
+    fields = {where: bad} if where not in ("value", "until") else {}
+    with pytest.raises(ValueError, match="finite number"):
+        ScheduleConfig(schedule=[entry, {"value": 0.2}], **fields)
+
+
+# -- the knobs as plain data (the policy state carries them) --------------------------------------------
+def test_knob_settings_round_trip_and_a_resume_set_keeps_its_knobs():
+    cfg = validate_config(
+        {
+            "trainer": {"total_steps": 10},
+            "actor": {"lr": {"schedule": [{"until": 0.5, "value": 1e-3}, {"value": 2e-3}]}},
+        }
+    )
+    adjust_knob(cfg, "actor.lr", 1e-3, "multiply", 0.5, 1e-4, None, step=3)
+    adjust_knob(cfg, "algorithm.kl_coef", 0.0, "add", 0.01)
+    saved = knob_settings(cfg)
+    assert set(saved) == set(KNOBS)
+    assert saved["algorithm.kl_coef"] == {"value": 0.01}
+    assert saved["actor.lr"] == {"value": 5e-4, "scale": 0.5, "offset": 0.0, "min": 1e-4, "max": None}
+    assert saved["algorithm.clip_ratio_high"] == {"value": None}
+    later = cfg.model_copy(deep=True)  # more adjustments after the settings were taken
+    adjust_knob(later, "algorithm.kl_coef", 0.01, "add", 0.01)
+    adjust_knob(later, "actor.lr", 5e-4, "set", 3e-3, step=3)
+    adjust_knob(later, "algorithm.clip_ratio_high", None, "set", 0.28)
+    set_knob(later, "actor.grad_clip", 0.3)  # as if resume --set actor.grad_clip=0.3
+    apply_knob_settings(later, saved, keep={"actor.grad_clip"})
+    assert knob_settings(later) == {**saved, "actor.grad_clip": {"value": 0.3}}
+    assert [later.schedules["actor.lr"].value_at(s, 10) for s in (1, 10)] == [5e-4, 1e-3]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"actor.lr": {"value": 0.0}},  # outside the domain
+        {"actor.lr": {"value": None}},  # not an optional knob
+        {"actor.nope": {"value": 1.0}},
+        {"algorithm.kl_coef": 5},
+        {"algorithm.kl_coef": {"value": "x"}},
+        {"actor.lr": {"value": 1e-3, "scale": 1.0, "offset": 0.0, "min": 2.0, "max": 1.0}},
+    ],
+)
+def test_knob_settings_that_do_not_fit_change_nothing(settings):
+    cfg = validate_config({"actor": {"lr": {"schedule": [{"value": 1e-3}]}}})
+    before = knob_settings(cfg)
+    with pytest.raises((ValueError, TypeError)):
+        apply_knob_settings(cfg, {"algorithm.kl_coef": {"value": 0.5}, **settings})
+    assert knob_settings(cfg) == before
+
+
 # -- the config -----------------------------------------------------------------------------------------
 def test_a_schedule_at_the_knobs_place_moves_to_schedules_and_the_field_holds_its_value_at_step_0(tmp_path):
     p = write(
@@ -125,12 +199,12 @@ def test_a_schedule_at_the_knobs_place_moves_to_schedules_and_the_field_holds_it
           actor.lr: {schedule: [{until: 0, value: 1.0e-6}, {value: 1.0e-5}], mode: linear}
         """,
     )
-    cfg = load_config(p, ["algorithm.kl_ctrl.target_kl={schedule: [{value: 0.2}]}"])
-    assert set(cfg.schedules) == {"algorithm.kl_coef", "actor.lr", "algorithm.kl_ctrl.target_kl"}
-    assert (cfg.algorithm.kl_coef, cfg.actor.lr, cfg.algorithm.kl_ctrl.target_kl) == (0.0, 1e-6, 0.2)
+    cfg = load_config(p, ["algorithm.entropy_coef={schedule: [{value: 0.2}]}"])
+    assert set(cfg.schedules) == {"algorithm.kl_coef", "actor.lr", "algorithm.entropy_coef"}
+    assert (cfg.algorithm.kl_coef, cfg.actor.lr, cfg.algorithm.entropy_coef) == (0.0, 1e-6, 0.2)
     follow_schedules(cfg, 5)
     assert (cfg.algorithm.kl_coef, cfg.actor.lr) == (0.001, pytest.approx(5.5e-6))  # half way from 1e-6 to 1e-5
-    again = validate_config(__import__("yaml").safe_load(cfg.to_yaml()))  # what RUN_DIR/config.yaml holds
+    again = validate_config(yaml.safe_load(cfg.to_yaml()))  # what RUN_DIR/config.yaml holds
     assert again.schedules == cfg.schedules and again.actor.lr == cfg.actor.lr  # the field is not reset
 
 
@@ -213,6 +287,62 @@ def test_a_policy_that_multiplies_or_adds_to_an_empty_knob_is_a_config_error(tmp
     assert set_ok.policies and given.algorithm.clip_ratio_high == 0.28
 
 
+@pytest.mark.parametrize(
+    "action,message",
+    [
+        (
+            "{type: adjust, multiply: {critic.lr: 0.5}}",
+            "policy rule 'r' multiplies critic.lr, but algorithm.name is grpo, which has no critic (the critic "
+            "settings apply to ppo): it would do nothing",
+        ),
+        (
+            "{type: adjust, add: {algorithm.kl_ctrl.target_kl: -0.005}}",
+            "policy rule 'r' adds to algorithm.kl_ctrl.target_kl, but algorithm.kl_ctrl.type is fixed (target_kl "
+            "steers the adaptive controller only): it would do nothing",
+        ),
+        (
+            "{type: adjust, set: {actor.lr: 0}}",
+            "policy rule 'r' sets actor.lr to 0, outside actor.lr's legal values (> 0)",
+        ),
+        (
+            "{type: adjust, set: {algorithm.clip_ratio: 1.5}}",
+            "policy rule 'r' sets algorithm.clip_ratio to 1.5, outside algorithm.clip_ratio's legal values (> 0 and < 1)",
+        ),
+        (
+            "{type: adjust, add: {algorithm.clip_ratio: 0.1}, max: {algorithm.clip_ratio: 1.5}}",
+            "policy rule 'r' bounds algorithm.clip_ratio with max 1.5, outside algorithm.clip_ratio's legal values "
+            "(> 0 and < 1)",
+        ),
+        (
+            "{type: adjust, multiply: {algorithm.clip_ratio_c: 0.5}, min: {algorithm.clip_ratio_c: 1}}",
+            "policy rule 'r' bounds algorithm.clip_ratio_c with min 1, outside algorithm.clip_ratio_c's legal values (> 1)",
+        ),
+    ],
+)
+def test_an_adjustment_that_would_do_nothing_or_leave_the_domain_is_a_config_error(tmp_path, action, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(policy_cfg(tmp_path, action))
+    assert err.value.message == message
+
+
+def test_critic_and_target_kl_knobs_are_accepted_where_they_act(tmp_path):
+    ppo = ["algorithm.name=ppo", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_coef=0.05"]
+    action = "{type: adjust, multiply: {critic.lr: 0.5, algorithm.kl_ctrl.target_kl: 0.5}}"
+    assert load_config(policy_cfg(tmp_path, action), ppo).policies
+    sched = "schedules:\n  critic.lr: {schedule: [{value: 1.0e-5}]}\n  algorithm.kl_ctrl.target_kl: {schedule: [{value: 0.1}]}\n"
+    assert set(load_config(write(tmp_path, sched), ppo).schedules) == {"critic.lr", "algorithm.kl_ctrl.target_kl"}
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, sched))
+    assert err.value.message == (
+        "invalid config: 'schedules' (run.yaml line 1): critic.lr has a schedule, but algorithm.name is grpo, which "
+        "has no critic (the critic settings apply to ppo): it would do nothing."
+    )
+    with pytest.raises(
+        ConfigError, match="algorithm.kl_ctrl.target_kl has a schedule, but algorithm.kl_ctrl.type is fixed"
+    ):
+        load_config(write(tmp_path, sched), ["algorithm.name=ppo"])
+
+
 def test_an_expression_watching_a_validation_metric_needs_validation(tmp_path):
     p = policy_cfg(tmp_path, "{type: warn}", when="val/score/mean * 2 < actor/entropy")
     with pytest.raises(ConfigError, match="watches val/score/mean, but this run never validates"):
@@ -259,7 +389,7 @@ def test_an_adjustment_of_a_scheduled_knob_changes_its_composition_and_the_value
         values.append(cfg.algorithm.kl_coef)
     assert values == [0.0005] * 4 + [0.0012] * 6  # clamp(sched * 0.5 + 0.0005, max=0.0012)
     # what a resume reads back from RUN_DIR/config.yaml gives the same values at the same steps
-    again = validate_config(__import__("yaml").safe_load(cfg.to_yaml()))
+    again = validate_config(yaml.safe_load(cfg.to_yaml()))
     assert [again.schedules["algorithm.kl_coef"].value_at(s, 10) for s in range(1, 11)] == values
 
 

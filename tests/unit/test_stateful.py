@@ -109,3 +109,25 @@ def test_policy_guard_keeps_counts_windows_skips_and_adjustments():
     assert fired_a == fired_b and "grad-spike" in fired_a
     assert b.skipped_prompts == {4, 9}
     refuses_other_versions(b, "policy guard")
+
+
+def test_policy_guard_carries_knob_settings_and_still_reads_version_1():
+    rules = load_policies([REPO / "policies" / "default.yaml"])
+    a = PolicyGuard(rules)
+    assert a.knobs is None  # unknown until the trainer records them
+    a.check(1, {"step": 1, "actor/grad_norm": 1.0, "actor/ppo_kl": 0.2})
+    a.knobs = {"algorithm.kl_coef": {"value": 0.01}, "actor.lr": {"value": 5e-4, "scale": 0.5, "offset": 0.0}}
+    b = roundtrip(a, PolicyGuard(rules))
+    assert b.knobs == a.knobs and b.knobs is not a.knobs
+    assert a.state_dict()["version"] == 2
+    v1 = {k: v for k, v in through_storage(a.state_dict()).items() if k != "knobs"}
+    v1["version"] = 1  # what an older rlctl wrote: no knob settings
+    c = PolicyGuard(rules)
+    c.knobs = {"actor.lr": {"value": 1.0}}
+    c.load_state_dict(v1)
+    assert c.knobs is None and c.engine.state_dict() == a.engine.state_dict()
+    assert c.state_dict()["version"] == 2
+    for bad in ({**a.state_dict(), "knobs": 5}, {**a.state_dict(), "knobs": {"actor.lr": "x"}}, v1 | {"version": 2}):
+        with pytest.raises(StateMismatchError, match="policy state is not readable"):
+            c.load_state_dict(bad)
+        assert c.knobs is None  # nothing changed
