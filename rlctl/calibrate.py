@@ -5,9 +5,16 @@ An upper limit is ``max(q + margin x |q|, just above the largest value seen)`` w
 ``quantile`` of the run's values (``q x (1 + margin)`` for a positive q); a floor is symmetric (the
 ``1 - quantile`` quantile, less the margin, and just below the smallest value). A spike's factor is the
 largest ratio of a value to the median of the values before it (as the spike trigger computes it),
-times ``1 + margin``. Numbers are rounded outwards to three significant digits. So no proposed rule
+times ``1 + margin``. Numbers are rounded outwards to three significant digits. A share (repetition,
+degenerate_frac: at most 1) gets no limit of 1 or more (``> 1`` could never fire): it is capped, as
+``>= 1`` (firing only on the maximum), or, when the run itself reached 1, left out. So no proposed rule
 fires on the run it was drawn from; that is checked, not assumed: each rule is replayed through a
-PolicyEngine on the same rows and its count written in its comment.
+PolicyEngine on the same rows and its count written in its comment. Non-finite values (NaN, +-inf) are
+the nonfinite rule's job: the limits are drawn from the finite values only, and the steps where the
+rule's metric is not finite are left out of its replay too (its comment says how many).
+
+A run that gives nothing to calibrate (every signal missing, constant or too short: one row, or
+``--until`` 0 or 1) is an InputError, never a policy without rules.
 
 The policy is YAML written as text (comments survive); ``rlctl.policies.validate_policy`` reads it back
 into the very rules that were replayed.
@@ -49,6 +56,7 @@ class Signal:
     what: str
     actions: tuple[dict[str, Any], ...]
     limits: dict[str, Any] = field(default_factory=lambda: {"max_triggers": MAX_TRIGGERS, "then": "halt"})
+    bound: float | None = None  # the largest value the metric can take (a share: 1.0)
 
 
 SIGNALS = (
@@ -74,6 +82,7 @@ SIGNALS = (
         "upper",
         "repetitive, degenerate responses (the '!!!!' signature)",
         ROLLBACK_SKIP,
+        bound=1.0,
     ),
     Signal(
         "ppo-ratio",
@@ -193,14 +202,32 @@ def calibrate(rows: Sequence[dict[str, Any]], quantile_: float, margin: float, s
         if isinstance(made, str):
             cal.left_out.append((signal, made))
             continue
-        made.fired = count_firings(made.rule, rows)
-        made.evidence.append(f"replayed on this run: fires {made.fired} times")
+        finite = [r for r in rows if not _nonfinite(r.get(metric))]  # the rest is the nonfinite rule's job
+        made.fired = count_firings(made.rule, finite)
+        skipped = len(rows) - len(finite)
+        made.evidence.append(
+            f"replayed on this run: fires {made.fired} times"
+            + (f" (leaving out {_counted(skipped, 'step')} where {metric} was not finite)" if skipped else "")
+        )
         cal.proposals.append(made)
+    if not cal.proposals:
+        why = "; ".join(f"{s.name}: {reason}" for s, reason in cal.left_out)
+        raise InputError(
+            f"run {source} gives nothing to calibrate from its {_counted(len(rows), 'row')} (steps {steps[0]}-{steps[1]}): {why}"
+        )
     return cal
 
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _nonfinite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _counted(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _propose(signal: Signal, metric: str, points: list[tuple[int, float]], q: float, margin: float) -> Proposal | str:
@@ -215,7 +242,7 @@ def _propose(signal: Signal, metric: str, points: list[tuple[int, float]], q: fl
     return _threshold(signal, metric, points, q, margin)
 
 
-def _threshold(signal: Signal, metric: str, points: list[tuple[int, float]], q: float, margin: float) -> Proposal:
+def _threshold(signal: Signal, metric: str, points: list[tuple[int, float]], q: float, margin: float) -> Proposal | str:
     values = [v for _, v in points]
     upper = signal.kind == "upper"
     limit, qv = upper_limit(values, q, margin) if upper else floor_limit(values, q, margin)
@@ -223,7 +250,6 @@ def _threshold(signal: Signal, metric: str, points: list[tuple[int, float]], q: 
     past = sum(v > qv for v in values) if upper else sum(v < qv for v in values)
     op, word, sign = (">", "max", "+") if upper else ("<", "min", "-")
     qname = f"{number_text(q if upper else 1 - q)} quantile"
-    when = f"{metric} {op} {number_text(limit)}"
     evidence = [
         f"{metric}: {signal.what}.",
         f"over {len(values)} steps: {qname} {shown(qv)}, {word} {shown(extreme[1])} "
@@ -231,6 +257,17 @@ def _threshold(signal: Signal, metric: str, points: list[tuple[int, float]], q: 
         f"limit: {'max' if upper else 'min'}({qname} {sign} {number_text(margin)} x |it|, just "
         f"{'above the max' if upper else 'below the min'}) = {number_text(limit)}.",
     ]
+    if upper and signal.bound is not None and limit >= signal.bound:
+        bound = number_text(signal.bound)
+        if extreme[1] >= signal.bound:
+            return (
+                f"{metric} reached {bound}, the most a share can be, at step {extreme[0]}: no limit above it can fire"
+            )
+        op, limit = ">=", signal.bound
+        evidence.append(
+            f"capped at {bound}: a share is never above it, so this rule fires only when {metric} is {bound}."
+        )
+    when = f"{metric} {op} {number_text(limit)}"
     rule = {"name": signal.name, "description": _sentence(signal.what), "when": when}
     rule |= {"actions": list(signal.actions), **signal.limits}
     summary = f"{when}  ({qname} {shown(qv)}, {word} {shown(extreme[1])})"

@@ -3,15 +3,16 @@ acts on nothing, and where each rule would have fired.
 
 The history is what the live run saw: the rows of metrics.jsonl and the abandoned ones
 (metrics.abandoned.jsonl, each tagged by the rollback or resume that turned away from it), in the order
-they were written: by their ``timestamp``, ties by step, then by file order (metrics.jsonl first). Where
-the history goes back to an earlier step (a turn), the engine is set as the live run's was: after a
-rollback, rewound to the step before (its trigger counts kept); after a resume, the snapshot's state or
-the one policy_state.json carried (``Turns``). So replaying a run with the policy it ran under lists the
-firings of its events.jsonl.
+they were written (``order_history``). Where the history goes back to an earlier step (a turn), the
+engine is set as the live run's was: after a rollback, rewound to the step before (its trigger counts
+kept); after a resume, the snapshot's state or the one policy_state.json carried, or a fresh state when
+the resume found no snapshot and started over (``Turns``). So replaying a run with the policy it ran
+under lists the firings of its events.jsonl.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -74,11 +75,14 @@ def read_history(url: str, warn: Warn | None = None) -> list[HistoryRow]:
 
 def order_history(kept: Sequence[dict[str, Any]], abandoned: Sequence[dict[str, Any]]) -> list[HistoryRow]:
     """Rows of metrics.jsonl and of metrics.abandoned.jsonl merged in the order they were written: by
-    ``timestamp`` (a row without one takes its file predecessor's), then step, then file order."""
+    ``timestamp`` (a row without a finite number there takes its file predecessor's; the first rows of a
+    file without one come first), then step; on a tie of both, an abandoned row before a kept one (a
+    kept row of a step was written after every abandoned row of that step: after the turn that
+    abandoned them), then file order."""
     history = [HistoryRow(r) for r in kept]
     history += [HistoryRow({k: v for k, v in r.items() if k != "abandoned"}, _tag(r)) for r in abandoned]
     stamps = _stamps(kept) + _stamps(abandoned)
-    order = sorted(range(len(history)), key=lambda i: (stamps[i], history[i].step, i))
+    order = sorted(range(len(history)), key=lambda i: (stamps[i], history[i].step, history[i].turned is None, i))
     return [history[i] for i in order]
 
 
@@ -91,7 +95,7 @@ def _stamps(rows: Sequence[dict[str, Any]]) -> list[float]:
     out, last = [], float("-inf")
     for r in rows:
         stamp = r.get("timestamp")
-        if isinstance(stamp, (int, float)) and not isinstance(stamp, bool):
+        if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp):
             last = float(stamp)
         out.append(last)
     return out
@@ -115,7 +119,7 @@ def replay(history: Iterable[HistoryRow], rules: Sequence[Rule]) -> list[Replaye
     """Every firing of ``rules`` over ``history``, acting on nothing. Where the history goes back to an
     earlier step, the engine's state is what the live run's was after that turn (``Turns``)."""
     engine = PolicyEngine(rules)
-    turns = Turns(engine)
+    turns = Turns(engine, snapshot_at_start=any(a.type == "rollback" for r in rules for a in r.actions))
     out: list[Replayed] = []
     previous: HistoryRow | None = None
     for item in history:
@@ -132,11 +136,15 @@ class Turns:
     """The policy state a live run carries across a turn (rlctl.engine.recovery): a rollback rewinds
     the live state (counts kept) and writes it to policy_state.json as of the step rolled back to, as a
     halt does as of its step; a resume takes the snapshot's state, or the file's when the file is of the
-    snapshot's step or later (rewound to it). The turn's kind is the tag of the row just before it (the
-    turn abandoned that row)."""
+    snapshot's step or later (rewound to it). A resume that found no snapshot started over (rlctl.ranks.
+    worker ``_resume``: no restore, so nothing carried): a fresh state, and policy_state.json stays as it
+    was. That is a turn to step -1 (the fresh run wrote its step 0 again), or to step 0 when the run had
+    no snapshot of step 0: a run whose policy rolls back (``snapshot_at_start``) always snapshots step 0
+    before training. The turn's kind is the tag of the row just before it (the turn abandoned that row)."""
 
-    def __init__(self, engine: PolicyEngine):
+    def __init__(self, engine: PolicyEngine, snapshot_at_start: bool = False):
         self.engine = engine
+        self.snapshot_at_start = snapshot_at_start
         self.fresh = engine.state_dict()
         self.snapshots: dict[int, dict[str, Any]] = {}  # the state after each step of the current path
         self.persisted: tuple[int, dict[str, Any]] | None = None  # what policy_state.json holds
@@ -147,7 +155,10 @@ class Turns:
             self.persisted = (step, self.snapshots[step])
 
     def turn(self, step: int, resumed: bool) -> None:
-        """The run went back to ``step``: by a resume from its snapshot, or a rollback."""
+        """The run went back to ``step``: by a resume from its snapshot (or from none), or a rollback."""
+        if resumed and (step < 0 or (step == 0 and not self.snapshot_at_start)):
+            self.engine.load_state_dict(self.fresh)  # started over: no snapshot, nothing carried
+            return
         if resumed and (self.persisted is None or self.persisted[0] < step):
             self.engine.load_state_dict(self.snapshots.get(step, self.fresh))
             return

@@ -8,17 +8,20 @@ ignored, and breaks a run):
 - **longest run**: the longest stretch of one token repeated back to back, as a share of L.
 - **n-gram share** ``s_n`` for n = 1..4: the share of its tokens covered by the occurrences of its most
   frequent n-gram (the one that starts at the most positions; overlapping occurrences cover a token
-  once: ``7 7 7`` is covered 3/3 by ``7 7``, not 4/3). An n-gram (n >= 2) that occurs only once
-  covers nothing: a single occurrence is no repetition. ``s_1`` is the repetition share.
+  once: ``7 7 7`` is covered 3/3 by ``7 7``, not 4/3). When several n-grams are equally frequent, the one
+  whose occurrences cover the most tokens counts (``a a a b c b c``: ``a a`` and ``b c`` both start twice,
+  ``a a`` covers 3 tokens, ``b c`` 4, so ``s_2`` is 4/7), whatever order the sort left them in. An n-gram
+  (n >= 2) that occurs only once covers nothing: a single occurrence is no repetition. ``s_1`` is the
+  repetition share.
 - **degenerate**: ``L >= MIN_TOKENS`` (8) and ``max_n s_n >= SHARE`` (0.5): one token, or one n-gram of
-  up to four tokens, covers at least half of the response. ``!!!!!!!!`` and ``abababab`` are degenerate,
-  ``aaab cde fg`` is not (4 of 11); a response of fewer than 8 tokens never is (an answer like ``42`` repeats by
-  necessity).
+  up to four tokens, covers at least half of the response. ``!!!!!!!!`` and ``abababab`` are degenerate;
+  ``aaab cde fg`` (one token a character, the spaces too) is not: ``a`` and ``a a`` cover 3 of its 11
+  tokens. A response of fewer than 8 tokens never is (an answer like ``42`` repeats by necessity).
 
 A response with no real token has shares 0. Everything is vectorised over the (B, T) batch: n-grams
-are counted by sorting their windows (packed into int64 keys) and measuring the longest run of equal
+are counted by sorting their windows (packed into int64 keys) and measuring the runs of equal
 neighbours, so the cost is a few sorts of a (B, T) tensor, with no Python loop over tokens (about
-30 ms for 256 responses of 512 tokens on one CPU thread).
+30-40 ms for 256 responses of 512 tokens on one CPU thread).
 """
 
 from __future__ import annotations
@@ -41,14 +44,22 @@ def longest_equal_run(cols: list[torch.Tensor], valid: torch.Tensor) -> torch.Te
 
 def _runs(cols: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
     """(B, W) the length of the run of equal keys ending at each valid position (0 where not valid)."""
-    B, W = valid.shape
-    same = valid[:, 1:] & valid[:, :-1]
-    for c in cols:
-        same = same & (c[:, 1:] == c[:, :-1])
-    same = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=valid.device), same], dim=1)
-    idx = torch.arange(W, device=valid.device).expand(B, W)
-    start = torch.where(same, torch.zeros_like(idx), idx).cummax(dim=1).values  # where each run began
-    return torch.where(valid, idx - start + 1, torch.zeros_like(idx))
+    idx = torch.arange(valid.shape[1], device=valid.device)
+    return (idx - _run_starts(cols, valid) + 1) * valid
+
+
+def _run_starts(cols: list[torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, W) key columns -> (B, W) the position where the run of equal keys (all columns) that holds
+    each position began; with ``valid``, an invalid position is a run of its own."""
+    W = cols[0].shape[1]
+    same = cols[0][:, 1:] == cols[0][:, :-1]
+    for c in cols[1:]:
+        same &= c[:, 1:] == c[:, :-1]
+    if valid is not None:
+        same &= valid[:, 1:] & valid[:, :-1]
+    same = torch.nn.functional.pad(same, (1, 0), value=False)
+    idx = torch.arange(W, device=same.device)
+    return idx.masked_fill(same, 0).cummax(dim=1).values
 
 
 def _windows(ids: torch.Tensor, keep: torch.Tensor, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -77,25 +88,33 @@ def _packed(cols: list[torch.Tensor], valid: torch.Tensor, bits: int) -> list[to
 
 def mode_cover(cols: list[torch.Tensor], valid: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) how often each row's most frequent valid window starts, and (B,) how many positions its
-    occurrences cover together (overlaps counted once). Windows are sorted lexicographically (one
-    sort per packed key, stable, least significant key first); the longest run of equal neighbours is
-    the most frequent window (on a tie, the smallest)."""
+    occurrences cover together (overlaps counted once); among equally frequent windows, the largest
+    cover. Windows are sorted lexicographically (one stable sort per packed key, least significant key
+    first), so equal windows lie together with their starts ascending. Along each group, the count so
+    far and the overlap so far (a start less than n after the previous one overlaps it by n minus the
+    distance) are running sums; cover = n x count - overlap. The largest (count, -overlap) pair is taken
+    by value, never by the index of a maximum, so ties are settled the same on every device."""
     keys = _packed(cols, valid, bits)
+    n, W = len(cols), valid.shape[1]
     if len(keys) == 1:
-        ranked = [keys[0].sort(dim=1).values]
+        first, order = keys[0].sort(dim=1, stable=True)
+        ranked = [first]
     else:
         order = keys[-1].argsort(dim=1, stable=True)
         for key in reversed(keys[:-1]):
             order = order.gather(1, key.gather(1, order).argsort(dim=1, stable=True))
         ranked = [key.gather(1, order) for key in keys]
-    count, at = _runs(ranked, ranked[0] >= 0).max(dim=1)
-    starts = valid.clone()
-    for key, sorted_key in zip(keys, ranked):
-        starts &= key == sorted_key.gather(1, at.unsqueeze(1))
-    n = len(cols)
-    seen = torch.nn.functional.pad(starts.long(), (n, n - 1)).cumsum(dim=1)  # (B, T + n): starts up to t - n
-    covered = (seen[:, n:] - seen[:, :-n]) > 0  # position t is covered by a start in [t - n + 1, t]
-    return count, covered.sum(dim=1)
+    start = _run_starts(ranked)  # an invalid window is -1 in every key: a group of its own, first
+    since = torch.arange(W, device=valid.device) - start  # the count so far, less 1
+    scale = n * W + 1  # above any overlap: rank = (count - 1) x scale - overlap orders by count, then cover
+    rank = since * scale
+    if n > 1:  # a single token never overlaps itself: its cover is its count
+        overlap = torch.nn.functional.pad((n - order.diff(dim=1)).clamp_(min=0), (1, 0))
+        overlap = overlap.masked_fill_(since == 0, 0).cumsum_(dim=1)
+        rank -= overlap - overlap.gather(1, start)  # the group's overlap up to here
+    worst = rank.masked_fill_(ranked[0] < 0, -scale).max(dim=1).values.neg_()  # scale: no valid window
+    count = 1 - worst // scale
+    return count, count * n - worst % scale
 
 
 def ngram_shares(ids: torch.Tensor, mask: torch.Tensor, max_n: int = MAX_N) -> torch.Tensor:

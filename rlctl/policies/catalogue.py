@@ -2,7 +2,8 @@
 
 A rule that reads a metric no run writes can never fire; ``rlctl policy check`` warns about such names
 with a "did you mean" from this list. Keys are exact (``actor/ppo_kl``) or patterns whose ``<part>``
-stands for one path segment chosen by the run (``val/<data_source>/score/mean``, ``timing_s/<phase>``).
+stands for a name chosen by the run: one path segment (``timing_s/<phase>``), except ``<data_source>``,
+a value of the data's data_source column, which may hold slashes itself (``val/openai/gsm8k/score/mean``).
 Pure data and string matching: adding a metric to the engine means adding it here
 (tests/unit/test_catalogue.py fails until then).
 """
@@ -21,7 +22,7 @@ from rlctl.yamlsrc import closest
 METRICS: dict[str, str] = {
     # the actor's update
     "actor/pg_loss": "policy-gradient loss of the actor's update",
-    "actor/kl_loss": "KL to the reference model as a loss term (algorithm.use_kl_loss)",
+    "actor/kl_loss": "KL to the reference model as a loss term (algorithm.kl_coef > 0 without kl_in_reward; else 0)",
     "actor/ppo_kl": "mean KL between the rollout-time (old) policy and the updated actor",
     "actor/pg_clipfrac": "share of response tokens whose ratio was clipped",
     "actor/pg_clipfrac_lower": "share of tokens clipped by the dual-clip lower bound",
@@ -80,11 +81,16 @@ PATTERNS: dict[str, str] = {
 }
 
 
+MULTI_SEGMENT = frozenset({"<data_source>"})  # parts written as the data holds them, slashes and all
+
+
 @cache
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    """``val/<data_source>/score/mean`` -> a regex where each ``<part>`` is one non-empty segment."""
+    """``timing_s/<phase>`` -> a regex where each ``<part>`` is one non-empty segment (any non-empty
+    text for the parts of MULTI_SEGMENT: ``openai/gsm8k``)."""
     parts = re.split(r"(<[^<>]+>)", pattern)
-    return re.compile("".join("[^/]+" if p.startswith("<") else re.escape(p) for p in parts) + r"\Z")
+    part = {True: ".+", False: "[^/]+"}
+    return re.compile("".join(part[p in MULTI_SEGMENT] if p.startswith("<") else re.escape(p) for p in parts) + r"\Z")
 
 
 def _samples() -> list[str]:

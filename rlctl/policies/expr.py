@@ -22,16 +22,19 @@ need spaces (``a / b``; ``a/b`` is one metric). Numbers: ``10``, ``0.5``, ``.5``
 Evaluation: a row missing a metric the expression reads (or holding something that is not a number) is
 no observation at all (``evaluate`` answers None); a comparison that meets NaN makes the whole expression
 not hold (NaN is the nonfinite trigger's job); ``x / 0`` is an infinity of x's sign, ``0 / 0`` NaN.
-Mistakes are ValueErrors naming the column, with the text and a caret under the spot.
+Mistakes are ValueErrors naming the column, with the text and a caret under the spot; so is nesting
+deeper than MAX_DEPTH (64) levels of parentheses, calls, ``not``, ``-`` or operators (the parser and the
+tree recurse: far deeper would overflow Python's stack at policy load).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from rlctl.yamlsrc import did_you_mean
@@ -99,6 +102,8 @@ FUNCTIONS: dict[str, tuple[Callable[..., float], int]] = {  # name -> (function,
     "max": (_extreme(max), 2),
 }
 KEYWORDS = ("and", "or", "not")
+MAX_DEPTH = 64  # levels of parentheses, calls, 'not', '-' and operators: deeper would exhaust Python's stack
+TOO_DEEP = f"expression nested too deeply (more than {MAX_DEPTH} levels of parentheses, calls, 'not', '-' or operators)"
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Node:
 
     boolean = False  # a comparison or a logical combination of them; else a number
     strength = ATOM
+    height = 1  # levels of the tree from here down (the parser bounds it by MAX_DEPTH)
 
     def evaluate(self, values: Mapping[str, float]) -> Value:
         raise NotImplementedError
@@ -156,6 +162,10 @@ class Negate(Node):
     operand: Node
     strength = UNARY
 
+    @cached_property
+    def height(self) -> int:  # type: ignore[override]
+        return self.operand.height + 1
+
     def evaluate(self, values: Mapping[str, float]) -> Value:
         return -self.operand.evaluate(values)  # type: ignore[operator]
 
@@ -170,6 +180,10 @@ class Negate(Node):
 class Call(Node):
     function: str
     args: tuple[Node, ...]
+
+    @cached_property
+    def height(self) -> int:  # type: ignore[override]
+        return max(a.height for a in self.args) + 1
 
     def evaluate(self, values: Mapping[str, float]) -> Value:
         return FUNCTIONS[self.function][0](*(a.evaluate(values) for a in self.args))
@@ -188,6 +202,10 @@ class Binary(Node):
     op: str
     left: Node
     right: Node
+
+    @cached_property
+    def height(self) -> int:  # type: ignore[override]
+        return max(self.left.height, self.right.height) + 1
 
     @property
     def boolean(self) -> bool:  # type: ignore[override]
@@ -222,6 +240,10 @@ class Not(Node):
     operand: Node
     boolean = True
     strength = NOT
+
+    @cached_property
+    def height(self) -> int:  # type: ignore[override]
+        return self.operand.height + 1
 
     def evaluate(self, values: Mapping[str, float]) -> Value:
         held = self.operand.evaluate(values)
@@ -357,6 +379,24 @@ class _Parser:
         self.text = text
         self.tokens = tokenize(text)
         self.pos = 0
+        self.depth = 0  # how many parentheses, calls, 'not's and '-'s the parser is inside
+
+    @contextmanager
+    def nested(self, col: int) -> Iterator[None]:
+        """One level deeper (a '(', a call, a 'not' or a '-' at ``col``); a ValueError past MAX_DEPTH."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            self.fail(col, TOO_DEEP)
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def built(self, node: Node, col: int) -> Node:
+        """``node``, made by the operator at ``col``, unless its tree is deeper than MAX_DEPTH."""
+        if node.height > MAX_DEPTH:
+            self.fail(col, TOO_DEEP)
+        return node
 
     @property
     def token(self) -> Token:
@@ -393,20 +433,21 @@ class _Parser:
             return self.negation()
         word = ("or", "and")[level]
         node = self.logic(level + 1)
-        while self.take(word) is not None:
+        while (token := self.take(word)) is not None:
             right = self.logic(level + 1)
             for side in (node, right):
                 self.need(side, True, f"'{word}' joins comparisons")
-            node = Binary(node.col, word, node, right)
+            node = self.built(Binary(node.col, word, node, right), token.col)
         return node
 
     def negation(self) -> Node:
         token = self.take("not")
         if token is None:
             return self.comparison()
-        operand = self.negation()
+        with self.nested(token.col):
+            operand = self.negation()
         self.need(operand, True, "'not' takes a comparison")
-        return Not(token.col, operand)
+        return self.built(Not(token.col, operand), token.col)
 
     def comparison(self) -> Node:
         left = self.arithmetic(0)
@@ -420,7 +461,7 @@ class _Parser:
         if chained is not None:
             a, b, c = left.describe(), right.describe(), self.arithmetic(0).describe()
             self.fail(chained.col, f"comparisons do not chain; write '{a} {token.text} {b} and {b} {chained.text} {c}'")
-        return Binary(left.col, token.text, left, right)
+        return self.built(Binary(left.col, token.text, left, right), token.col)
 
     def arithmetic(self, level: int) -> Node:
         """Sums (level 0) of products (level 1) of signed atoms."""
@@ -432,16 +473,17 @@ class _Parser:
             right = self.arithmetic(level + 1)
             for side in (node, right):
                 self.need(side, False, f"'{token.text}' works on numbers")
-            node = Binary(node.col, token.text, node, right)
+            node = self.built(Binary(node.col, token.text, node, right), token.col)
         return node
 
     def unary(self) -> Node:
         token = self.take("-")
         if token is None:
             return self.atom()
-        operand = self.unary()
+        with self.nested(token.col):
+            operand = self.unary()
         self.need(operand, False, "'-' works on numbers")
-        return Negate(token.col, operand)
+        return self.built(Negate(token.col, operand), token.col)
 
     def atom(self) -> Node:
         token = self.token
@@ -457,7 +499,8 @@ class _Parser:
                 return self.call(token)
             return Metric(token.col, token.text)
         if self.take("(") is not None:
-            node = self.logic(0)
+            with self.nested(token.col):
+                node = self.logic(0)
             self.expect(")")
             return node
         self.fail(token.col, f"expected a number, a metric or '(' but found {token.shown()}")
@@ -468,9 +511,10 @@ class _Parser:
             names = ", ".join(FUNCTIONS)
             self.fail(name.col, f"unknown function '{name.text}' (one of {names}){did_you_mean(name.text, FUNCTIONS)}")
         self.expect("(")
-        args = [self.arithmetic(0)]
-        while self.take(",") is not None:
-            args.append(self.arithmetic(0))
+        with self.nested(name.col):
+            args = [self.arithmetic(0)]
+            while self.take(",") is not None:
+                args.append(self.arithmetic(0))
         self.expect(")")
         for arg in args:
             self.need(arg, False, f"{name.text}() works on numbers")
@@ -478,7 +522,7 @@ class _Parser:
             self.fail(args[1].col, f"{name.text}() takes one argument")
         if len(args) < FUNCTIONS[name.text][1]:
             self.fail(name.col, f"{name.text}() takes at least two arguments")
-        return Call(name.col, name.text, tuple(args))
+        return self.built(Call(name.col, name.text, tuple(args)), name.col)
 
     def need(self, node: Node, boolean: bool, why: str) -> None:
         """A ValueError at ``node`` unless it is a condition (``boolean``) or a number as ``why`` needs."""

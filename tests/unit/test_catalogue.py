@@ -3,8 +3,10 @@ new metric fails here until it is catalogued), patterns match what they stand fo
 "did you mean". (The keys of a real run are checked in tests/e2e/test_policy_tools_e2e.py.)"""
 
 import ast
+import re
 from pathlib import Path
 
+from rlctl.config import RunConfig
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import METRICS, PATTERNS, known_metric, meaning, suggest, unknown_metrics
 
@@ -43,9 +45,13 @@ def test_validation_and_timing_keys_match_their_patterns():
     for key in ("val/score/mean", "val/score/mean@4", "val/score/best@16", "val/gsm8k/score/mean"):
         assert known_metric(key), key
     assert known_metric("timing_s/update_actor") and known_metric("timing_s/validation")
-    assert not known_metric("timing_s/") and not known_metric("val/a/b/score/mean")
+    assert not known_metric("timing_s/") and not known_metric("timing_s/gen/x")
     assert not known_metric("actor/ppo_kll") and not known_metric("val/score/mean@")
     assert meaning("val/gsm8k/score/mean") == PATTERNS["val/<data_source>/score/mean"]
+    # a data_source is written as the data holds it, slashes included (a Hub name like openai/gsm8k)
+    assert known_metric("val/openai/gsm8k/score/mean") and not known_metric("val//score/mean")
+    assert meaning("val/openai/gsm8k/score/mean") == PATTERNS["val/<data_source>/score/mean"]
+    assert "use_kl_loss" not in METRICS["actor/kl_loss"] and "algorithm.kl_coef" in METRICS["actor/kl_loss"]
     assert all(text and "\n" not in text for text in [*METRICS.values(), *PATTERNS.values()])
 
 
@@ -77,3 +83,15 @@ def test_unknown_metrics_of_rules():
     assert against_run == [("typo", "actor/ppo_kll", "actor/ppo_kl"), ("nan", "actr/*", None)]
     (missing,) = unknown_metrics(rules[:1], {"actor/ppo_kl_x"})  # rlctl writes it, this run did not
     assert (missing.metric, missing.suggestion, missing.catalogued) == ("actor/ppo_kl", None, True)
+
+
+def test_the_config_keys_the_meanings_cite_exist():
+    cited = {
+        k for text in [*METRICS.values(), *PATTERNS.values()] for k in re.findall(r"\b[a-z_]+\.[a-z_.]*[a-z_]", text)
+    }
+    assert {"algorithm.kl_coef", "rollout.max_new_tokens"} <= cited
+    for key in cited:
+        model = RunConfig
+        for part in key.split("."):
+            assert part in model.model_fields, f"catalogue.py cites {key}, which is no run-config key"
+            model = model.model_fields[part].annotation

@@ -258,6 +258,35 @@ def test_a_bad_when_is_one_located_config_error():
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "col"),
+    [
+        ("(" * 120 + "a > 1" + ")" * 120, 65),  # the 65th '('
+        ("not " * 100 + "a > 1", 257),  # the 65th 'not'
+        ("-" * 200 + "a > 1", 65),
+        ("abs(" * 70 + "a" + ")" * 70 + " > 1", 257),
+        ("a" + " + a" * 300 + " > 1", 255),  # a flat sum is a tree too: the 64th '+' makes it 65 deep
+        ("a > 1" + " and a > 1" * 200, 627),
+    ],
+)
+def test_an_expression_nested_too_deeply_is_a_located_error_not_a_recursion_error(text, col):
+    with pytest.raises(ValueError) as err:
+        parse_expression(text)
+    first = str(err.value).split("\n")[0]
+    assert first.startswith(f"at column {col}: expression nested too deeply (more than 64 levels")
+    with pytest.raises(ConfigError) as err:
+        validate_policy({"rules": [{"name": "r", "when": text, "actions": [{"type": "warn"}]}]}, source="deep.yaml")
+    assert "'rules.0.when': at column" in err.value.message and "nested too deeply" in err.value.message
+
+
+def test_nesting_up_to_the_limit_parses_and_evaluates():
+    deep = parse_expression("(" * 63 + "a > 1" + ")" * 63)
+    assert deep.evaluate({"a": 2}).held and deep.describe() == "a > 1"
+    long = parse_expression("a" + " + a" * 62 + " > 1")  # 63 additions and the comparison: 64 levels
+    assert long.root.height == 64 and long.evaluate({"a": 1}).value == 63
+    assert parse_expression("-" * 62 + "a > 1").evaluate({"a": 2}).held  # an even number of '-'
+
+
 # --------------------------------------------------------------------------------------------------
 # Adjust: set, multiply, add, with bounds
 

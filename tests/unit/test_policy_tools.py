@@ -13,7 +13,7 @@ from rlctl import calibrate as cal
 from rlctl.commands.policy import policy
 from rlctl.errors import ConfigError, InputError
 from rlctl.policies import PolicyEngine, validate_policy
-from rlctl.replay import metric_keys, order_history, read_history, replay
+from rlctl.replay import Turns, metric_keys, order_history, read_history, replay
 
 KL_RULE = {
     "name": "kl",
@@ -80,11 +80,40 @@ def test_history_is_in_write_order_across_turns(tmp_path):
     assert metric_keys(history) == {"actor/ppo_kl", "val/score/mean"}
 
 
-def test_ties_go_by_step_then_file_order_and_a_row_without_time_follows_its_file():
+def test_ties_go_by_step_then_abandoned_first_and_a_row_without_time_follows_its_file():
     kept = [row(1, 1.0), {"step": 2, "actor/ppo_kl": 0.0}, row(3, 5.0)]
     gone = [{**row(3, 1.0), "abandoned": tag("rollback")}, {**row(2, 1.0), "abandoned": tag("rollback")}]
     order = [(h.step, h.turned is not None) for h in order_history(kept, gone)]
-    assert order == [(1, False), (2, False), (2, True), (3, True), (3, False)]
+    # the kept step 2 takes step 1's time (1.0), as the abandoned step 2 has: the abandoned one was
+    # written first (the turn that abandoned it came before the kept row was written)
+    assert order == [(1, False), (2, True), (2, False), (3, True), (3, False)]
+
+
+def test_same_time_and_step_puts_the_abandoned_row_first_whatever_the_file_order():
+    kept = [row(1, 1.0), row(2, 2.0, kl=0.2)]
+    gone = [{**row(2, 2.0, kl=0.1), "abandoned": tag("resume")}]  # the same millisecond
+    assert [h.row["actor/ppo_kl"] for h in order_history(kept, gone)] == [0.0, 0.1, 0.2]
+
+
+@pytest.mark.parametrize("stamp", [math.nan, math.inf, "NaN", "soon", None, True])
+def test_a_timestamp_that_is_no_finite_number_counts_as_missing(stamp):
+    """A NaN in a sort key silently scrambles the order: it is treated as no timestamp at all."""
+    kept = [row(1, 1.0), row(2, stamp), row(3, 4.0), row(4, 5.0)]
+    gone = [{**row(3, 2.0), "abandoned": tag("rollback")}, {**row(4, 3.0), "abandoned": tag("rollback")}]
+    order = [(h.step, h.turned is not None) for h in order_history(kept, gone)]
+    assert order == [(1, False), (2, False), (3, True), (4, True), (3, False), (4, False)]
+    kept = [row(1, 1.0), row(2, 2.0), row(3, 5.0)]
+    gone = [{**row(3, 3.0), "abandoned": tag("rollback")}, {**row(4, stamp), "abandoned": tag("rollback")}]
+    order = [(h.step, h.turned is not None) for h in order_history(kept, gone)]
+    assert order == [(1, False), (2, False), (3, True), (4, True), (3, False)]  # 4 takes 3.0, its predecessor's
+
+
+def test_rows_without_any_timestamp_keep_their_file_order():
+    kept = [{"step": s, "actor/ppo_kl": 0.0} for s in (1, 2, 3)]
+    gone = [{"step": s, "actor/ppo_kl": 0.0, "abandoned": tag("resume")} for s in (1, 2)]
+    # no time at all: by step, the abandoned row of a step before its kept row (then file order)
+    order = [(h.step, h.turned is not None) for h in order_history(kept, gone)]
+    assert order == [(1, True), (1, False), (2, True), (2, False), (3, False)]
 
 
 def test_replay_rewinds_at_each_turn_and_keeps_the_counts(tmp_path):
@@ -129,6 +158,39 @@ def test_a_resume_after_a_halt_keeps_the_counts_policy_state_json_carried():
         (4, 2, True),
         (3, 3, True),  # after `resume --from step-2`: the halt's counts, not step 2's snapshot's
     ]
+
+
+@pytest.mark.parametrize("validates_first", [False, True])
+def test_a_resume_that_found_no_snapshot_starts_over_fresh(validates_first):
+    """A warn rule (no rollback, so no snapshot of step 0) halts at step 3 (policy_state.json written);
+    the resume finds no snapshot and starts over (rlctl.ranks.worker._resume: nothing restored, nothing
+    carried): the rule fires again as the first time, not escalated. With a step-0 validation row, the
+    fresh run writes step 0 again (a turn to step -1); without, the turn is to step 0."""
+    watch = {"name": "watch", "when": "actor/ppo_kl > 1", "actions": [{"type": "warn"}], "max_triggers": 1}
+    first = [row(1, 1.0), row(2, 2.0, kl=5.0), row(3, 3.0, kl=5.0)]  # fires, then halts (escalated)
+    kept = [row(1, 5.0), row(2, 6.0, kl=5.0)]
+    if validates_first:
+        first, kept = [row(0, 0.5), *first], [row(0, 4.5), *kept]
+    gone = [{**r, "abandoned": tag("resume")} for r in first]
+    found = replay(order_history(kept, gone), rules(watch))
+    assert [(r.firing.step, r.firing.count, r.firing.escalated) for r in found] == [
+        (2, 1, False),
+        (3, 2, True),
+        (2, 1, False),  # fresh: not the halt's counts (3, 2 past max_triggers) that policy_state.json holds
+    ]
+
+
+def test_a_resume_to_step_0_of_a_rolling_back_policy_had_its_snapshot_and_carries_the_counts():
+    """A policy that rolls back snapshots step 0 before training, so a resume to step 0 restored it
+    and carried policy_state.json (as of a later halt); a fresh start is only for a run without one."""
+    engine = PolicyEngine(rules(KL_RULE))
+    for turns, carried in ((Turns(engine, snapshot_at_start=True), True), (Turns(engine), False)):
+        engine.load_state_dict(turns.fresh)
+        engine.evaluate(1, row(1, 1.0, kl=5.0))
+        turns.evaluated(1, halted=True)
+        turns.turn(0, resumed=True)
+        assert (engine.state_dict() != turns.fresh) is carried
+        assert turns.persisted is not None and turns.persisted[0] == (0 if carried else 1)
 
 
 def test_replay_command_table_json_and_default_policies(tmp_path):
@@ -234,6 +296,66 @@ def test_the_policy_text_round_trips_into_the_rules_that_were_replayed():
     assert [a.type for a in loaded.rules[2].actions] == ["warn"]
 
 
+@pytest.mark.parametrize(
+    ("rows", "why"),
+    [
+        (healthy_rows(1), "from its 1 row (steps 1-1): kl: actor/ppo_kl has 1 finite value in this run"),
+        (
+            [{**r, "actor/ppo_kl": 0.01, "actor/grad_norm": 1.0, "actor/entropy": 2.0} for r in healthy_rows(30)],
+            "kl: actor/ppo_kl was 0.01 at every step",
+        ),
+        ([{"step": s, "actor/entropy": math.inf} for s in (1, 2, 3)], "entropy-floor: this run never wrote"),
+    ],
+)
+def test_a_run_that_gives_no_rule_is_an_input_error_not_an_empty_policy(rows, why):
+    with pytest.raises(InputError) as err:
+        cal.calibrate(rows, 0.99, 0.5, "RUN")
+    assert err.value.exit_code == 4
+    assert err.value.message.startswith("run RUN gives nothing to calibrate") and why in err.value.message
+    assert "grad-spike:" in err.value.message and "ppo-ratio: this run never wrote" in err.value.message
+
+
+def test_non_finite_values_are_left_to_the_nonfinite_rule_in_the_limits_and_in_the_replay():
+    rows = healthy_rows()
+    rows[49]["actor/ppo_kl"], rows[99]["actor/ppo_kl"] = math.inf, -math.inf  # an inf once counted as a firing
+    rows[59]["actor/grad_norm"] = math.nan
+    found = {p.signal.name: p for p in cal.calibrate(rows, 0.99, 0.5, "RUN").proposals}
+    assert found["kl"].rule["when"] == "actor/ppo_kl > 0.0501" and found["kl"].fired == 0
+    assert found["kl"].evidence[-1] == (
+        "replayed on this run: fires 0 times (leaving out 2 steps where actor/ppo_kl was not finite)"
+    )
+    assert found["grad-spike"].fired == 0 and "leaving out 1 step where" in found["grad-spike"].evidence[-1]
+    assert found["entropy-floor"].evidence[-1] == "replayed on this run: fires 0 times"
+    assert cal.count_firings(found["kl"].rule, rows) == 1  # +inf itself is above any limit
+
+
+def share_rows(top):
+    """A run with one share rising to ``top`` at the last step (and the KL of healthy_rows)."""
+    return [{**r, "response/repetition/mean": top * r["step"] / 200} for r in healthy_rows()]
+
+
+def test_a_share_limit_is_capped_at_1_and_fires_only_on_1():
+    found = cal.calibrate(share_rows(0.9), 0.99, 0.5, "RUN")
+    (rep,) = [p for p in found.proposals if p.signal.name == "repetition"]
+    assert rep.rule["when"] == "response/repetition/mean >= 1" and rep.fired == 0  # 0.9 x 1.5 would be 1.34
+    assert any(line.startswith("capped at 1: a share is never above it") for line in rep.evidence)
+    assert cal.count_firings(rep.rule, [{"step": 1, "response/repetition/mean": 1.0}]) == 1  # it can fire
+    validate_policy(yaml.safe_load(cal.render(found)))
+    low = cal.calibrate(share_rows(0.4), 0.99, 0.5, "RUN")  # its 0.99 quantile 0.396 x 1.5: no cap
+    assert [p.rule["when"] for p in low.proposals if p.signal.name == "repetition"] == [
+        "response/repetition/mean > 0.595"
+    ]
+
+
+def test_a_share_that_reached_1_is_left_out():
+    found = cal.calibrate(share_rows(1.0), 0.99, 0.5, "RUN")
+    assert "repetition" not in [p.signal.name for p in found.proposals]
+    assert (
+        "repetition",
+        "response/repetition/mean reached 1, the most a share can be, at step 200: no limit above it can fire",
+    ) in [(s.name, why) for s, why in found.left_out]
+
+
 def test_calibrate_command_until_and_errors(tmp_path):
     run = write_run(tmp_path / "run", kept=healthy_rows(), abandoned=None)
     result = CliRunner().invoke(policy, ["calibrate", str(run), "--until", "25"])
@@ -243,6 +365,9 @@ def test_calibrate_command_until_and_errors(tmp_path):
     validate_policy(yaml.safe_load(result.stdout))
     early = CliRunner().invoke(policy, ["calibrate", str(run), "--until", "0"])
     assert type(early.exception) is InputError and "up to step 0" in early.exception.message
+    one = CliRunner().invoke(policy, ["calibrate", str(run), "--until", "1"])  # one row: no rule, no policy
+    assert type(one.exception) is InputError and "gives nothing to calibrate from its 1 row" in one.exception.message
+    assert one.stdout == ""
     bad = CliRunner().invoke(policy, ["calibrate", str(run), "--quantile", "1.5"])
     assert bad.exit_code == 2
 
@@ -257,5 +382,10 @@ def test_commands_read_a_run_on_any_fsspec_storage():
     run.write_bytes("metrics.abandoned.jsonl", "".join(json.dumps(r) + "\n" for r in ABANDONED).encode())
     replayed = CliRunner().invoke(policy, ["replay", url, "--format", "json"])
     assert [f["step"] for f in json.loads(replayed.stdout)] == [3, 4]
+    calibrated = CliRunner().invoke(policy, ["calibrate", url])  # KEPT's KL is 0 at every step: nothing to do
+    assert type(calibrated.exception) is InputError and "kl: actor/ppo_kl was 0 at every step" in str(
+        calibrated.exception
+    )
+    run.write_bytes("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in healthy_rows(40)).encode())
     calibrated = CliRunner().invoke(policy, ["calibrate", url])
-    assert calibrated.exit_code == 0 and "left out kl: actor/ppo_kl was 0 at every step" in calibrated.stdout
+    assert calibrated.exit_code == 0 and "left out repetition: this run never wrote" in calibrated.stdout

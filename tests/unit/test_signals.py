@@ -3,6 +3,7 @@ the degenerate drill's batch, and how the actor combines actor/ppo_ratio/max and
 micro-batches (a real tiny actor)."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -95,6 +96,34 @@ def test_large_ids_pack_exactly_for_four_grams():
     assert shares[0, 3].item() == 1.0  # the 4-gram starts 3 times in 12 tokens
     assert shares[1, 3].item() == 1.0
     assert shares[1, 0].item() == pytest.approx(3 / 12)
+
+
+def brute_shares(row: list[int], max_n: int = 4) -> list[float]:
+    """The n-gram shares of one unpadded response by counting every n-gram's starts in Python."""
+    shares = []
+    for n in range(1, max_n + 1):
+        starts: dict[tuple[int, ...], list[int]] = {}
+        for i in range(len(row) - n + 1):
+            starts.setdefault(tuple(row[i : i + n]), []).append(i)
+        top = max((len(v) for v in starts.values()), default=0)
+        cover = max((len({p for s in v for p in range(s, s + n)}) for v in starts.values() if len(v) == top), default=0)
+        shares.append(0.0 if n > 1 and top < 2 else cover / max(1, len(row)))
+    return shares
+
+
+def test_equally_frequent_ngrams_take_the_largest_cover_whatever_the_order():
+    # a a a b c b c: (a,a) and (b,c) both start twice; (a,a) covers 3 tokens, (b,c) 4. Either order in
+    # the response, and (a,a) sorting first or last, gives 4/7 (not the index .max() happened to return)
+    a, b, c = 1, 2, 3
+    for row in ([a, a, a, b, c, b, c], [b, c, b, c, a, a, a], [c, c, c, a, b, a, b]):
+        ids, mask = batch([row])
+        assert ngram_shares(ids, mask)[0].tolist() == pytest.approx([3 / 7, 4 / 7, 0.0, 0.0]), row
+    rng = random.Random(7)  # small vocabularies: ties everywhere; 2^20 ids: 4-grams in two keys
+    for vocab in (2, 3, 2**20):
+        rows = [[rng.randrange(vocab) for _ in range(rng.randint(1, 16))] for _ in range(40)]
+        ids, mask = batch(rows)
+        got = ngram_shares(ids, mask).tolist()
+        assert got == [pytest.approx(brute_shares(r)) for r in rows]
 
 
 def test_batch_metrics_reduce_over_equal_rank_shares_like_the_whole_batch():
