@@ -64,15 +64,17 @@ def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_pat
         json.dumps({"trainer": {"total_steps": 8}, "checkpoint": {"every": 2}, "policies": [{"rules": rules}]})
     )
     run = tmp_path / "run"
-    drills = "metric@2=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:5.0,sleep@5=120"
+    # step 5 fails the rule, so no drill runs after it (nor a snapshot); step 6 is snapshotted, but its
+    # commit is held while the run sleeps: the kill comes with step 4 the newest committed snapshot
+    drills = "metric@2=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:5.0,commit_delay@6=120,sleep@6=120"
     proc = spawn("start", str(cfg), "--run-dir", str(run), *SMALL, faults=drills)
 
-    def after_step_5_with_snapshot_4():
+    def after_step_6_with_snapshot_4():
         rows = (run / "metrics.jsonl").exists() and metrics_of(run)
-        return bool(rows) and rows[-1]["step"] == 5 and any(e["step"] == 4 for e in kinds(run, "snapshot_committed"))
+        return bool(rows) and rows[-1]["step"] == 6 and any(e["step"] == 4 for e in kinds(run, "snapshot_committed"))
 
-    wait_for(after_step_5_with_snapshot_4, proc)
-    proc.send_signal(signal.SIGKILL)  # after the firing of step 5, which the newest snapshot (step 4) predates
+    wait_for(after_step_6_with_snapshot_4, proc)
+    proc.send_signal(signal.SIGKILL)  # after the firing of step 5, which the newest committed snapshot predates
     proc.wait()
     fired_at_5 = (5, {"algorithm.kl_coef": {"from": 0.01, "to": 0.015}})  # 0.02, held at the action's max
     adjusts = [(e["step"], e["changes"]) for e in kinds(run, "adjust")]
@@ -86,9 +88,9 @@ def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_pat
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == list(range(1, 9))
     assert [row["actor/kl_coef"] for row in rows] == [0.0, 0.0] + [0.01] * 3 + [0.015] * 3
-    assert stable(rows)[:5] == before_kill  # step 5 re-run from the snapshot of step 4 at 0.01: bit for bit
+    assert stable(rows)[:6] == before_kill  # steps 5-6 re-run from the snapshot of step 4: bit for bit
     abandoned = metrics_of(run, "metrics.abandoned.jsonl")
-    assert [a["step"] for a in abandoned] == [5] and stable(abandoned) == before_kill[4:]
+    assert [a["step"] for a in abandoned] == [5, 6] and stable(abandoned) == before_kill[4:]
     assert [f["step"] for f in kinds(run, "policy")] == [2, 5, 5]  # the drills' steps, step 5 once per run
     assert [(e["step"], e["changes"]) for e in kinds(run, "adjust")] == [*adjusts, fired_at_5]  # not from 0.015
     assert yaml.safe_load((run / "config.yaml").read_text())["algorithm"]["kl_coef"] == 0.015
