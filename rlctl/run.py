@@ -45,11 +45,11 @@ ENDED = {"completed", "preempted", "halted", "crashed", "interrupted"}
 
 
 def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
+    run = run_storage(url, cfg)
+    refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
     _preflight(cfg)
     reporter = reporter or SilentReporter()
-    run = run_storage(url, cfg)
     _trackers_need_a_local_run_dir(run, cfg)
-    refuse_used_run_dir(run)  # (again under the lease, before anything is written)
     run.makedirs()
     with _lease(run, cfg) as lease:
         reused = claim_run_dir(run, cfg)

@@ -178,3 +178,21 @@ def mlflow_runs(run_dir, experiment_name="demo"):
 
 def steps_of(client, run_id, key):
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def hf_weights_sha256(model_dir) -> str:
+    """The hash a run's `completed` event gives its weights (every parameter's bytes, by name), of a Hugging
+    Face model directory loaded with transformers' own reader (and its tokenizer loaded, to prove it is
+    there); computed in this process, which saves a subprocess that imports torch and transformers."""
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    AutoTokenizer.from_pretrained(str(model_dir))
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

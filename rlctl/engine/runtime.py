@@ -250,20 +250,48 @@ def check_rollout_device(device: str, backend: str) -> None:
             )
 
 
+MUON = "deepspeed.runtime.zero.muon.original_muon"  # DeepSpeed's Muon optimizer, which rlctl never uses
+
+
 def import_deepspeed():
-    """DeepSpeed, imported without its autotuner importing MLflow when MLflow is installed (2 s at every
-    start of every rank; rlctl imports MLflow itself only for a run that logs to it, and later)."""
-    if "deepspeed" in sys.modules:
-        return sys.modules["deepspeed"]
-    hidden = "mlflow" not in sys.modules
-    if hidden:
-        sys.modules["mlflow"] = None  # an ImportError for DeepSpeed's `try: import mlflow`
+    """DeepSpeed, imported without its two slow side trips (each 1.5 to 4 s at every start of every rank):
+
+    * its autotuner imports MLflow when MLflow is installed; it is hidden for that import only (rlctl
+      imports MLflow itself for a run that logs to it, later);
+    * its Muon optimizer module applies ``torch.compile`` at import, which imports ``torch._inductor``;
+      every ZeRO optimizer imports that module (for an ``isinstance`` check). It is imported here first
+      with torch's documented ``TORCHDYNAMO_DISABLE=1`` set for that import only, which turns the
+      decorator into a no-op: Muon's Newton-Schulz kernel stays uncompiled, and nothing runs it (rlctl's
+      optimizer is always torch's AdamW). Nothing else is compiled differently.
+    """
+    if "deepspeed" not in sys.modules:
+        hidden = "mlflow" not in sys.modules
+        if hidden:
+            sys.modules["mlflow"] = None  # an ImportError for DeepSpeed's `try: import mlflow`
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            if hidden and sys.modules.get("mlflow", 0) is None:
+                del sys.modules["mlflow"]
+    _import_muon_uncompiled()  # (also where something imported DeepSpeed before: it imports Muon lazily)
+    return sys.modules["deepspeed"]
+
+
+def _import_muon_uncompiled() -> None:
+    """DeepSpeed's Muon module, imported with dynamo off for that import only (see ``import_deepspeed``)."""
+    if MUON in sys.modules:
+        return
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     try:
-        import deepspeed
+        importlib.import_module(MUON)
+    except ImportError:  # a DeepSpeed without it: nothing to avoid
+        pass
     finally:
-        if hidden and sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
-    return deepspeed
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
 
 
 def quiet_libraries() -> None:

@@ -9,8 +9,8 @@ from helpers import metrics_of, run_cli
 
 pytestmark = pytest.mark.slow
 
+# GRPO, the default, is test_e2e.py's test_demo_learns: the same command and the same assertions
 VARIANTS = {
-    "grpo": [],
     "drgrpo": ["algorithm.adv_estimator=drgrpo", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
     "rloo": ["algorithm.adv_estimator=rloo"],
     "reinforce_plus_plus": [

@@ -199,3 +199,23 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_
     # whose gradient is float noise around 0 may go either way; all others must agree.
     far = (weights_micro - weights_whole).abs() > 1e-6
     assert int(far.sum()) < far.numel() // 1000
+
+
+def test_deepspeed_is_imported_without_compiling_its_muon_optimizer():
+    """Every ZeRO optimizer imports DeepSpeed's Muon module, which applies torch.compile at import (about
+    2 s of torch._inductor at every start of every rank). rlctl imports it first with dynamo off for that
+    import only: inductor stays unimported, and TORCHDYNAMO_DISABLE (read at each torch.compile call) is
+    gone again, so torch.compile works as before. (ZeRO 1-3 then build on it above.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "from rlctl.engine.runtime import MUON, import_deepspeed\n"
+        "import_deepspeed()\n"
+        "assert MUON in sys.modules and 'torch._inductor.compile_fx' not in sys.modules, 'inductor imported'\n"
+        "assert 'TORCHDYNAMO_DISABLE' not in os.environ, 'dynamo left disabled'\n"
+        "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
