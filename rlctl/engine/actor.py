@@ -105,12 +105,11 @@ class Actor(DSModule):
         n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
         for _ in range(a.ppo_epochs):
-            for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
+            for idx, tw, _ in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 loss, stats = self._micro_batch_loss(
                     seqs,
                     idx,
                     tw,
-                    weight,
                     advantages,
                     old_log_prob,
                     ref_log_prob,
@@ -119,7 +118,7 @@ class Actor(DSModule):
                     rollout_log_prob=rollout_log_prob,
                 )
                 boundary = self.engine.is_gradient_accumulation_boundary()
-                if not self._apply(loss, weight):
+                if not self._apply(loss):
                     stats["actor/skipped_updates"] = 1.0
                 if boundary:
                     totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + _as_float(
@@ -140,7 +139,6 @@ class Actor(DSModule):
         seqs: Sequences,
         idx: slice,
         tw: float,
-        weight: float,
         advantages: torch.Tensor,
         old_log_prob: torch.Tensor | None,
         ref_log_prob: torch.Tensor | None,
@@ -149,36 +147,32 @@ class Actor(DSModule):
         poison: bool,
         rollout_log_prob: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """One micro-batch's forward: its loss and its metrics, weighted (``tw`` token weight, ``weight``
-        loss weight, see ``minibatches``) so that their means over micro-batches and ranks are the batch's."""
+        """One micro-batch's forward: its loss and its metrics, weighted so that their means over
+        micro-batches and ranks are the mini-batch's (``tw``: the token weight of ``minibatches``).
+
+        Each term of the loss carries the weight of its own aggregation mode (``agg_weight``): GSPO's
+        policy loss is a sequence mean (``policy_agg_mode``) while the entropy and KL terms follow
+        ``loss_agg_mode``, as verl. ``seq-mean-token-sum-norm`` divides every term by the same constant,
+        ``rollout.max_new_tokens`` (verl's ``loss_scale_factor``)."""
         a, horizon = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
+        weight = algos.core.agg_weight(a.loss_agg_mode, tw)
+        pg_weight = algos.core.agg_weight(algos.core.policy_agg_mode(a.loss_agg_mode, a.importance_ratio), tw)
         mb, mask = seqs.select(idx), seqs.response_mask[idx]
         log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
         if poison:  # fault drill: one NaN log-prob, as a broken kernel would give
             log_prob = poisoned(log_prob)
         old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
-        pl = algos.compute_policy_loss(
-            log_prob,
-            old,
-            advantages[idx],
-            mask,
-            clip_low=a.clip_low,
-            clip_high=a.clip_high,
-            clip_c=a.clip_ratio_c,
-            agg_mode=a.loss_agg_mode,
-            level=a.importance_ratio,
-        )
-        loss = pl.pg_loss
-        entropy_term = algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
+        pl = self._policy_loss(log_prob, old, advantages[idx], mask)
+        loss = pl.pg_loss * pg_weight
         if a.entropy_coef:
-            loss = loss - a.entropy_coef * entropy_term
+            loss = loss - a.entropy_coef * weight * algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
         kl_loss = torch.zeros(())
         if ref_log_prob is not None and not a.kl_in_reward:
             kl = algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator)
             kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode, horizon)
-            loss = loss + kl_coef * kl_loss
+            loss = loss + kl_coef * weight * kl_loss
         stats = {
-            "actor/pg_loss": pl.pg_loss.item() * weight,
+            "actor/pg_loss": pl.pg_loss.item() * pg_weight,
             "actor/kl_loss": kl_loss.item() * weight,
             "actor/ppo_kl": pl.ppo_kl.item() * tw,
             "actor/pg_clipfrac": pl.pg_clipfrac.item() * tw,
@@ -196,11 +190,29 @@ class Actor(DSModule):
             stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item() * tw
         return loss, stats
 
-    def _apply(self, loss: torch.Tensor, weight: float) -> bool:
-        """Backward and step on the micro-batch's loss when it is finite on every rank (backward and step
-        are collectives: every rank applies its micro-batch, or none does). Whether it was applied."""
+    def _policy_loss(
+        self, log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    ) -> algos.PolicyLoss:
+        """The clipped surrogate of one micro-batch with the run's clips, level and aggregation (all (B, T))."""
+        a = self.cfg.algorithm
+        return algos.compute_policy_loss(
+            log_prob,
+            old,
+            advantages,
+            mask,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            clip_c=a.clip_ratio_c,
+            agg_mode=a.loss_agg_mode,
+            level=a.importance_ratio,
+            horizon=self.cfg.rollout.max_new_tokens,
+        )
+
+    def _apply(self, loss: torch.Tensor) -> bool:
+        """Backward and step on the micro-batch's (weighted) loss when it is finite on every rank (backward
+        and step are collectives: every rank applies its micro-batch, or none does). Whether it was applied."""
         if self.collectives.all(bool(torch.isfinite(loss))):
-            self.step(loss * weight)
+            self.step(loss)
             return True
         # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.
         # DeepSpeed still counts the micro-step so accumulation boundaries stay aligned.

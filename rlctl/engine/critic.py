@@ -69,7 +69,9 @@ class Critic(DSModule):
         return values * seqs.response_mask
 
     def update(self, seqs: Sequences, old_values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
-        """Clipped value-loss updates over the batch, with the actor's epochs and (mini/micro) batches."""
+        """Clipped value-loss updates over the batch, with the actor's epochs and (mini/micro) batches.
+        The value loss is aggregated by ``loss_agg_mode``, ``seq-mean-token-sum-norm`` over the actor's
+        constant (``rollout.max_new_tokens``), as verl's critic shares the actor's ``loss_scale_factor``."""
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
         n = 0
@@ -78,7 +80,13 @@ class Critic(DSModule):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
                 vpreds = self.values(mb)
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
-                    vpreds, old_values[idx], returns[idx], mask, self.cfg.critic.cliprange_value, a.loss_agg_mode
+                    vpreds,
+                    old_values[idx],
+                    returns[idx],
+                    mask,
+                    self.cfg.critic.cliprange_value,
+                    a.loss_agg_mode,
+                    horizon=self.cfg.rollout.max_new_tokens,
                 )
                 if self.collectives.all(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
                     self.step(vf_loss * weight)

@@ -361,21 +361,25 @@ def test_policy_loss_gspo_sequence_ratio_value_and_gradient():
     out = algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence")
     # row 0: s = exp(mean(.1, .2, .3)) = e^.2 = 1.2214 > 1.2 -> every token clipped: loss -1.2 each
     # row 1: s = exp(mean(-.1, .05)) = e^-.025 = .9753099, inside [.8, 1.2]: loss -2 * .9753099 each
-    # token-mean over 5 tokens: (3 * -1.2 + 2 * -1.9506198) / 5 = -1.5002479
-    assert out.pg_loss.item() == pytest.approx(-1.5002479, abs=1e-5)
+    # aggregated as seq-mean-token-mean whatever agg_mode says (verl): (-1.2 + -1.9506198) / 2 = -1.5753099
+    # (the token-mean over 5 tokens would be (3 * -1.2 + 2 * -1.9506198) / 5 = -1.5002479)
+    assert out.pg_loss.item() == pytest.approx(-1.5753099, abs=1e-5)
     assert out.pg_clipfrac.item() == pytest.approx(3 / 5)  # all of row 0 (token level would clip 1 of 3)
     assert out.ppo_kl.item() == pytest.approx(-(0.1 + 0.2 + 0.3 - 0.1 + 0.05) / 5, abs=1e-6)  # -.11
     assert out.pg_clipfrac_lower.item() == 0.0  # no dual clip for GSPO
     out.pg_loss.backward()
-    # d/dlp_t: row 0 clipped -> 0; row 1 each token -A s / 5 = -2 * .9753099 / 5 = -.390124 (the same for
-    # both tokens although their own ratios differ: the sequence ratio, each token's own gradient path)
-    expected = [[0.0, 0.0, 0.0], [-0.3901240, -0.3901240, 0.0]]
+    # d/dlp_t: row 0 clipped -> 0; row 1 each token -A s / (2 tokens * 2 sequences) = -2 * .9753099 / 4
+    # = -.4876550 (the same for both tokens although their own ratios differ: the sequence ratio, each
+    # token's own gradient path)
+    expected = [[0.0, 0.0, 0.0], [-0.4876550, -0.4876550, 0.0]]
     assert_2d(lp.grad, expected, abs=1e-5)
-    # GSPO paper's aggregation: mean per sequence, then over sequences: (-1.2 + -1.9506198) / 2
-    paper = algos.compute_policy_loss(
-        lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence", agg_mode="seq-mean-token-mean"
-    )
-    assert paper.pg_loss.item() == pytest.approx(-1.5753099, abs=1e-5)
+    for mode in algos.AGG_MODES.names:  # loss_agg_mode plays no part in GSPO's policy loss
+        other = algos.compute_policy_loss(
+            lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence", agg_mode=mode, horizon=7
+        )
+        assert other.pg_loss.item() == out.pg_loss.item(), mode
+    assert algos.core.policy_agg_mode("token-mean", "sequence") == "seq-mean-token-mean"
+    assert algos.core.policy_agg_mode("seq-mean-token-sum-norm", "token") == "seq-mean-token-sum-norm"
     with pytest.raises(KeyError, match="valid: token, sequence"):
         algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="chunk")
 
@@ -390,10 +394,14 @@ def test_agg_loss_every_mode_with_padding():
     assert algos.agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(7.0)
     # seq-mean-token-mean: means 2, 4.5, 6 -> 12.5 / 3
     assert algos.agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx(12.5 / 3)
-    # seq-mean-token-sum-norm: sums / horizon (default T = 3) -> 2, 3, 2 -> mean 7/3 (verl <= 0.6: sum, 7)
-    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 3)
-    # constant horizon 10: 6/10, 9/10, 6/10 -> mean .7
+    # seq-mean-token-sum-norm: the mean of the sums over the constant horizon. horizon 3: 2, 3, 2 -> 7/3
+    # (verl <= 0.7.0 summed over sequences: 7); horizon 10: 6/10, 9/10, 6/10 -> mean .7
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=3).item() == pytest.approx(7 / 3)
     assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(0.7)
+    # no default: the padded width (here 3) is the step's longest response, not a constant
+    for horizon in (None, 0):
+        with pytest.raises(ValueError, match=r"constant horizon > 0 \(rollout.max_new_tokens\)"):
+            algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", horizon=horizon)
     valid = "valid: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"
     with pytest.raises(KeyError, match=valid):
         algos.agg_loss(loss, mask, "sum")
@@ -411,6 +419,108 @@ def test_value_loss_clipped_and_unclipped():
     # vf_loss = .5 * (.09 + .36 + 1) / 3 = .2416667; clipfrac 1/3
     assert vf_loss.item() == pytest.approx(0.5 * 1.45 / 3, abs=1e-6)
     assert clipfrac.item() == pytest.approx(1 / 3)
+
+
+def test_seq_mean_token_sum_norm_divides_policy_and_value_losses_by_the_horizon_not_the_width():
+    """The policy and value losses divide by the constant horizon (rollout.max_new_tokens) as the entropy and
+    KL terms do, never by the batch's padded width (the step's longest response: 3 here)."""
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, NAN]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, NAN]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kw = {"clip_low": 0.2, "clip_high": 0.2, "agg_mode": "seq-mean-token-sum-norm"}
+    out = algos.compute_policy_loss(lp, lp.detach(), adv, mask, **kw, horizon=8)
+    # on-policy, ratio 1: token losses -A; sums -3 and -4, mean over 2 sequences -3.5, / 8 = -.4375
+    # (the width 3 would give -1.1666667, 2.67x as large)
+    assert out.pg_loss.item() == pytest.approx(-0.4375)
+    with pytest.raises(ValueError, match="constant horizon"):
+        algos.compute_policy_loss(lp, lp.detach(), adv, mask, **kw)
+    vpreds = torch.tensor([[1.0, 0.0, 2.0], [0.5, 0.5, NAN]])
+    returns = torch.tensor([[0.0, 0.0, 0.0], [1.5, 0.5, NAN]])
+    vf_loss, clipfrac = algos.compute_value_loss(
+        vpreds, vpreds.clone(), returns, mask, 0.2, "seq-mean-token-sum-norm", horizon=8
+    )
+    # nothing clipped (vpreds == values): squared errors 1 + 0 + 4 = 5 and 1 + 0 = 1; mean 3, / 8, * .5
+    assert vf_loss.item() == pytest.approx(0.5 * 3 / 8)
+    assert clipfrac.item() == 0.0
+
+
+def test_value_clipfrac_is_zero_when_nothing_is_clipped():
+    """vpreds inside [values - c, values + c] is not clipped, so it counts 0 however fp32 rounds: verl's
+    clip_by_value returns vpreds itself, where values + clamp(vpreds - values) came back as 0.10000002
+    for values .7, vpreds .1 (a larger loss than vpreds', counted as clipped)."""
+    values, vpreds, returns = torch.tensor([[0.7]]), torch.tensor([[0.1]]), torch.tensor([[0.0]])
+    assert (values + (vpreds - values).clamp(-10.0, 10.0)).item() != vpreds.item()  # the rounding
+    vf_loss, clipfrac = algos.compute_value_loss(vpreds, values, returns, torch.ones(1, 1), clip_range_value=10.0)
+    assert clipfrac.item() == 0.0
+    assert vf_loss.item() == 0.5 * (vpreds - returns).square().item()  # .5 * .1^2 = .005, exactly the unclipped
+    # clipping effectively off over many random tokens: 0 clipped, the loss exactly the unclipped one
+    gen = torch.Generator().manual_seed(0)
+    values, vpreds, returns = (torch.randn(64, 32, generator=gen) for _ in range(3))
+    mask = torch.ones(64, 32)
+    vf_loss, clipfrac = algos.compute_value_loss(vpreds, values, returns, mask, clip_range_value=1e3)
+    assert clipfrac.item() == 0.0
+    assert vf_loss.item() == (0.5 * algos.masked_mean((vpreds - returns).square(), mask)).item()
+    # a value just inside the range keeps its own gradient; one outside is clipped to values + c
+    vpreds = torch.tensor([[0.69, 1.5]], requires_grad=True)
+    vf_loss, clipfrac = algos.compute_value_loss(
+        vpreds, torch.tensor([[0.5, 0.5]]), torch.tensor([[0.0, 0.0]]), torch.ones(1, 2), clip_range_value=0.2
+    )
+    # t0 inside: .69^2 both; t1: max(1.5^2, .7^2) = 2.25 unclipped; nothing counts as clipped
+    assert vf_loss.item() == pytest.approx(0.5 * (0.69**2 + 2.25) / 2)
+    assert clipfrac.item() == 0.0
+    vf_loss.backward()
+    assert vpreds.grad[0].tolist() == pytest.approx([0.69 / 2, 1.5 / 2])  # d/dv .5 mean(v^2) = v / 2
+
+
+class _Ranks:
+    """The collectives of one rank of a world whose ranks hold ``tokens`` response tokens in all."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def sum(self, _value: int) -> int:
+        return self.tokens
+
+
+def _split(loss, mask, mode, world: int, micro: int, horizon: int) -> float:
+    """``mode``'s loss of the (B, T) batch as DeepSpeed sums it when ``world`` ranks each take B / world rows
+    in micro-batches of ``micro`` rows: each micro-batch's loss times ``agg_weight`` (with the token weight
+    of DSModule.minibatches), averaged over micro-batches and ranks."""
+    from types import SimpleNamespace
+
+    from rlctl.engine.ds_module import DSModule
+
+    per_rank = mask.shape[0] // world
+    total, pieces = 0.0, 0
+    for rank in range(world):
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        module = object.__new__(DSModule)
+        module.mini_batch, module.micro_batch = per_rank, micro
+        module.collectives = _Ranks(int(mask.sum()))
+        module.engine = SimpleNamespace(gradient_accumulation_steps=lambda: per_rank // micro, dp_world_size=world)
+        for idx, tw, weight in module.minibatches(mask[rows], mode):
+            assert weight == algos.core.agg_weight(mode, tw)  # DSModule's rule is agg_weight's
+            piece = algos.agg_loss(loss[rows][idx], mask[rows][idx], mode, horizon)
+            total += algos.core.agg_weight(mode, tw) * piece.item()
+            pieces += 1
+    return total / pieces
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_and_ranks_weighted_by_agg_weight_give_the_whole_batch_loss(mode):
+    """2 ranks x 2 micro-batches of 2 sequences, of 1 to 4 tokens each: weighted by agg_weight, the mean of
+    the pieces is the loss of the whole batch in one piece, in every mode; and the actor's GSPO loss (its
+    policy term a sequence mean, its KL term by loss_agg_mode) too, each term with its own weight."""
+    loss = torch.arange(1.0, 33.0).view(8, 4)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]] * 2)
+    mask[4:] = mask[4:].flip(0)  # the ranks' micro-batches hold 5, 5 and 7, 3 tokens
+    whole = algos.agg_loss(loss, mask, mode, horizon=6).item()
+    assert _split(loss, mask, mode, world=2, micro=2, horizon=6) == pytest.approx(whole, rel=1e-6)
+    assert _split(loss, mask, mode, world=1, micro=2, horizon=6) == pytest.approx(whole, rel=1e-6)
+    pg_mode = algos.core.policy_agg_mode(mode, "sequence")
+    gspo = _split(loss, mask, pg_mode, 2, 2, 6) + 0.1 * _split(loss.sqrt(), mask, mode, 2, 2, 6)
+    expected = algos.agg_loss(loss, mask, pg_mode) + 0.1 * algos.agg_loss(loss.sqrt(), mask, mode, horizon=6)
+    assert gspo == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_apply_kl_penalty_by_hand():

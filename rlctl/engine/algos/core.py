@@ -63,17 +63,23 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 def agg_loss(
     loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None
 ) -> torch.Tensor:
-    """(B, T) per-token loss, (B, T) mask -> scalar, by verl's ``loss_agg_mode`` (v0.9 semantics).
+    """(B, T) per-token loss, (B, T) mask -> scalar, by verl's ``loss_agg_mode``.
+
+    As verl 0.9.0's ``agg_loss`` (``verl/trainer/ppo/core_algos.py`` lines 1140-1206, tag v0.9.0, commit
+    483b8a0), on one micro-batch:
 
     - ``token-mean``: masked mean over every response token of the batch (each token weighs the same).
     - ``seq-mean-token-sum``: each sequence's token sum, then the mean over sequences.
     - ``seq-mean-token-mean``: each sequence's token mean, then the mean over sequences.
-    - ``seq-mean-token-sum-norm`` (Dr. GRPO): each sequence's token sum divided by a constant ``horizon``
-      (default ``mask.shape[-1]``, verl's ``loss_scale_factor``), then the MEAN over sequences. verl up to
-      0.6 took the SUM over sequences here (B times larger); verl 0.9 and the Dr. GRPO paper take the mean.
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): each sequence's token sum, the MEAN over sequences, divided by
+      the constant ``horizon`` (verl's ``loss_scale_factor``; rlctl passes ``rollout.max_new_tokens``, the
+      length verl pads every response to and so divides by when ``loss_scale_factor`` is null). It has no
+      default: the batch's padded width would be the step's longest response, which changes from step to
+      step. verl up to 0.7.0 took the SUM over sequences here (B times larger); verl 0.7.1 and later
+      (PR #5417) take the mean, as the Dr. GRPO paper.
 
     "Mean over sequences" counts the sequences with at least one real token (a fully padded row adds
-    nothing), as verl 0.9. Padding never leaks in, NaN included: sums go through ``torch.where``.
+    nothing), as verl. Padding never leaks in, NaN included: sums go through ``torch.where``.
     ``horizon`` is only read by ``seq-mean-token-sum-norm``.
     """
     if mode == "token-mean":
@@ -85,14 +91,38 @@ def agg_loss(
     if mode == "seq-mean-token-mean":
         per_seq = seq_sum / n_tokens.clamp(min=1).to(seq_sum.dtype)
     elif mode == "seq-mean-token-sum-norm":
-        norm = mask.shape[-1] if horizon is None else horizon
-        if norm <= 0:
-            raise ValueError(f"seq-mean-token-sum-norm needs a horizon > 0, got {norm}")
-        per_seq = seq_sum / norm
+        if horizon is None or horizon <= 0:
+            raise ValueError(
+                f"seq-mean-token-sum-norm needs a constant horizon > 0 (rollout.max_new_tokens), got {horizon}"
+            )
+        per_seq = seq_sum / horizon
     else:
         per_seq = seq_sum
     n_seqs = (n_tokens > 0).sum().clamp(min=1).to(per_seq.dtype)
     return per_seq.sum() / n_seqs
+
+
+def agg_weight(mode: str, token_weight: float) -> float:
+    """The weight of one micro-batch's ``agg_loss(.., mode)`` so that the mean of the weighted losses over
+    every micro-batch of a mini-batch and every rank (what DeepSpeed's gradient accumulation and data
+    parallel averaging compute) is the loss of the whole mini-batch in one piece.
+
+    ``token_weight`` is the micro-batch's share of the mini-batch's tokens times the number of pieces
+    (its tokens x micro-batches x ranks / the mini-batch's tokens on all ranks; ``DSModule.minibatches``).
+    Under ``token-mean`` the loss is weighted by it; the modes that average whole sequences need no weight
+    (1.0), since every micro-batch holds equally many sequences.
+    """
+    AGG_MODES.canonical(mode)
+    return token_weight if mode == "token-mean" else 1.0
+
+
+def policy_agg_mode(agg_mode: str, level: str = "token") -> str:
+    """The aggregation mode of the policy-gradient loss: ``agg_mode``, except GSPO (level="sequence"),
+    which verl always aggregates as ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (verl 0.9.0
+    ``compute_policy_loss_gspo``, core_algos.py line 1605, and every release since GSPO was added in
+    PR #2775). ``agg_mode`` still applies to the entropy and KL terms, as in verl."""
+    AGG_MODES.canonical(agg_mode)
+    return "seq-mean-token-mean" if POLICY_LOSS_LEVELS.canonical(level) == "sequence" else agg_mode
 
 
 def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -302,6 +332,20 @@ class PolicyLoss:
     ratio_max: torch.Tensor
 
 
+def _importance_ratio(
+    log_prob: torch.Tensor, log_ratio: torch.Tensor, keep: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) log pi, (B, T) log pi - log pi_old, (B, T) bool mask -> ((B, T) importance ratio, (B, T) the
+    log-ratios ppo_kl is taken from). token: exp of the log-ratio clamped to [-20, 20] (the clamped
+    log-ratio for ppo_kl, as verl); sequence: GSPO's sg[s_i] pi_t / sg[pi_t], its log clamped at 10."""
+    if level == "token":
+        log_ratio = log_ratio.clamp(-20.0, 20.0)
+        return log_ratio.exp(), log_ratio
+    seq_log_ratio = log_ratio.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
+    log_is = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+    return log_is.clamp(max=10.0).exp(), log_ratio
+
+
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -313,8 +357,11 @@ def compute_policy_loss(
     clip_c: float | None = 3.0,
     agg_mode: str = "token-mean",
     level: str = "token",
+    horizon: int | None = None,
 ) -> PolicyLoss:
-    """PPO's clipped surrogate, verl's ``vanilla`` (level="token") and ``gspo`` (level="sequence") losses.
+    """PPO's clipped surrogate, verl's ``vanilla`` (level="token") and ``gspo`` (level="sequence") losses
+    (verl 0.9.0 ``compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, core_algos.py lines
+    1286-1376 and 1546-1618).
 
     (B, T) log pi(a|s), (B, T) log pi_old(a|s), (B, T) advantages, (B, T) mask -> PolicyLoss.
 
@@ -324,24 +371,20 @@ def compute_policy_loss(
     sequence (GSPO): s_i = exp(mean over the real tokens of sequence i of the log-ratios), applied to each
         token with that token's own gradient: log s_i,t = sg[log s_i] + log pi_t - sg[log pi_t], clamped
         at 10 before exp as verl; clipped with clip_low/clip_high; ``clip_c`` is ignored (no dual clip).
-        The GSPO paper aggregates with agg_mode="seq-mean-token-mean"; verl 0.9 leaves it to the caller.
-    The per-token losses are reduced by ``agg_loss(.., agg_mode)``; padding never influences anything.
+        Aggregated as ``seq-mean-token-mean`` whatever ``agg_mode`` is, as verl and the GSPO paper
+        (``policy_agg_mode``).
+    The per-token losses are reduced by ``agg_loss(.., policy_agg_mode(agg_mode, level), horizon)``
+    (``horizon``: the constant of ``seq-mean-token-sum-norm``); padding never influences anything.
     """
     POLICY_LOSS_LEVELS.canonical(level)  # an unknown level: KeyError listing the valid ones
     keep = mask.bool()
     # Padding is zeroed up front, so it cannot reach the loss nor send a NaN gradient (0 * NaN) back.
     log_prob, old_log_prob, advantages = (_real(x, keep) for x in (log_prob, old_log_prob, advantages))
+    if level == "token" and clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"the dual-clip bound clip_c must be > 1, got {clip_c}")
     log_ratio = log_prob - old_log_prob
     ratio_max = masked_max(log_ratio.detach(), keep).double().exp()
-    if level == "token":
-        if clip_c is not None and clip_c <= 1.0:
-            raise ValueError(f"the dual-clip bound clip_c must be > 1, got {clip_c}")
-        log_ratio = log_ratio.clamp(-20.0, 20.0)
-        ratio = log_ratio.exp()
-    else:
-        seq_log_ratio = log_ratio.sum(dim=-1) / keep.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
-        log_is = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
-        ratio = log_is.clamp(max=10.0).exp()
+    ratio, log_ratio = _importance_ratio(log_prob, log_ratio, keep, level)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
@@ -355,7 +398,7 @@ def compute_policy_loss(
     else:
         pg_clipfrac_lower = torch.zeros((), dtype=dtype, device=losses.device)
     return PolicyLoss(
-        pg_loss=agg_loss(losses, mask, agg_mode),
+        pg_loss=agg_loss(losses, mask, policy_agg_mode(agg_mode, level), horizon),
         pg_clipfrac=pg_clipfrac.detach(),
         ppo_kl=masked_mean(-log_ratio, mask).detach(),
         pg_clipfrac_lower=pg_clipfrac_lower.detach(),
@@ -370,21 +413,24 @@ def compute_value_loss(
     mask: torch.Tensor,
     clip_range_value: float,
     agg_mode: str = "token-mean",
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped value loss (verl's ``compute_value_loss``, whose argument order is vpreds, returns,
-    values).
+    """PPO's clipped value loss (verl 0.9.0 ``compute_value_loss``, core_algos.py lines 2124-2184, whose
+    argument order is vpreds, returns, values).
 
     (B, T) V_new(s), (B, T) V_old(s) (the values at rollout), (B, T) returns, (B, T) mask ->
-    (vf_loss, vf_clipfrac): vpred_clipped = values + clamp(vpreds - values, -c, c);
-    vf_loss = 0.5 agg(max((vpreds - R)^2, (vpred_clipped - R)^2)); vf_clipfrac = masked mean of
-    (clipped loss > unclipped loss) (detached).
+    (vf_loss, vf_clipfrac): vpred_clipped = vpreds clamped to [values - c, values + c] (verl's
+    ``clip_by_value``: exactly ``vpreds`` inside the range, where ``values + clamp(vpreds - values)`` would
+    round away from it in fp32); vf_loss = 0.5 agg(max((vpreds - R)^2, (vpred_clipped - R)^2));
+    vf_clipfrac = masked mean of (clipped loss > unclipped loss) (detached), so 0 when nothing is clipped.
+    ``horizon``: the constant of ``seq-mean-token-sum-norm`` (``agg_loss``).
     """
     keep = mask.bool()
     vpreds, values, returns = (_real(x, keep) for x in (vpreds, values, returns))
-    vpred_clipped = values + (vpreds - values).clamp(-clip_range_value, clip_range_value)
+    vpred_clipped = torch.clamp(vpreds, values - clip_range_value, values + clip_range_value)
     unclipped = (vpreds - returns).square()
     clipped = (vpred_clipped - returns).square()
-    vf_loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), mask, agg_mode)
+    vf_loss = 0.5 * agg_loss(torch.maximum(unclipped, clipped), mask, agg_mode, horizon)
     vf_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(unclipped.dtype), mask)
     return vf_loss, vf_clipfrac.detach()
 

@@ -75,7 +75,8 @@ KL_ESTIMATORS = Registry(
     aliases={"low_var_kl": "k3"},  # verl's name for k3
 )
 
-# how per-token losses become one number: modes of agg_loss
+# how per-token losses become one number: modes of agg_loss (seq-mean-token-sum-norm divides by a constant
+# horizon, rollout.max_new_tokens, in every term: policy, value, entropy, KL)
 AGG_MODES = Registry(
     "loss_agg_mode",
     {
@@ -86,7 +87,8 @@ AGG_MODES = Registry(
     },
 )
 
-# where the importance ratio is taken: levels of compute_policy_loss (token: PPO, sequence: GSPO)
+# where the importance ratio is taken: levels of compute_policy_loss (token: PPO, sequence: GSPO, whose policy
+# loss is always aggregated as seq-mean-token-mean, as verl: core.policy_agg_mode)
 POLICY_LOSS_LEVELS = Registry(
     "importance ratio level", {"token": f"{_CORE}:compute_policy_loss", "sequence": f"{_CORE}:compute_policy_loss"}
 )
