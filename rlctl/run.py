@@ -212,7 +212,8 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
 
 
 def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: str) -> Preempted:
-    """Record a stop that came before training began as a preemption; the error that says so."""
+    """Record a stop that came before a trainer could take it (before training began, or while a step waited
+    on a reward URL's backoff) as a preemption; the error that says so."""
     try:
         usable = [i for i in snapshot_manager(run, cfg).scan() if i.usable]
         trained = last_step(run)
@@ -229,9 +230,8 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
         where = "the run has no committed snapshot to resume from"
     else:
         where = "no snapshot yet; resume will start over"
-    return Preempted(
-        f"stopped by {signal_name} before training began; {where}. Resume with: rlctl resume {run.url} --from latest"
-    )
+    when = "before the step in progress finished" if trained else "before training began"
+    return Preempted(f"stopped by {signal_name} {when}; {where}. Resume with: rlctl resume {run.url} --from latest")
 
 
 def _ended_since(run: Storage, offset: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import fsspec
 import yaml
@@ -163,21 +164,140 @@ class DataConfig(Strict):
         return v
 
 
+DEFAULT_REWARD = "rlctl.engine.reward.builtin:echo_reward"
+REWARD_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def _check_reward_function(v: str) -> str:
+    """``module:function``, else a ValueError."""
+    module, sep, fn = v.partition(":")
+    if not sep or not module or not fn:
+        raise ValueError(f"expected 'module:function', got {v!r}")
+    return v
+
+
+def _check_reward_url(v: str) -> str:
+    """An http:// or https:// URL with a host, else a ValueError (it is not contacted here)."""
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {v!r}")
+    return v
+
+
+class RewardSourceConfig(Strict):
+    function: str | None = Field(
+        None, description="Reward function as `module:function` (exactly one of function and url)."
+    )
+    url: str | None = Field(
+        None, description='HTTP(S) endpoint POSTed the batch as JSON, answering {"scores": [...]} (one of two).'
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments (a URL receives them as the body's `kwargs`)."
+    )
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this source in the step's summed score.")
+    name: str | None = Field(
+        None, description="Name in `critic/score/<name>/mean`; default: the function's name or the URL's host."
+    )
+    timeout: float = Field(30.0, gt=0, description="URL only: seconds to wait for one request's answer.")
+    retries: int = Field(
+        3, ge=0, description="URL only: retries (exponential backoff) on connection errors, timeouts, 5xx and 429."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _module_function(cls, v: str | None) -> str | None:
+        return None if v is None else _check_reward_function(v)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_reward_url(v)
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, v: str | None) -> str | None:
+        if v is not None and not (v and set(v) <= REWARD_NAME_CHARS):
+            raise ValueError(f"expected letters, digits, '_', '.' or '-' (it becomes a metric name), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSourceConfig:
+        if (self.function is None) == (self.url is None):
+            raise ValueError("give exactly one of 'function' and 'url'")
+        if self.function is not None and (self.timeout != 30.0 or self.retries != 3):  # (defaults: a resolved config)
+            raise ValueError("'timeout' and 'retries' apply to a 'url' source only")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The source's name: its own, else the function's name or the URL's host."""
+        if self.name is not None:
+            return self.name
+        if self.function is not None:
+            return self.function.partition(":")[2]
+        return urlsplit(self.url).hostname or "url"
+
+
 class RewardConfig(Strict):
     function: str = Field(
-        "rlctl.engine.reward.builtin:echo_reward",
+        DEFAULT_REWARD,
         description="Reward function as `module:function`, called as "
-        "fn(prompts, completions, **columns) -> list[float].",
+        "fn(prompts, completions, **columns) -> list[float] (single-source shorthand).",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for it.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for `function` (or sent to `url`)."
+    )
+    url: str | None = Field(
+        None, description="HTTP(S) reward endpoint (single-source shorthand): POSTed the batch, answers scores."
+    )
+    timeout: float = Field(30.0, gt=0, description="With `url`: seconds to wait for one request's answer.")
+    retries: int = Field(
+        3, ge=0, description="With `url`: retries (exponential backoff) on connection errors, timeouts, 5xx and 429."
+    )
+    sources: list[RewardSourceConfig] | None = Field(
+        None, description="Weighted reward sources, summed; each source's mean is logged as critic/score/<name>/mean."
+    )
 
     @field_validator("function")
     @classmethod
     def _module_function(cls, v: str) -> str:
-        module, sep, fn = v.partition(":")
-        if not sep or not module or not fn:
-            raise ValueError(f"expected 'module:function', got {v!r}")
-        return v
+        return _check_reward_function(v)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_reward_url(v)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RewardConfig:
+        # told apart from the defaults, not by what a file names: a resolved config (RUN_DIR/config.yaml)
+        # writes every key, defaults included, and must load again
+        function = self.function != DEFAULT_REWARD
+        if self.sources is not None:
+            clash = (["function"] if function else []) + (["url"] if self.url is not None else [])
+            clash += ["kwargs"] if self.kwargs else []
+            if clash:
+                raise ValueError(f"give either 'sources' or {' and '.join(map(repr, clash))}, not both")
+            if not self.sources:
+                raise ValueError("'sources' is empty: give at least one source")
+            names = [s.label for s in self.sources]
+            if dupes := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(
+                    f"source names must be unique (repeated: {', '.join(dupes)}); set 'name' to tell them apart"
+                )
+        elif self.url is not None and function:
+            raise ValueError("give either 'function' or 'url', not both (or list both under 'sources')")
+        if self.url is None and (self.timeout != 30.0 or self.retries != 3):
+            raise ValueError("'timeout' and 'retries' apply with 'url' only (a URL source has its own)")
+        return self
+
+    def source_list(self) -> list[RewardSourceConfig]:
+        """The sources to score with: ``sources``, or the one that ``url`` or ``function`` names."""
+        if self.sources is not None:
+            return list(self.sources)
+        if self.url is not None:
+            return [RewardSourceConfig(url=self.url, kwargs=self.kwargs, timeout=self.timeout, retries=self.retries)]
+        return [RewardSourceConfig(function=self.function, kwargs=self.kwargs)]
 
 
 AdvEstimator = Literal[ADVANTAGES.names]
@@ -333,6 +453,23 @@ class RolloutConfig(Strict):
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (always eager on CPU).")
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling: keep the most probable tokens whose mass first reaches top_p (1: off).",
+    )
+    top_k: int = Field(
+        0, ge=-1, description="Keep the top_k most probable tokens, ties included (0 as vLLM, or -1 as verl: off)."
+    )
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="Drop tokens less probable than min_p times the most probable one (0: off)."
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Stop strings: a completion ends at the first one, which its text leaves out (its tokens "
+        "stay, like an eos); nothing after it is part of the response.",
+    )
     val_temperature: float = Field(
         0.0, ge=0, description="Sampling temperature of validation (0: greedy, one answer per prompt)."
     )
@@ -348,6 +485,17 @@ class RolloutConfig(Strict):
         if self.val_samples > 1 and self.val_temperature == 0:
             raise ValueError("val_samples > 1 needs val_temperature > 0 (greedy decoding gives one answer)")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("a stop string cannot be empty")
+        return v
+
+    def truncates(self) -> bool:
+        """Whether top_p, top_k or min_p cut the sampling distribution (all off: plain softmax(logits / T))."""
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0
 
 
 class KeepBestConfig(Strict):

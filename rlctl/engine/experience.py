@@ -20,6 +20,7 @@ from rlctl.engine.batch import Sequences
 from rlctl.engine.data import PromptCursor, columns_of
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
+from rlctl.engine.reward.sources import recording
 from rlctl.engine.rollout import RolloutBackend
 from rlctl.engine.signals import degeneration_metrics
 from rlctl.errors import ConfigError
@@ -82,6 +83,13 @@ class Experience:
                 self.drill_token(fault.value or "")
 
     def rollout_batch(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
+        """``_rollout_rounds``, and with ``reward.sources`` each source's mean score over the completions
+        scored for the step (every round of dynamic sampling) as ``critic/score/<name>/mean``."""
+        with recording(self.reward_fn) as per_source:
+            seqs, scores, sampling = self._rollout_rounds(step)
+        return seqs, scores, {**sampling, **per_source}
+
+    def _rollout_rounds(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
         """Generate and score one batch: its sequences, (B,) scores and the dynamic sampling metrics.
         With DAPO's dynamic sampling, groups whose rewards all tie (no signal) are dropped and more
         prompts are sampled, up to ``max_gen_batches`` rounds; the batch is then cut to

@@ -6,8 +6,10 @@ It checks, in seconds and without loading weights: the dataset files can be read
 trackers are installed; the device asked for
 is there (``device: cuda`` without a GPU), with a device for every local rank; the storage of
 ``checkpoint.dir`` has its filesystem installed; the model directory has a config and weights, and its
-context holds ``data.max_prompt_length + rollout.max_new_tokens``; the reward function imports and is
-callable. What the schema alone can check (a negative seed, an unknown storage protocol, a rollback
+context holds ``data.max_prompt_length + rollout.max_new_tokens``; every reward function (the one of
+``reward.function``, or each function source of ``reward.sources``) imports and is callable. A reward URL
+is not contacted here (a server may come up with the run): the schema checks its syntax (http/https and
+a host), and the first step says when it does not answer. What the schema alone can check (a negative seed, an unknown storage protocol, a rollback
 policy without snapshots) is the config's own validation.
 """
 
@@ -20,7 +22,7 @@ from fsspec.core import split_protocol
 
 from rlctl.config import RunConfig
 from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
-from rlctl.engine.reward import load_reward_fn
+from rlctl.engine.reward.sources import load_reward
 from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device
 from rlctl.errors import ConfigError, InputError
 
@@ -32,7 +34,7 @@ def check_before_start(cfg: RunConfig) -> None:
     check_device(cfg)
     check_checkpoint_storage(cfg)
     check_models(cfg)
-    load_reward_fn(cfg.reward.function)
+    load_reward(cfg.reward)  # imports each function source; contacts no URL
 
 
 def check_data(cfg: RunConfig) -> None:

@@ -33,7 +33,7 @@ from rlctl.engine.experience import METRICS as BATCH_METRICS
 from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of, batch_metrics
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir_once
 from rlctl.engine.recovery import Recovery
-from rlctl.engine.reward import load_reward_fn
+from rlctl.engine.reward.sources import load_reward, metrics_of
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.state import TrainerState
@@ -91,7 +91,7 @@ class Trainer:
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
-        reward_fn = load_reward_fn(cfg.reward.function)
+        reward_fn = load_reward(cfg.reward)
         self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
@@ -404,6 +404,7 @@ class Trainer:
         how = {
             **BATCH_METRICS,
             **SAMPLING_METRICS,
+            **metrics_of(self.experience.reward_fn),  # each reward source's mean (reward.sources)
             **STEP_METRICS,
             **{key: MAX for key in rest if key.startswith("timing_s/")},
         }  # a step takes its slowest rank's time

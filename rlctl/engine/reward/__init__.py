@@ -26,11 +26,22 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from rlctl.errors import ConfigError, InputError, Stopped
 
 RewardFn = Callable[..., list[float]]
+
+
+@runtime_checkable
+class BatchScorer(Protocol):
+    """A reward rlctl composes itself (``sources.RewardSources``): it calls and checks its own sources."""
+
+    def score_batch(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
+        """One checked float per completion."""
+        ...
+
+
 T = TypeVar("T")
 FLOAT32_MAX = 3.4028234663852886e38  # scores are kept as float32: a larger one would become inf
 
@@ -147,28 +158,32 @@ def score_completions(
     fn: RewardFn, spec: str, prompts: list[str], completions: list[str], columns: dict[str, list], kwargs: dict
 ) -> list[float]:
     """One float per completion from the reward function ``fn`` (named ``spec``), called as untrusted
-    code; an InputError naming it, the value and the completion's index for anything else."""
+    code; an InputError naming it, the value and the completion's index for anything else. A
+    ``BatchScorer`` (the run's ``load_reward``) scores with its own sources and kwargs."""
+    if isinstance(fn, BatchScorer):
+        return fn.score_batch(prompts, completions, columns)
     scores = call_user_code(f"reward function '{spec}'", fn, prompts, completions, **columns, **kwargs)
     return check_scores(spec, scores, len(completions))
 
 
-def check_scores(spec: str, scores: Any, n: int) -> list[float]:
-    """``scores`` as n floats when it is a sequence of n finite real numbers; else an InputError."""
+def check_scores(spec: str, scores: Any, n: int, what: str = "reward function") -> list[float]:
+    """``scores`` as n floats when it is a sequence of n finite real numbers; else an InputError naming
+    ``what`` and ``spec``."""
     expected = f"expected a list of {n} finite numbers, one per completion"
     if hasattr(scores, "ndim") and hasattr(scores, "tolist"):  # a numpy array or a tensor
         if scores.ndim != 1:
-            raise InputError(f"reward function '{spec}' returned a {scores.ndim}-d array; {expected}")
+            raise InputError(f"{what} '{spec}' returned a {scores.ndim}-d array; {expected}")
         scores = scores.tolist()
     if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
-        raise InputError(f"reward function '{spec}' returned {_show_result(scores)}; {expected}")
+        raise InputError(f"{what} '{spec}' returned {_show_result(scores)}; {expected}")
     if len(scores) != n:
-        raise InputError(f"reward function '{spec}' returned {len(scores)} scores for {n} completions")
+        raise InputError(f"{what} '{spec}' returned {len(scores)} scores for {n} completions")
     out = []
     for index, value in enumerate(scores):
         number = finite_number(value)
         if number is None:
             raise InputError(
-                f"reward function '{spec}' returned {_short(repr(value))} for completion {index}; "
+                f"{what} '{spec}' returned {_short(repr(value))} for completion {index}; "
                 "expected one finite number per completion"
             )
         out.append(number)

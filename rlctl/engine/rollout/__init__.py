@@ -5,6 +5,11 @@ completion per (prompt, key) where a key is (prompt index, sample index). Sampli
 from (seed, step, prompt index, sample index), so a resumed or rolled-back run regenerates exactly the
 same rollouts from the same weights, whatever the batch around them. ``sync_weights`` is called after
 every actor update and every restore.
+
+Both backends sample the same distribution (rollout.temperature, then min_p, top_k, top_p, in vLLM's
+order: ``sampling.truncate``), end a completion at the same token (eos, or the token completing a
+rollout.stop string: ``sampling.StopStrings``) and report the same log-probs: of the sampled token under
+the untruncated softmax(logits / T), the distribution the actor's old and new log-probs refer to.
 """
 
 from __future__ import annotations

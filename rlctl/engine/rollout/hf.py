@@ -2,7 +2,11 @@
 
 Sampling is Gumbel-max: argmax(logits / T + g) with g drawn from one generator per sequence seeded by
 ``sample_seed``, which samples exactly softmax(logits / T) while making every sequence reproducible
-on its own. The backend generates with the actor's module (its weights are the actor's, so there is
+on its own. rollout.top_p/top_k/min_p set filtered tokens' scaled logits to -inf before the noise is
+added (the same noise: a resume samples the same), so the truncated distribution is sampled; the
+log-probs returned stay those of the untruncated softmax(logits / T), as the actor computes them.
+rollout.stop ends a sequence at the first token completing a stop string (checked on the decoded
+text of each live sequence's last tokens, every step). The backend generates with the actor's module (its weights are the actor's, so there is
 nothing to copy after an update; under ZeRO-3 the parameters are gathered for the whole generate).
 """
 
@@ -14,18 +18,30 @@ from transformers import LogitsProcessor
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.batch import Sequences
+from rlctl.engine.rollout.sampling import StopStrings, truncate
 from rlctl.engine.rollout.seeds import sample_seed
 
 
 class SeededGumbelSampler(LogitsProcessor):
     """Sampling at ``temperature`` as argmax(logits / T + Gumbel noise), one generator per sequence, so
     every sequence is reproducible on its own. Noise is drawn ``chunk`` tokens at a time per sequence
-    (one call per sequence per chunk, not per token). Also usable as a transformers LogitsProcessor
-    turning greedy decoding into this sampling."""
+    (one call per sequence per chunk, not per token). ``top_p``, ``top_k`` and ``min_p`` truncate the
+    scaled logits first (``sampling.truncate``; nothing is touched when all are off). Also usable as a
+    transformers LogitsProcessor turning greedy decoding into this sampling."""
 
-    def __init__(self, seeds: list[int], temperature: float, chunk: int = 16):
+    def __init__(
+        self,
+        seeds: list[int],
+        temperature: float,
+        chunk: int = 16,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+    ):
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature = temperature
+        self.filters = {"top_p": top_p, "top_k": top_k, "min_p": min_p}
         self.chunk = chunk
         self._noise: torch.Tensor | None = None  # (B, chunk, V)
         self._used = chunk
@@ -41,18 +57,38 @@ class SeededGumbelSampler(LogitsProcessor):
         return noise
 
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.temperature == 0:  # greedy: the argmax of the logits, no noise drawn
+        if self.temperature == 0:  # greedy: the argmax of the logits, no noise drawn (no filter removes it)
             return scores.float()
-        return scores.float() / self.temperature + self.gumbel(scores.shape[-1]).to(scores.device)
+        scaled = truncate(scores.float() / self.temperature, **self.filters)
+        return scaled + self.gumbel(scores.shape[-1]).to(scores.device)
+
+
+def stop_hits(stops: StopStrings, tokens: list[torch.Tensor], live: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: which ``live`` sequences' last tokens (``tokens``: one (B,) tensor per step so far)
+    now complete a stop string. Only the live rows' last ``stops.window`` tokens are decoded."""
+    hit = torch.zeros_like(live)
+    rows = live.nonzero()[:, 0].tolist()
+    if rows:
+        tail = torch.stack(tokens[-stops.window :], dim=1)[rows].tolist()
+        hit[rows] = torch.tensor(stops.hits(tail), device=live.device)
+    return hit
 
 
 @torch.no_grad()
 def decode(
-    model, input_ids, attention_mask, max_new_tokens: int, eos_ids: list[int], pad_id: int, sampler: SeededGumbelSampler
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model,
+    input_ids,
+    attention_mask,
+    max_new_tokens: int,
+    eos_ids: list[int],
+    pad_id: int,
+    sampler: SeededGumbelSampler,
+    stops: StopStrings | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
-    pad after each sequence's eos, and the (B, R) fp32 log-probs of the sampled tokens (of logits / T;
-    of the logits themselves when greedy, T = 0).
+    pad after each sequence's eos or stop string, the (B, R) fp32 log-probs of the sampled tokens (of
+    the untruncated logits / T; of the logits themselves when greedy, T = 0) and the (B,) number of
+    tokens each sequence kept before a stop string ended it (R where none did).
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
     token, no generation-config machinery."""
     from transformers import DynamicCache
@@ -68,19 +104,22 @@ def decode(
         use_cache=True,
     )
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    kept = torch.full_like(done, max_new_tokens, dtype=torch.long)
     tokens, log_probs = [], []
     position = positions[:, -1:]
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = out.logits[:, -1, :]
         nxt = sampler(None, logits).argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        scaled = logits.float() / (
-            sampler.temperature or 1.0
-        )  # log p of the sampled token, without a (B, V) log-softmax
-        lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)
-        log_probs.append(lp)
-        done |= torch.isin(nxt, eos)
+        scaled = logits.float() / (sampler.temperature or 1.0)  # log p of the sampled token, no (B, V) log-softmax
+        log_probs.append(scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1))
+        live = ~done & ~torch.isin(nxt, eos)
+        done |= ~live
+        if stops:
+            stopped = stop_hits(stops, tokens, live)
+            kept = torch.where(stopped, step + 1, kept)
+            done |= stopped
         if bool(done.all()):
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
@@ -92,14 +131,18 @@ def decode(
             past_key_values=cache,
             use_cache=True,
         )
-    return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), kept.clamp(max=len(tokens))
 
 
-def response_mask_for(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """(B, T) response ids -> (B, T) mask: 1 up to and including the first eos, 0 after it."""
+def response_mask_for(responses: torch.Tensor, eos_ids: list[int], kept: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) response ids -> (B, T) mask: 1 up to and including the first eos, 0 after it; and 0 from
+    position ``kept`` on where (B,) ``kept`` is given (the tokens a stop string left)."""
     is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device)).long()
     seen_before = is_eos.cumsum(-1) - is_eos
-    return (seen_before == 0).long()
+    mask = (seen_before == 0).long()
+    if kept is not None:
+        mask = mask * (torch.arange(responses.shape[1], device=responses.device) < kept[:, None]).long()
+    return mask
 
 
 class HFRollout:
@@ -110,6 +153,7 @@ class HFRollout:
         eos = actor.module.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_ids = sorted({tokenizer.eos_token_id, *eos})
+        self.stops = StopStrings(tokenizer, cfg.rollout.stop)
 
     def sync_weights(self) -> None:
         """The backend generates with the actor's own module: its weights are always current."""
@@ -136,41 +180,46 @@ class HFRollout:
         return {k: v.to(self.actor.runtime.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
     def decode(self, seqs: Sequences) -> list[str]:
-        """The text each completion holds up to its eos. Special tokens other than eos stay in the text
+        """The text each completion holds up to its eos, and before its first stop string (which is left
+        out, as vLLM's include_stop_str_in_output=False). Special tokens other than eos stay in the text
         (a model that emits padding mid-answer is not shown a cleaned-up version to the reward)."""
         keep = seqs.response_mask.bool() & ~torch.isin(seqs.responses, torch.tensor(self.eos_ids))
-        return [
+        texts = [
             self.tokenizer.decode(ids[k].tolist(), skip_special_tokens=False)
             for ids, k in zip(seqs.responses.cpu(), keep.cpu())
         ]
+        return [self.stops.cut_text(t) for t in texts] if self.stops else texts
 
     @torch.no_grad()
     def generate(
         self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
     ) -> Sequences:
-        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy)."""
+        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy),
+        truncated by rollout.top_p/top_k/min_p and ended by rollout.stop."""
         enc = self.encode(prompts)
         seeds = [sample_seed(self.cfg.seed, step, p, s) for p, s in keys]
-        t = self.cfg.rollout.temperature if temperature is None else temperature
-        sampler = SeededGumbelSampler(seeds, t)
+        r = self.cfg.rollout
+        t = r.temperature if temperature is None else temperature
+        sampler = SeededGumbelSampler(seeds, t, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
         module = self.actor.module
         was_training = module.training
         module.eval()
         try:
             with self.actor.full_parameters():
-                responses, log_probs = decode(
+                responses, log_probs, kept = decode(
                     module,
                     enc["input_ids"],
                     enc["attention_mask"],
-                    self.cfg.rollout.max_new_tokens,
+                    r.max_new_tokens,
                     self.eos_ids,
                     self.tokenizer.pad_token_id,
                     sampler,
+                    self.stops,
                 )
         finally:
             module.train(was_training)
         prompt_len = enc["input_ids"].shape[1]
-        response_mask = response_mask_for(responses, self.eos_ids)
+        response_mask = response_mask_for(responses, self.eos_ids, kept if self.stops else None)
         responses = responses.masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
         input_ids = torch.cat([enc["input_ids"], responses], dim=1)
         attention_mask = torch.cat([enc["attention_mask"], response_mask], dim=1)

