@@ -77,6 +77,7 @@ PATTERNS: dict[str, str] = {
     "val/score/mean@<n>": "over validation prompts, the mean of each prompt's n answers' mean score",
     "val/score/best@<n>": "over validation prompts, the mean of each prompt's best score of n answers",
     "val/<data_source>/score/mean": "mean validation score of the prompts of one data_source",
+    "critic/score/<name>/mean": "mean score of one reward source (reward.sources: its name) over the step's responses",
     "timing_s/<phase>": "seconds the step spent in a phase (gen, old_log_prob, ref, values, update_actor, ...)",
 }
 
