@@ -19,6 +19,7 @@ import torch
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.snapshots import files_of_rank as snapshot_files_of_rank
 from rlctl.config import RunConfig
+from rlctl.engine.algos.core import agg_weight
 from rlctl.engine.runtime import Runtime
 
 # a ZeRO partition of one rank: DeepSpeed's zero_pp_rank_N_* (the model states file is shared)
@@ -189,7 +190,7 @@ class DSModule:
             for micro in range(start, stop, self.micro_batch):
                 idx = slice(micro, min(micro + self.micro_batch, stop))
                 tw = int(mask[idx].sum()) * scale / tokens if tokens else 1.0
-                yield idx, tw, (tw if agg_mode == "token-mean" else 1.0)
+                yield idx, tw, agg_weight(agg_mode, tw)
 
     @property
     def module(self) -> torch.nn.Module:
