@@ -81,6 +81,20 @@ def has_step(run_dir, step):
     return lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics_of(run_dir))
 
 
+def kill_and_resume(run_dir, args, step) -> subprocess.CompletedProcess:
+    """Start a run into ``run_dir`` with ``args``, SIGKILL it while it sleeps after ``step``, then resume it
+    from its latest snapshot; the finished resume (asserted to exit 0)."""
+    import signal
+
+    proc = spawn("start", "--run-dir", str(run_dir), *args, faults=f"sleep@{step}=120")
+    wait_for(has_step(run_dir, step), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run_cli("resume", str(run_dir), "--from", "latest")
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 @contextlib.contextmanager
 def small_tmpfs(path, size="64k"):
     """A real small filesystem (tmpfs) mounted at ``path``, for a full disk; root only: the test is

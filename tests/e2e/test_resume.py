@@ -15,6 +15,7 @@ from helpers import (
     events_of,
     has_step,
     hf_weights_sha256,
+    kill_and_resume,
     metrics_of,
     run_cli,
     spawn,
@@ -43,12 +44,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
     assert run_cli("start", "--run-dir", str(ref), *common).returncode == 0
 
     run = tmp_path / "killed"
-    proc = spawn("start", "--run-dir", str(run), *common, faults="sleep@7=120")
-    wait_for(has_step(run, 7), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    r = run_cli("resume", str(run), "--from", "latest")
-    assert r.returncode == 0, r.stderr
+    r = kill_and_resume(run, common, 7)
     assert "continuing from step 6" in r.stderr
 
     assert completed_hash(run) == completed_hash(ref)

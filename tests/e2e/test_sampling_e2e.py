@@ -2,11 +2,9 @@
 snapshot and resumed ends bit-identical to an uninterrupted one (the truncated sampler regenerates the
 same rollouts), and the rollout's log-probs still equal the actor's (both untruncated)."""
 
-import signal
-
 import pytest
 
-from helpers import SMALL, completed_hash, has_step, metrics_of, run_cli, spawn, stable, wait_for
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, run_cli, stable
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +28,7 @@ def test_truncated_sampling_resumes_exactly(tmp_path):
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "killed"
-    proc = spawn("start", "--run-dir", str(run), *common, faults="sleep@5=120")
-    wait_for(has_step(run, 5), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    r = run_cli("resume", str(run), "--from", "latest")
-    assert r.returncode == 0, r.stderr
+    r = kill_and_resume(run, common, 5)
     assert "continuing from step 4" in r.stderr
 
     assert completed_hash(run) == completed_hash(ref)
