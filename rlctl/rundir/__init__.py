@@ -6,7 +6,8 @@ RUN_DIR/
   metrics.jsonl            one orjson row per step, each step exactly once
   metrics.abandoned.jsonl  rows of steps a resume turned away from, tagged with the resume
   events.jsonl             start, resume, snapshot commits and failures, preemption, completion
-  lease.json               the live writer (host, pid, heartbeat); absent when nobody writes
+  lease.json               the live writer (host, pid, when taken); absent when nobody writes
+  .lease/                  the writer's heartbeat (beat-OWNER) and takeover markers
   checkpoints/             snapshots (unless checkpoint.dir is set)
 
 ``layout`` names these files; ``directory`` creates and loads a run directory, finds its snapshots

@@ -1,7 +1,9 @@
 """One writer per run: a lease file in the run directory.
 
-``lease.json`` is created exclusively and holds the owner's host, pid and a heartbeat that a
-background thread renews. A second writer is refused while the lease is live. A lease is stale when
+``lease.json`` is created exclusively and holds the owner's host, pid and the time it was taken; it
+is never rewritten while held. A background thread renews the heartbeat in a file of the owner's own,
+``.lease/beat-OWNER``, so a renewal can never write over the lease of a writer that took the run over
+between the renewal's read and its write (a read-then-write of lease.json could). A second writer is refused while the lease is live. A lease is stale when
 its heartbeat is older than the timeout, or when its owner ran on this host and that process is gone
 (then it is taken over at once: a crash cannot have left a live writer). A stale lease from another
 host, or a lease.json that is not a lease record, is taken over only with ``--force``.
@@ -30,6 +32,7 @@ from rlctl.errors import LeaseError, StorageError
 from rlctl.storage import Storage, describe
 
 LEASE_FILE = "lease.json"
+BEAT_DIR = ".lease"
 FIELDS = {"owner": str, "host": str, "pid": int, "heartbeat": float}
 
 
@@ -62,9 +65,24 @@ def _malformed(data: Any) -> str | None:
     return None
 
 
+def beat_file(owner: str) -> str:
+    return f"{BEAT_DIR}/beat-{owner}"
+
+
+def _last_beat(storage: Storage, owner: str) -> float | None:
+    """The owner's latest heartbeat, or None when it has none (yet) or it cannot be read as one."""
+    try:
+        value = orjson.loads(storage.read_bytes(beat_file(owner))).get("heartbeat")
+    except (FileNotFoundError, orjson.JSONDecodeError, AttributeError):
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
 def read_lease(storage: Storage) -> dict[str, Any] | None:
-    """The lease record, with ``_digest`` (a hash of its bytes). A lease.json that is not a lease record
-    reads as long stale, with ``_malformed`` saying why."""
+    """The lease record, with ``_digest`` (a hash of lease.json's bytes) and ``heartbeat`` the later of
+    the time it was taken and its owner's last beat. A lease.json that is not a lease record reads as
+    long stale, with ``_malformed`` saying why."""
     try:
         raw = storage.read_bytes(LEASE_FILE)
     except FileNotFoundError:
@@ -76,7 +94,8 @@ def read_lease(storage: Storage) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         problem = "it is not JSON"
     if problem is None:
-        return {**data, "_digest": digest}
+        beat = _last_beat(storage, data["owner"]) if "/" not in data["owner"] else None
+        return {**data, "heartbeat": max(data["heartbeat"], beat or 0.0), "_digest": digest}
     return {"owner": "?", "host": "?", "pid": 0, "heartbeat": 0.0, "_digest": digest, "_malformed": problem}
 
 
@@ -160,6 +179,15 @@ class Lease:
             raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
         self.taken_over = {k: v for k, v in held.items() if k != "_digest"}
         self.storage.rm(LEASE_FILE)
+        self._forget_beat(held.get("owner", ""))
+
+    def _forget_beat(self, owner: str) -> None:
+        """Remove an owner's heartbeat file (it is no use once its lease is gone); never fails."""
+        if owner and "/" not in owner:
+            try:
+                self.storage.rm(beat_file(owner))
+            except (FileNotFoundError, StorageError):
+                pass
 
     # -- fencing ----------------------------------------------------------------------------------
     @property
@@ -213,8 +241,8 @@ class Lease:
         elif held.get("owner") != self.owner:
             self._mark_lost(f"{storage.url_of(LEASE_FILE)} now names another writer ({describe_lease(held, storage)})")
         if self.lost or self._stop.is_set() or time.monotonic() - (self._renewed or started) > self.timeout:
-            return  # never write over a lease that may be someone else's now
-        storage.write_bytes(LEASE_FILE, self._record())
+            return  # a beat after the timeout would revive a lease another host may judge stale
+        storage.write_bytes(beat_file(self.owner), self._record())
         self._renewed = started
         self.last_error = None
 
@@ -229,6 +257,7 @@ class Lease:
         held = read_lease(self.storage)
         if held is not None and held.get("owner") == self.owner:
             self.storage.rm(LEASE_FILE)
+        self._forget_beat(self.owner)
 
     def __enter__(self) -> Lease:
         return self

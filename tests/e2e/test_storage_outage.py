@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from rlctl.errors import LeaseError, StorageError
-from rlctl.rundir.lease import LEASE_FILE, Lease
+from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
 from rlctl.storage import Storage
 
 from helpers import run_cli
@@ -126,14 +126,14 @@ def test_the_lease_survives_a_short_stall_and_is_lost_after_a_long_one(moto):
     st = Storage(f"s3://{BUCKET}/leased", moto.options(timeout=0.5), retry_timeout=5)
     lease = Lease(st, timeout=4.0, heartbeat=0.2).acquire()
     try:
-        first = orjson.loads(st.read_bytes(LEASE_FILE))["heartbeat"]
+        first = read_lease(st)["heartbeat"]
         moto.pause()
         time.sleep(1.5)
         moto.resume()
         deadline = time.monotonic() + 5
-        while orjson.loads(st.read_bytes(LEASE_FILE))["heartbeat"] <= first + 1.5 and time.monotonic() < deadline:
+        while read_lease(st)["heartbeat"] <= first + 1.5 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert orjson.loads(st.read_bytes(LEASE_FILE))["heartbeat"] > first + 1.5, "renewed after the stall"
+        assert read_lease(st)["heartbeat"] > first + 1.5, "renewed after the stall"
         assert lease.held and lease._thread.is_alive()
         lease.check()
 

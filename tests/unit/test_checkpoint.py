@@ -16,7 +16,7 @@ from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
 from rlctl.errors import LeaseError, SnapshotError, StorageError
 from rlctl.rundir.directory import zero_topology
-from rlctl.rundir.lease import LEASE_FILE, Lease
+from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
 from rlctl.storage import Storage
 
 from helpers import Counter, small_tmpfs
@@ -425,11 +425,11 @@ def test_stale_lease_from_another_host_needs_force(tmp_path):
 def test_heartbeat_renews_and_detects_loss(tmp_path):
     run = Storage(str(tmp_path))
     lease = Lease(run, heartbeat=0.05).acquire()
-    first = orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"]
+    first = read_lease(run)["heartbeat"]
     deadline = time.time() + 10  # (polled: a loaded machine may run the heartbeat thread late)
-    while orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"] <= first and time.time() < deadline:
+    while read_lease(run)["heartbeat"] <= first and time.time() < deadline:
         time.sleep(0.02)
-    assert orjson.loads(run.read_bytes(LEASE_FILE))["heartbeat"] > first
+    assert read_lease(run)["heartbeat"] > first
     run.write_bytes(LEASE_FILE, orjson.dumps({"owner": "thief", "host": "h", "pid": 1, "heartbeat": time.time()}))
     deadline = time.time() + 10
     while not lease.lost and time.time() < deadline:

@@ -282,7 +282,11 @@ def test_pid_alive_never_signals_a_process_group():
 
 
 def _heartbeat_of(st: Storage) -> float:
-    return orjson.loads(st.read_bytes(LEASE_FILE))["heartbeat"]
+    return read_lease(st)["heartbeat"]
+
+
+def _is_beat(rel: str) -> bool:
+    return rel.startswith(f"{lease_mod.BEAT_DIR}/beat-")
 
 
 def _until(predicate, timeout=5.0):
@@ -301,7 +305,7 @@ def _failing_writes(st: Storage, monkeypatch, errors):
     n = iter(range(10**9))
 
     def write_bytes(self, rel, data, exclusive=False):
-        if failing.is_set() and rel == LEASE_FILE:
+        if failing.is_set() and _is_beat(rel):
             raise errors[next(n) % len(errors)]
         return real(self, rel, data, exclusive)
 
@@ -356,7 +360,7 @@ def test_check_fences_even_while_the_heartbeat_is_stuck(tmp_path, monkeypatch):
     real = Storage.write_bytes
 
     def write_bytes(self, rel, data, exclusive=False):
-        if stuck.is_set() and rel == LEASE_FILE:
+        if stuck.is_set() and _is_beat(rel):
             time.sleep(2.0)  # a call hanging on a dead endpoint
         return real(self, rel, data, exclusive)
 
@@ -381,6 +385,45 @@ def test_another_owner_seen_loses_the_lease(tmp_path):
     assert orjson.loads(st.read_bytes(LEASE_FILE))["owner"] == "someone-else", "never written over"
     lease.release()
     assert st.exists(LEASE_FILE)
+
+
+def test_a_takeover_between_a_renewals_read_and_its_write_is_never_written_over(tmp_path, monkeypatch):
+    """The race a read-then-write renewal of lease.json loses: the renewal reads its own lease, another
+    writer takes the run over, and the renewal writes. Renewals write only the owner's beat file, so the
+    new owner's lease.json stands and the next beat sees it."""
+    st = Storage(str(tmp_path))
+    theirs = {"owner": "thief", "host": "elsewhere", "pid": 4242, "heartbeat": time.time()}
+    real_read = lease_mod.read_lease
+    raced = threading.Event()
+
+    def read_then_taken_over(storage):
+        held = real_read(storage)
+        if not raced.is_set() and held is not None and held.get("owner") == lease.owner:
+            raced.set()
+            st.write_bytes(LEASE_FILE, orjson.dumps(theirs))  # after our read, before our write
+        return held
+
+    lease = Lease(st, timeout=30, heartbeat=0.05)
+    monkeypatch.setattr(lease_mod, "read_lease", read_then_taken_over)
+    lease.acquire()
+    assert _until(raced.is_set) and _until(lambda: not lease.held)
+    assert orjson.loads(st.read_bytes(LEASE_FILE)) == theirs, "the renewal wrote over the new owner's lease"
+    with pytest.raises(LeaseError, match="now names another writer"):
+        lease.check()
+    lease.release()
+    assert orjson.loads(st.read_bytes(LEASE_FILE)) == theirs
+
+
+def test_the_heartbeat_lives_beside_the_lease_and_both_go_on_release(tmp_path):
+    st = Storage(str(tmp_path))
+    lease = Lease(st, timeout=30, heartbeat=0.05).acquire()
+    taken = orjson.loads(st.read_bytes(LEASE_FILE))
+    assert _until(lambda: _heartbeat_of(st) > taken["heartbeat"])
+    assert orjson.loads(st.read_bytes(LEASE_FILE)) == taken, "lease.json is never rewritten while held"
+    st.write_bytes(lease_mod.beat_file(lease.owner), b"not json")  # a damaged beat file reads as no beat
+    assert read_lease(st)["heartbeat"] >= taken["heartbeat"]
+    lease.release()
+    assert not st.exists(LEASE_FILE) and not st.exists(lease_mod.beat_file(lease.owner))
 
 
 def test_heartbeat_survives_a_real_read_only_disk(tmp_path):
