@@ -16,7 +16,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import orjson
 import pytest
 
 from rlctl.errors import LeaseError, StorageError
