@@ -18,7 +18,8 @@ __all__ = ["SAFE_ON_RESUME", "apply_resume_overrides"]
 
 def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunConfig, dict[str, Any]]:
     """The config with ``overrides`` (``key=value`` items) applied, and the changes as
-    ``{dotted key: {"from", "to"}}``; a key outside SAFE_ON_RESUME is a ConfigError."""
+    ``{dotted key: {"from", "to"}}``; a key outside SAFE_ON_RESUME, or a knob this run does not use (a
+    critic setting without a critic, target_kl without the adaptive controller), is a ConfigError."""
     data = cfg.model_dump(mode="json")
     changes: dict[str, Any] = {}
     origins = {}
@@ -39,6 +40,9 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
             data.get("schedules", {}).pop(dotted, None)
         origins[key] = f"--set {item}"
     new = validate_config(data, origins)
+    for dotted in changes:
+        if (idle := new.algorithm.idle_knob(dotted)) is not None:
+            raise ConfigError(f"'--set {dotted}' would do nothing: {idle}")
     for dotted, change in changes.items():  # record typed values
         sched = new.schedules.get(dotted)
         change["to"] = sched.model_dump(mode="json") if isinstance(change["to"], dict) else get_knob(new, dotted)

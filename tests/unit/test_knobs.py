@@ -396,12 +396,12 @@ def test_an_adjustment_of_a_scheduled_knob_changes_its_composition_and_the_value
 # -- resume --set ----------------------------------------------------------------------------------------
 def test_resume_set_takes_nested_knobs_and_a_number_replaces_a_schedule():
     cfg = validate_config({"algorithm": {"kl_coef": {"schedule": [{"until": 0.5, "value": 0.0}, {"value": 0.01}]}}})
-    new, changes = apply_resume_overrides(cfg, ["algorithm.kl_ctrl.target_kl=0.05", "algorithm.kl_coef=0.02"])
-    assert changes == {
-        "algorithm.kl_ctrl.target_kl": {"from": 0.1, "to": 0.05},
-        "algorithm.kl_coef": {"from": 0.0, "to": 0.02},
-    }
-    assert new.algorithm.kl_ctrl.target_kl == 0.05 and new.schedules == {}
+    new, changes = apply_resume_overrides(cfg, ["actor.grad_clip=0.5", "algorithm.kl_coef=0.02"])
+    assert changes == {"actor.grad_clip": {"from": 1.0, "to": 0.5}, "algorithm.kl_coef": {"from": 0.0, "to": 0.02}}
+    assert new.actor.grad_clip == 0.5 and new.schedules == {}
+    adaptive = validate_config({"algorithm": {"kl_coef": 0.05, "kl_ctrl": {"type": "adaptive"}}})
+    new, changes = apply_resume_overrides(adaptive, ["algorithm.kl_ctrl.target_kl=0.05"])
+    assert changes == {"algorithm.kl_ctrl.target_kl": {"from": 0.1, "to": 0.05}}
     new, changes = apply_resume_overrides(new, ["actor.lr={schedule: [{value: 2.0e-6}]}"])
     assert changes["actor.lr"]["to"]["schedule"] == [{"until": None, "value": 2e-6}]
     assert "actor.lr" in new.schedules
@@ -409,6 +409,16 @@ def test_resume_set_takes_nested_knobs_and_a_number_replaces_a_schedule():
         apply_resume_overrides(new, ["actor.zero_stage=3"])
     with pytest.raises(ConfigError, match=r"'algorithm.kl_ctrl.target_kl' \(--set algorithm.kl_ctrl.target_kl=-1\)"):
         apply_resume_overrides(new, ["algorithm.kl_ctrl.target_kl=-1"])
+
+
+def test_resume_set_refuses_a_knob_the_run_does_not_use():
+    grpo = validate_config({})
+    with pytest.raises(ConfigError, match=r"'--set critic.lr' would do nothing: algorithm.name is grpo, which has no"):
+        apply_resume_overrides(grpo, ["critic.lr=1e-5"])
+    with pytest.raises(ConfigError, match=r"'--set algorithm.kl_ctrl.target_kl' would do nothing: .* is fixed"):
+        apply_resume_overrides(grpo, ["algorithm.kl_ctrl.target_kl=0.05"])
+    ppo = validate_config({"algorithm": {"name": "ppo"}})
+    assert apply_resume_overrides(ppo, ["critic.lr=1e-5"])[0].critic.lr == 1e-5
 
 
 # -- the engine follows the gradient clip and weight decay (real DeepSpeed) -----------------------------
