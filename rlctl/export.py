@@ -3,6 +3,9 @@
 The weights are consolidated in fp32 from the DeepSpeed files of any ZeRO stage with DeepSpeed's own
 ``zero_to_fp32`` reader (no engine, no process group); the model's config and tokenizer come from the
 snapshot's ``hf/`` copy, so the export needs nothing but the snapshot. Checksums are verified first.
+A LoRA run's snapshot holds the adapter alone: its base weights come from the run's model directory
+(``model.path``, or the built-in model in RUN_DIR/model), and the adapter is merged into them (a plain
+Hugging Face model) or written as a PEFT adapter directory (``adapter_only``).
 """
 
 from __future__ import annotations
@@ -19,22 +22,31 @@ from rlctl.rundir.directory import load_run_config, snapshot_manager
 from rlctl.storage import Storage
 
 
-def export_snapshot(run_dir: str, spec: str, out_dir: str, note: Callable[[str], None] | None = None) -> SnapshotInfo:
+def export_snapshot(
+    run_dir: str,
+    spec: str,
+    out_dir: str,
+    note: Callable[[str], None] | None = None,
+    adapter_only: bool = False,
+) -> SnapshotInfo:
     """Export the snapshot ``spec`` names (latest, last-good, best, step-N or N: the first usable
     candidate, each one skipped before it said to ``note``) to ``out_dir``, which must be new or empty.
-    The snapshot exported."""
+    A LoRA run's snapshot is exported merged into its base (from the run's model directory), or with
+    ``adapter_only`` as a PEFT adapter directory. The snapshot exported."""
     from rlctl.engine.runtime import quiet_libraries
 
     quiet_libraries()  # (imports DeepSpeed first, without MLflow)
-    import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"OUT_DIR {out_dir} is not empty; choose a new directory")
     run = Storage(run_dir)
     cfg = load_run_config(run)
+    lora = cfg.actor.lora.rank > 0
+    if adapter_only and not lora:
+        raise ConfigError(f"--adapter-only needs a LoRA run, but {run_dir} trains the full model (actor.lora.rank 0)")
     manager = snapshot_manager(run, cfg)
     info = _choose(manager, spec, note or (lambda _: None))
     local, cleanup = manager.storage.local_copy(info.name)
@@ -44,23 +56,56 @@ def export_snapshot(run_dir: str, spec: str, out_dir: str, note: Callable[[str],
             raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
         hf = os.path.join(local, "hf")
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's reader prints progress to stdout
-            state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor")
-        config = AutoConfig.from_pretrained(hf, trust_remote_code=cfg.model.trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        tied = set(getattr(model, "_tied_weights_keys", None) or [])
-        if unexpected or set(missing) - tied:
-            raise SnapshotError(
-                f"snapshot {info.name} does not fit its model config: missing {sorted(set(missing) - tied)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-        model.tie_weights()
+            state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor", exclude_frozen_parameters=lora)
+        if lora:
+            model = _lora_model(cfg, run, state, info.name)
+            model = model if adapter_only else model.merge_and_unload()
+        else:
+            model = _full_model(cfg, hf, state, info.name)
         model.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(hf).save_pretrained(out)
     finally:
         cleanup()
     return info
+
+
+def _full_model(cfg, hf: str, state: dict, name: str):
+    """The causal LM of the snapshot's ``hf/`` config holding the snapshot's (fp32) weights ``state``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf, trust_remote_code=cfg.model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise SnapshotError(
+            f"snapshot {name} does not fit its model config: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    model.tie_weights()
+    return model
+
+
+def _lora_model(cfg, run: Storage, state: dict, name: str):
+    """The run's base model (fp32, from its model directory: a LoRA snapshot holds no base weights) with
+    the run's adapter holding the snapshot's adapter weights ``state``: a peft model."""
+    import torch
+
+    from rlctl.engine.lora import apply_lora
+    from rlctl.engine.model import load_causal_lm, prepare_model_dir
+
+    base = load_causal_lm(prepare_model_dir(cfg, run), torch.float32, cfg.model.trust_remote_code)
+    model = apply_lora(base, cfg.actor.lora, cfg.seed)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    adapter_missing = [k for k in missing if ".lora_" in k]
+    if unexpected or adapter_missing:
+        raise SnapshotError(
+            f"snapshot {name} does not fit the run's LoRA adapter (actor.lora): missing {sorted(adapter_missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    return model
 
 
 def _choose(manager: SnapshotManager, spec: str, note: Callable[[str], None]) -> SnapshotInfo:

@@ -1,4 +1,4 @@
-"""rlctl export RUN_DIR OUT_DIR [--step latest|last-good|best|step-N|N]"""
+"""rlctl export RUN_DIR OUT_DIR [--step latest|last-good|best|step-N|N] [--adapter-only]"""
 
 from __future__ import annotations
 
@@ -19,11 +19,19 @@ from rlctl.commands.options import step_spec
     help="latest, last-good, best, step-N or N. best: the good snapshot with the best validation metric "
     "(checkpoint.keep_best's, else the highest val/score/mean).",
 )
-def export(run_dir: str, out_dir: str, step: str) -> None:
+@click.option(
+    "--adapter-only",
+    is_flag=True,
+    help="LoRA runs: write the PEFT adapter directory (PeftModel.from_pretrained) instead of the merged model.",
+)
+def export(run_dir: str, out_dir: str, step: str, adapter_only: bool) -> None:
     """Write a snapshot's weights as a Hugging Face model directory (safetensors plus tokenizer),
-    consolidated from any ZeRO stage. Prints OUT_DIR."""
+    consolidated from any ZeRO stage; a LoRA run's adapter merged into its base, or alone with
+    --adapter-only. Prints OUT_DIR."""
     from rlctl.export import export_snapshot
 
-    info = export_snapshot(run_dir, step, out_dir, note=lambda line: click.echo(line, err=True))
+    info = export_snapshot(
+        run_dir, step, out_dir, note=lambda line: click.echo(line, err=True), adapter_only=adapter_only
+    )
     click.echo(f"exported {info.name} of {run_dir}", err=True)
     click.echo(out_dir)

@@ -109,10 +109,11 @@ class ModelConfig(Strict):
     builtin: BuiltinModelConfig = Field(
         default_factory=BuiltinModelConfig, description="Shape of the built-in tiny model."
     )
-    dtype: Literal["auto", "fp32", "bf16"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
         description="Training precision: auto is bf16 on CUDA and NPU devices with native bf16 "
-        "(else fp32), fp32 on CPU.",
+        "(else fp32), fp32 on CPU; fp16 trains with DeepSpeed's dynamic loss scaling and fp32 master "
+        "weights, for devices without bf16 (not on a CPU without oneDNN fp16).",
     )
     trust_remote_code: bool = Field(False, description="Passed to transformers' from_pretrained.")
 
@@ -139,13 +140,42 @@ class DataConfig(Strict):
     builtin_val_size: int = Field(64, ge=1, description="Held-out prompts of the built-in task, never trained on.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     apply_chat_template: bool = Field(
-        False, description="Wrap each prompt as a user message with the tokenizer's chat template."
+        False,
+        description="Wrap each prompt as a user message (after `data.system_prompt`'s system message) with the "
+        "tokenizer's chat template; on when `data.system_prompt` is set.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        min_length=1,
+        description="System message put before every prompt (training and validation) through the chat "
+        "template; turns `data.apply_chat_template` on. Empty: none.",
     )
     max_prompt_length: int = Field(
-        512, ge=1, description="Prompts longer than this many tokens are truncated from the left."
+        512,
+        ge=1,
+        description="Prompts longer than this many tokens (after the chat template) are truncated from the "
+        "left, or dropped at load with `data.filter_overlong_prompts`.",
+    )
+    filter_overlong_prompts: bool = Field(
+        False,
+        description="Drop the prompts longer than `data.max_prompt_length` tokens once, at load (training and "
+        "validation; counted in a `prompts_filtered` event), instead of truncating them.",
     )
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded, resumable).")
     builtin_size: int = Field(4096, ge=1, description="Number of prompts in the built-in task.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _system_prompt_templates(cls, data: Any) -> Any:
+        """A system prompt is a chat message: it turns the chat template on, and contradicts it turned off."""
+        if not isinstance(data, dict) or data.get("system_prompt") is None:
+            return data
+        if data.get("apply_chat_template", True) in (False, "false"):  # (0 == False too)
+            raise ValueError(
+                "system_prompt is set but apply_chat_template is false: a system prompt is a chat message, "
+                "given through the chat template (drop apply_chat_template: false)"
+            )
+        return {**data, "apply_chat_template": True}
 
     @field_validator("path", "val_path")
     @classmethod
@@ -184,19 +214,41 @@ def _check_reward_url(v: str) -> str:
     return v
 
 
+class RewardModelConfig(Strict):
+    path: str = Field(
+        description="Local Hugging Face sequence-classification model directory (num_labels 1) with its tokenizer."
+    )
+    dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Precision of the reward model: auto is bf16 on CUDA and NPU with native bf16, else fp32."
+    )
+    batch_size: int = Field(16, ge=1, description="Completions scored per forward pass (per rank).")
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: str) -> str:
+        if not Path(v).expanduser().is_dir():
+            raise ValueError(f"no such model directory: {v}")
+        return v
+
+
 class RewardSourceConfig(Strict):
     function: str | None = Field(
-        None, description="Reward function as `module:function` (exactly one of function and url)."
+        None, description="Reward function as `module:function` (exactly one of function, url and model)."
     )
     url: str | None = Field(
-        None, description='HTTP(S) endpoint POSTed the batch as JSON, answering {"scores": [...]} (one of two).'
+        None, description='HTTP(S) endpoint POSTed the batch as JSON, answering {"scores": [...]} (one of three).'
+    )
+    model: RewardModelConfig | None = Field(
+        None, description="A sequence-classification reward model scoring prompt + completion (one of three)."
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments (a URL receives them as the body's `kwargs`)."
     )
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of this source in the step's summed score.")
     name: str | None = Field(
-        None, description="Name in `critic/score/<name>/mean`; default: the function's name or the URL's host."
+        None,
+        description="Name in `critic/score/<name>/mean`; default: the function's name, the URL's host or the "
+        "model directory's name.",
     )
     timeout: float = Field(30.0, gt=0, description="URL only: seconds to wait for one request's answer.")
     retries: int = Field(
@@ -222,9 +274,11 @@ class RewardSourceConfig(Strict):
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSourceConfig:
-        if (self.function is None) == (self.url is None):
-            raise ValueError("give exactly one of 'function' and 'url'")
-        if self.function is not None and (self.timeout != 30.0 or self.retries != 3):  # (defaults: a resolved config)
+        if [self.function, self.url, self.model].count(None) != 2:
+            raise ValueError("give exactly one of 'function', 'url' and 'model'")
+        if self.model is not None and self.kwargs:
+            raise ValueError("'kwargs' apply to a 'function' or 'url' source, not to a 'model'")
+        if self.url is None and (self.timeout != 30.0 or self.retries != 3):  # (defaults: a resolved config)
             raise ValueError("'timeout' and 'retries' apply to a 'url' source only")
         return self
 
@@ -235,6 +289,9 @@ class RewardSourceConfig(Strict):
             return self.name
         if self.function is not None:
             return self.function.partition(":")[2]
+        if self.model is not None:
+            name = "".join(c if c in REWARD_NAME_CHARS else "_" for c in Path(self.model.path).expanduser().name)
+            return name or "model"
         return urlsplit(self.url).hostname or "url"
 
 
@@ -253,6 +310,10 @@ class RewardConfig(Strict):
     timeout: float = Field(30.0, gt=0, description="With `url`: seconds to wait for one request's answer.")
     retries: int = Field(
         3, ge=0, description="With `url`: retries (exponential backoff) on connection errors, timeouts, 5xx and 429."
+    )
+    model: RewardModelConfig | None = Field(
+        None,
+        description="A sequence-classification reward model scoring prompt + completion (single-source shorthand).",
     )
     sources: list[RewardSourceConfig] | None = Field(
         None, description="Weighted reward sources, summed; each source's mean is logged as critic/score/<name>/mean."
@@ -275,7 +336,7 @@ class RewardConfig(Strict):
         function = self.function != DEFAULT_REWARD
         if self.sources is not None:
             clash = (["function"] if function else []) + (["url"] if self.url is not None else [])
-            clash += ["kwargs"] if self.kwargs else []
+            clash += (["model"] if self.model is not None else []) + (["kwargs"] if self.kwargs else [])
             if clash:
                 raise ValueError(f"give either 'sources' or {' and '.join(map(repr, clash))}, not both")
             if not self.sources:
@@ -285,18 +346,23 @@ class RewardConfig(Strict):
                 raise ValueError(
                     f"source names must be unique (repeated: {', '.join(dupes)}); set 'name' to tell them apart"
                 )
-        elif self.url is not None and function:
-            raise ValueError("give either 'function' or 'url', not both (or list both under 'sources')")
+        elif sum((function, self.url is not None, self.model is not None)) > 1:
+            given = [k for k, on in (("function", function), ("url", self.url), ("model", self.model)) if on]
+            raise ValueError(f"give one of {' and '.join(map(repr, given))}, not both (or list them under 'sources')")
+        elif self.model is not None and self.kwargs:
+            raise ValueError("'kwargs' apply to 'function' or 'url', not to 'model'")
         if self.url is None and (self.timeout != 30.0 or self.retries != 3):
             raise ValueError("'timeout' and 'retries' apply with 'url' only (a URL source has its own)")
         return self
 
     def source_list(self) -> list[RewardSourceConfig]:
-        """The sources to score with: ``sources``, or the one that ``url`` or ``function`` names."""
+        """The sources to score with: ``sources``, or the one that ``url``, ``model`` or ``function`` names."""
         if self.sources is not None:
             return list(self.sources)
         if self.url is not None:
             return [RewardSourceConfig(url=self.url, kwargs=self.kwargs, timeout=self.timeout, retries=self.retries)]
+        if self.model is not None:
+            return [RewardSourceConfig(model=self.model)]
         return [RewardSourceConfig(function=self.function, kwargs=self.kwargs)]
 
 
@@ -407,7 +473,33 @@ class AlgorithmConfig(Strict):
         return self
 
 
+class LoraSettings(Strict):
+    rank: int = Field(0, ge=0, description="LoRA rank r of the actor's adapter (peft); 0: no LoRA, full fine-tuning.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (peft's lora_dropout).")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="Modules that get an adapter: all-linear (every linear layer but the output head) or a list "
+        "of module names (e.g. [q_proj, v_proj]), each of which must name a module of the model.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one module, or be all-linear")
+        return v
+
+
 class ActorConfig(Strict):
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings,
+        description="LoRA through peft: rank > 0 trains only an adapter on the frozen base; the reference "
+        "model is the base with the adapter disabled.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the actor's activations in the backward pass (less memory, more compute)."
+    )
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
@@ -437,6 +529,9 @@ class CriticConfig(Strict):
     grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm to this value.")
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
     warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the actor starts.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the critic's activations in the backward pass (less memory, more compute)."
+    )
 
 
 class RolloutConfig(Strict):

@@ -16,7 +16,7 @@ import torch
 
 from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
-from rlctl.engine import algos
+from rlctl.engine import algos, lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch
@@ -40,6 +40,8 @@ METRICS = {
     "actor/nonfinite/loss": SUM,
     "actor/nonfinite/old_log_prob": SUM,
     "actor/skipped_updates": SUM,
+    "actor/loss_scale": MIN,  # model.dtype fp16 only; the same on every rank, as is the next
+    "actor/overflow_skipped": MAX,
     "actor/ppo_ratio/max": MAX,
     "actor/log_prob/min": MIN,
 }
@@ -70,7 +72,40 @@ class Actor(DSModule):
             warmup_steps=cfg.actor.warmup_steps,
         )
         model = load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code)
+        if cfg.actor.gradient_checkpointing:
+            lora.enable_gradient_checkpointing(model, "actor.gradient_checkpointing")
+        if cfg.actor.lora.rank:  # the base frozen, a seeded adapter trained
+            model = lora.apply_lora(model, cfg.actor.lora, cfg.seed)
         super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
+
+    @property
+    def trains_in_train_mode(self) -> bool:
+        """Whether the update's forward runs in training mode: transformers checkpoints only then, and
+        LoRA's dropout applies only then (the model is otherwise in eval mode, as loaded)."""
+        return self.cfg.actor.gradient_checkpointing or (self.has_lora and self.cfg.actor.lora.dropout > 0)
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether the actor trains a LoRA adapter on a frozen base (``actor.lora.rank`` > 0)."""
+        return self.cfg.actor.lora.rank > 0
+
+    def reference(self) -> lora.AdapterDisabled:
+        """The reference policy of a LoRA run: this module with its adapter disabled (no second copy)."""
+        return lora.AdapterDisabled(self.engine, self.module)
+
+    def merged_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the weights of the plain model the actor is, under its base names: the
+        adapter merged into the base under LoRA, else the parameters themselves. Under ZeRO-3, call
+        inside ``full_parameters``."""
+        if self.has_lora:
+            return lora.merged_weights(self.module)
+        return [(name, p.detach()) for name, p in self.module.named_parameters()]
+
+    def weights_sha256(self) -> str:
+        """A hash of the plain model's weights (``merged_weights``), by name: equal hashes mean
+        bit-identical policies; under LoRA it is the hash of the merged model ``rlctl export`` writes."""
+        with self.full_parameters():
+            return lora.sha256_of(self.merged_weights())
 
     def log_probs(
         self, seqs: Sequences, temperature: float, with_entropy: bool = False
@@ -104,6 +139,7 @@ class Actor(DSModule):
         totals: dict[str, float] = {}
         n_micro = 0
         lr = self.scheduler.get_last_lr()[0]
+        overflows = self.overflow_skipped()
         for _ in range(a.ppo_epochs):
             for idx, tw, _ in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 loss, stats = self._micro_batch_loss(
@@ -120,7 +156,8 @@ class Actor(DSModule):
                 boundary = self.engine.is_gradient_accumulation_boundary()
                 if not self._apply(loss):
                     stats["actor/skipped_updates"] = 1.0
-                if boundary:
+                # (a step DeepSpeed skipped on an fp16 overflow has no norm to report: its inf is no fault)
+                if boundary and ("actor/skipped_updates" in stats or not self.step_overflowed()):
                     totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + _as_float(
                         self.engine.get_global_grad_norm() if "actor/skipped_updates" not in stats else float("nan")
                     )
@@ -132,6 +169,11 @@ class Actor(DSModule):
         out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries
         out.setdefault("actor/skipped_updates", 0.0)
         out["actor/lr"] = lr
+        if self.engine.fp16_enabled():  # the loss scale after this update, and its steps skipped on overflow
+            out["actor/loss_scale"] = self.loss_scale()
+            out["actor/overflow_skipped"] = float(self.overflow_skipped() - overflows)
+            if "actor/grad_norm" not in totals:  # every step overflowed: absent, not inf (no nonfinite rollback)
+                del out["actor/grad_norm"]
         return out
 
     def _micro_batch_loss(
@@ -158,7 +200,8 @@ class Actor(DSModule):
         weight = algos.core.agg_weight(a.loss_agg_mode, tw)
         pg_weight = algos.core.agg_weight(algos.core.policy_agg_mode(a.loss_agg_mode, a.importance_ratio), tw)
         mb, mask = seqs.select(idx), seqs.response_mask[idx]
-        log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
+        with lora.training(self.module, self.trains_in_train_mode):
+            log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
         if poison:  # fault drill: one NaN log-prob, as a broken kernel would give
             log_prob = poisoned(log_prob)
         old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]

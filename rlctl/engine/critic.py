@@ -10,9 +10,9 @@ import torch
 
 from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
-from rlctl.engine import algos
+from rlctl.engine import algos, lora
 from rlctl.engine.batch import Sequences, position_ids_for
-from rlctl.engine.dist import MEAN
+from rlctl.engine.dist import MAX, MEAN, MIN
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch
 from rlctl.engine.runtime import Runtime
 from rlctl.errors import InputError
@@ -30,7 +30,14 @@ def load_value_model(path: Path, dtype: torch.dtype, trust_remote_code: bool):
 
 
 # How the ranks reduce each metric ``Critic.update`` reports.
-METRICS = {"critic/vf_loss": MEAN, "critic/vf_clipfrac": MEAN, "critic/grad_norm": MEAN, "critic/lr": MEAN}
+METRICS = {
+    "critic/vf_loss": MEAN,
+    "critic/vf_clipfrac": MEAN,
+    "critic/grad_norm": MEAN,
+    "critic/lr": MEAN,
+    "critic/loss_scale": MIN,  # model.dtype fp16 only; the same on every rank, as is the next
+    "critic/overflow_skipped": MAX,
+}
 
 
 class Critic(DSModule):
@@ -54,6 +61,8 @@ class Critic(DSModule):
         )
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
         model = load_value_model(path, runtime.dtype, cfg.model.trust_remote_code)
+        if cfg.critic.gradient_checkpointing:
+            lora.enable_gradient_checkpointing(model, "critic.gradient_checkpointing")
         super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
 
     def values(self, seqs: Sequences) -> torch.Tensor:
@@ -75,10 +84,12 @@ class Critic(DSModule):
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
         n = 0
+        overflows = self.overflow_skipped()
         for _ in range(a.ppo_epochs):
             for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
                 mb, mask = seqs.select(idx), seqs.response_mask[idx]
-                vpreds = self.values(mb)
+                with lora.training(self.module, self.cfg.critic.gradient_checkpointing):
+                    vpreds = self.values(mb)
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
                     vpreds,
                     old_values[idx],
@@ -98,6 +109,10 @@ class Critic(DSModule):
                     totals[key] = totals.get(key, 0.0) + value
                 n += 1
         out = {k: v / n for k, v in totals.items()}
-        out["critic/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        if not self.step_overflowed():  # a step DeepSpeed skipped on an fp16 overflow has no norm (inf is no fault)
+            out["critic/grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
         out["critic/lr"] = self.scheduler.get_last_lr()[0]
+        if self.engine.fp16_enabled():  # the loss scale after this update, and its steps skipped on overflow
+            out["critic/loss_scale"] = self.loss_scale()
+            out["critic/overflow_skipped"] = float(self.overflow_skipped() - overflows)
         return out

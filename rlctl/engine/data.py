@@ -1,20 +1,30 @@
 """Prompt datasets with a resumable cursor.
 
-Rows are dicts with at least the prompt column; every other column is passed to the reward function.
-The cursor walks a seeded permutation of the rows, reshuffled every epoch; its state is
+Rows are dicts with at least the prompt column (a string); every other column is passed to the reward
+function. The cursor walks a seeded permutation of the rows, reshuffled every epoch; its state is
 (epoch, position, seed), so a restored run draws exactly the prompts it would have drawn.
+
+What the model is given for a prompt (``prompt_texts``) is the prompt itself, or under
+``data.apply_chat_template`` the tokenizer's chat template applied to [system (``data.system_prompt``),
+user] messages; the reward function still receives the prompt as the dataset holds it. With
+``data.filter_overlong_prompts`` the prompts longer than ``data.max_prompt_length`` tokens (so measured)
+are dropped once, at load, before the cursor numbers the rows (``load_prompts``): a resumed run filters
+the same files the same way and draws the same prompts.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-from rlctl.config import DataConfig
-from rlctl.errors import InputError
+from rlctl.config import DataConfig, RunConfig
+from rlctl.errors import ConfigError, InputError
 from rlctl.stateful import check_version
 
 
@@ -35,6 +45,158 @@ def load_val_rows(cfg: DataConfig, seed: int, training: list[dict[str, Any]]) ->
     from rlctl.engine.reward.builtin import make_held_out_prompts
 
     return make_held_out_prompts(cfg.builtin_val_size, seed, training)
+
+
+@dataclass(frozen=True)
+class Filtered:
+    """What ``data.filter_overlong_prompts`` dropped from one dataset (``key``: the config key naming it)."""
+
+    key: str
+    source: str
+    total: int
+    dropped: int
+    limit: int
+    longest: int
+
+    def event(self) -> dict[str, Any]:
+        """The ``prompts_filtered`` event of events.jsonl."""
+        return {
+            "event": "prompts_filtered",
+            "data": self.key,
+            "file": self.source,
+            "prompts": self.total,
+            "dropped": self.dropped,
+            "kept": self.total - self.dropped,
+            "max_prompt_length": self.limit,
+            "longest": self.longest,
+        }
+
+    def note(self) -> str:
+        """The line said on stderr."""
+        return (
+            f"'{self.key}' {self.source}: dropped {self.dropped} of {self.total} prompts longer than "
+            f"{self.limit} tokens (data.filter_overlong_prompts; the longest has {self.longest})"
+        )
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A run's prompts as loaded: the training rows (the cursor's), the validation rows (None when the run
+    does not validate), and what filtering dropped from each."""
+
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]] | None
+    filtered: list[Filtered]
+
+    def announce(self, emit: Callable[[dict[str, Any]], None], main: bool) -> None:
+        """Record what filtering dropped: an event each (``emit``), and a line on stderr (``main``)."""
+        for f in self.filtered:
+            emit(f.event())
+            if main:
+                print(f.note(), file=sys.stderr)
+
+
+def load_prompts(cfg: RunConfig, tokenizer) -> Prompts:
+    """The training and (when the run validates) validation prompts, with the chat template checked
+    (``check_chat_template``) and, under ``data.filter_overlong_prompts``, the overlong prompts dropped: the
+    same every time for the same files, tokenizer and config."""
+    data = cfg.data
+    check_chat_template(tokenizer, data, model_name(cfg))
+    rows = load_rows(data, cfg.seed)
+    val = load_val_rows(data, cfg.seed, rows) if cfg.validates else None  # the split ignores the filter
+    if not data.filter_overlong_prompts:
+        return Prompts(rows, val, [])
+    train, filtered = drop_overlong(rows, tokenizer, data, "data.path", data.path or "the built-in task")
+    if val is None:
+        return Prompts(train, None, [filtered])
+    val_source = data.val_path or "the built-in task's held-out split"
+    val, val_filtered = drop_overlong(val, tokenizer, data, "data.val_path", val_source)
+    return Prompts(train, val, [filtered, val_filtered])
+
+
+def prompt_messages(cfg: DataConfig, prompt: str) -> list[dict[str, str]]:
+    """The conversation a prompt becomes under the chat template: [system (data.system_prompt), user]."""
+    user = {"role": "user", "content": prompt}
+    return [{"role": "system", "content": cfg.system_prompt}, user] if cfg.system_prompt is not None else [user]
+
+
+def prompt_texts(tokenizer, cfg: DataConfig, prompts: list[str]) -> list[str]:
+    """The text the model is given for each prompt: the prompt itself, or (data.apply_chat_template) the
+    chat template's rendering of its ``prompt_messages``, ending where the assistant's answer begins.
+    Encode it with ``add_special_tokens=not cfg.apply_chat_template`` (a template writes its own)."""
+    if not cfg.apply_chat_template:
+        return list(prompts)
+    return [
+        tokenizer.apply_chat_template(prompt_messages(cfg, p), tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
+
+
+def prompt_lengths(tokenizer, cfg: DataConfig, prompts: list[str], chunk: int = 1024) -> list[int]:
+    """Each prompt's length in tokens as the rollout encodes it (``prompt_texts``, untruncated)."""
+    lengths: list[int] = []
+    for i in range(0, len(prompts), chunk):
+        texts = prompt_texts(tokenizer, cfg, prompts[i : i + chunk])
+        ids = tokenizer(
+            texts, add_special_tokens=not cfg.apply_chat_template, return_attention_mask=False, verbose=False
+        )["input_ids"]
+        lengths.extend(len(x) for x in ids)
+    return lengths
+
+
+def drop_overlong(
+    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, key: str, source: str
+) -> tuple[list[dict[str, Any]], Filtered]:
+    """The rows whose prompt fits in ``data.max_prompt_length`` tokens, in their order, and the count of
+    the others; an InputError naming ``key``, ``source`` and the limit when none fits."""
+    lengths = prompt_lengths(tokenizer, cfg, [row[cfg.prompt_key] for row in rows])
+    limit = cfg.max_prompt_length
+    kept = [row for row, n in zip(rows, lengths) if n <= limit]
+    if not kept:
+        raise InputError(
+            f"every prompt of '{key}' {source} is longer than 'data.max_prompt_length' ({limit} tokens; the "
+            f"shortest has {min(lengths)}), so 'data.filter_overlong_prompts' leaves none: raise the limit"
+        )
+    return kept, Filtered(key, source, len(rows), len(rows) - len(kept), limit, max(lengths))
+
+
+def check_prompt_template(cfg: RunConfig) -> None:
+    """``check_chat_template`` before any work (the preflight): the built-in model's tokenizer, which has no
+    chat template, or the tokenizer of ``model.path``; the trainer checks the tokenizer it loads again."""
+    if not cfg.data.apply_chat_template:
+        return
+    from rlctl.engine.model import build_char_tokenizer, load_tokenizer
+
+    if cfg.model.path is None:
+        tokenizer = build_char_tokenizer()
+    else:
+        tokenizer = load_tokenizer(Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
+    check_chat_template(tokenizer, cfg.data, model_name(cfg))
+
+
+def model_name(cfg: RunConfig) -> str:
+    """The model as an error names it."""
+    return "the built-in model" if cfg.model.path is None else cfg.model.path
+
+
+def check_chat_template(tokenizer, cfg: DataConfig, model: str) -> None:
+    """A ConfigError when the config asks for the chat template (``data.apply_chat_template``, or
+    ``data.system_prompt``) and the tokenizer of ``model`` has none, or its template fails on the
+    conversation a prompt becomes."""
+    if not cfg.apply_chat_template:
+        return
+    key = "data.system_prompt" if cfg.system_prompt is not None else "data.apply_chat_template"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"'{key}' needs a chat template, but the tokenizer of {model} has none (no chat_template in its "
+            f"tokenizer files); use a model with one, or leave '{key}' unset"
+        )
+    try:
+        prompt_texts(tokenizer, cfg, ["?"])
+    except Exception as exc:  # a template is user code: jinja2 and its raise_exception() raise anything
+        roles = "+".join(m["role"] for m in prompt_messages(cfg, "?"))
+        detail = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"'{key}': the chat template of {model} fails on a {roles} conversation: {detail}") from None
 
 
 def columns_of(rows: list[dict[str, Any]], prompt_key: str) -> dict[str, list]:
@@ -66,6 +228,12 @@ def read_prompt_file(
     if not rows:
         raise InputError(f"'{key}' {path} holds no rows")
     missing = [i for i, row in enumerate(rows) if not isinstance(row.get(prompt_key), str)]
+    if missing and isinstance(rows[missing[0]].get(prompt_key), list):
+        raise InputError(
+            f"'{key}' {path}: row {missing[0] + 1}'s '{prompt_key}' is a list of messages, which rlctl does not "
+            "read; give the user's text as a string (with 'data.apply_chat_template') and a system message as "
+            "'data.system_prompt'"
+        )
     if missing:
         raise InputError(
             f"'{key}' {path}: row {missing[0] + 1} has no string column '{prompt_key}' "
@@ -176,7 +344,8 @@ class PromptCursor:
         if state["num_rows"] != len(self.rows):
             raise InputError(
                 f"the dataset now has {len(self.rows)} rows but the snapshot was taken with "
-                f"{state['num_rows']}; resume with the same 'data.path'"
+                f"{state['num_rows']}; resume with the same 'data.path' (and the same prompts "
+                "'data.filter_overlong_prompts' keeps)"
             )
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.position = state["epoch"], state["position"]

@@ -112,13 +112,31 @@ class EngineSpec:
     warmup_steps: int = 0
 
 
+# fp16's dynamic loss scaling (DeepSpeed's defaults, spelt out): start at 2**16; halve on every overflow
+# from the ``hysteresis``-th since the start or the last raise; double after ``loss_scale_window``
+# optimizer steps without one; never below ``min_loss_scale`` (DeepSpeed raises an error rather than go
+# under it). A step whose gradients overflow is skipped (no update, no scheduler step) and counted in the
+# engine's ``skipped_steps``.
+FP16_LOSS_SCALING = {
+    "loss_scale": 0,  # 0: dynamic
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+
+
 def ds_config(spec: EngineSpec, dtype: torch.dtype) -> dict:
+    """DeepSpeed's config for an engine of ``spec`` training in ``dtype``: bf16 and fp16 keep fp32 master
+    weights and optimizer state in the ZeRO optimizer; fp16 adds dynamic loss scaling."""
+    fp16 = dtype == torch.float16
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.mini_batch // spec.micro_batch,
         "gradient_clipping": spec.grad_clip,
         "zero_optimization": {"stage": spec.zero_stage},
         "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": True, **FP16_LOSS_SCALING} if fp16 else {"enabled": False},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -147,8 +165,10 @@ class DSModule:
         self.spec, self.runtime = spec, runtime
         self.mini_batch, self.micro_batch = spec.mini_batch, spec.micro_batch
         fused = runtime.device.type in ("cpu", "cuda")  # (torch_npu's AdamW has no fused kernel)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapter only)
+        self.frozen = len(trainable) < len(list(model.parameters()))
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay, fused=fused or None
+            trainable, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay, fused=fused or None
         )
         warmup = spec.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -217,7 +237,8 @@ class DSModule:
         parent, tag = os.path.split(path.rstrip("/"))
         self._ckpt_engine.defer = defer
         try:
-            self.engine.save_checkpoint(parent, tag=tag, save_latest=False)
+            # frozen parameters (a LoRA base) come from the model directory at every start, not the snapshot
+            self.engine.save_checkpoint(parent, tag=tag, save_latest=False, exclude_frozen_parameters=self.frozen)
         finally:
             self._ckpt_engine.defer = None
 
@@ -228,7 +249,11 @@ class DSModule:
     def load_from_dir(self, path: str) -> None:
         parent, tag = os.path.split(path.rstrip("/"))
         loaded, _ = self.engine.load_checkpoint(
-            parent, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            parent,
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            load_module_strict=not self.frozen,  # a snapshot without the frozen base
         )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the engine state from {path}")
@@ -271,3 +296,23 @@ class DSModule:
                 h.update(name.encode())
                 h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+    # -- fp16 loss scaling (model.dtype: fp16), for the update's metrics ----------------------------------
+    def loss_scale(self) -> float:
+        """DeepSpeed's current fp16 loss scale (the ZeRO optimizer's ``cur_scale``, the same on every rank);
+        1.0 for an engine that does not scale its loss (fp32, bf16). A snapshot restores it: the ZeRO
+        optimizer's checkpoint holds its loss scaler whole (scale, hysteresis, steps since an overflow)."""
+        if not self.engine.fp16_enabled():
+            return 1.0
+        return float(self.engine.optimizer.cur_scale)
+
+    def overflow_skipped(self) -> int:
+        """Optimizer steps DeepSpeed has skipped since the run began because fp16 gradients overflowed
+        (the engine's ``skipped_steps``, saved in and restored from its snapshots); 0 without fp16."""
+        return int(self.engine.skipped_steps) if self.engine.fp16_enabled() else 0
+
+    def step_overflowed(self) -> bool:
+        """Whether the optimizer step just taken (at a mini-batch boundary) was skipped because fp16
+        gradients overflowed: the loss scaler's routine business, not a fault, so its gradient norm (inf)
+        is not reported. Never without fp16."""
+        return self.engine.fp16_enabled() and not self.engine.was_step_applied()

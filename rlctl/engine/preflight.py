@@ -4,10 +4,12 @@ that would block a retry of the fixed command.
 
 It checks, in seconds and without loading weights: the dataset files can be read; the configured
 trackers are installed; the device asked for
-is there (``device: cuda`` without a GPU), with a device for every local rank; the storage of
+is there (``device: cuda`` without a GPU) and takes ``model.dtype`` (fp16 on a CPU without oneDNN fp16), with a device for every local rank; the storage of
 ``checkpoint.dir`` has its filesystem installed; the model directory has a config and weights, and its
-context holds ``data.max_prompt_length + rollout.max_new_tokens``; every reward function (the one of
-``reward.function``, or each function source of ``reward.sources``) imports and is callable. A reward URL
+context holds ``data.max_prompt_length + rollout.max_new_tokens``; the tokenizer has the chat template
+that ``data.apply_chat_template`` / ``data.system_prompt`` ask for; every reward function (the one of
+``reward.function``, or each function source of ``reward.sources``) imports and is callable; every
+reward model's directory holds a one-label sequence classifier, weights and a tokenizer (not loaded). A reward URL
 is not contacted here (a server may come up with the run): the schema checks its syntax (http/https and
 a host), and the first step says when it does not answer. What the schema alone can check (a negative seed, an unknown storage protocol, a rollback
 policy without snapshots) is the config's own validation.
@@ -21,9 +23,10 @@ import fsspec
 from fsspec.core import split_protocol
 
 from rlctl.config import RunConfig
+from rlctl.engine.data import check_prompt_template
 from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
 from rlctl.engine.reward.sources import load_reward
-from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device
+from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device, resolve_dtype
 from rlctl.errors import ConfigError, InputError
 
 
@@ -34,6 +37,7 @@ def check_before_start(cfg: RunConfig) -> None:
     check_device(cfg)
     check_checkpoint_storage(cfg)
     check_models(cfg)
+    check_prompt_template(cfg)
     load_reward(cfg.reward)  # imports each function source; contacts no URL
 
 
@@ -70,6 +74,7 @@ def check_device(cfg: RunConfig) -> None:
     if cfg.cluster.backend != "local":
         return
     kind = resolve_device(cfg.device)
+    resolve_dtype(cfg.model.dtype, kind)  # fp16 where DeepSpeed refuses it: a ConfigError naming model.dtype
     check_local_ranks(cfg.device, cfg.world_size)
     check_rollout_device(kind, cfg.rollout.backend)
 

@@ -18,9 +18,12 @@ npu      npu             hccl               npu:LOCAL_RANK   bf16 (fp32 without 
 cpu      cpu             gloo               cpu              fp32
 =======  ==============  =================  ===============  ===========================
 
-An explicit ``fp32`` or ``bf16`` is honoured everywhere. On a CPU with AVX512-BF16 (or AMX), bf16 pays
-off once matrix multiplies dominate (a 25.8M-parameter GRPO step ran about 2x faster than in fp32,
-see benchmarks/grpo_vs_trl.py --dtype fp32,bf16) and costs time on tiny models, whose steps are per-operation overhead.
+An explicit ``fp32`` or ``bf16`` is honoured everywhere; ``fp16`` (DeepSpeed's dynamic loss scaling over
+fp32 master weights, for devices without bf16: a V100, an Ascend 910A) wherever DeepSpeed trains in
+it: CUDA, NPU, and only a CPU whose oneDNN computes in fp16 (``resolve_dtype`` refuses it elsewhere).
+On a CPU with AVX512-BF16 (or AMX), bf16 pays off once matrix multiplies dominate (a 25.8M-parameter
+GRPO step ran about 2x faster than in fp32, see benchmarks/grpo_vs_trl.py --dtype fp32,bf16) and costs
+time on tiny models, whose steps are per-operation overhead.
 
 DeepSpeed reads ``DS_ACCELERATOR`` when its accelerator is first asked for (``import deepspeed`` asks).
 The resolved device wins over a value already in the environment, with a warning on stderr: an
@@ -152,12 +155,27 @@ def _native_bf16(kind: str) -> bool:
         return True
 
 
+def cpu_fp16() -> bool:
+    """Whether DeepSpeed trains in fp16 on this CPU: its CPU accelerator refuses fp16 ("Type fp16 is not
+    supported on your device") unless oneDNN computes in fp16 (AVX512-FP16 or AMX-FP16)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
 def resolve_dtype(pref: str, device: str) -> torch.dtype:
     """``model.dtype``: auto is bf16 on CUDA and NPU (fp32 on one without native bf16, e.g. a V100 or
-    an Ascend 910A), fp32 on the CPU; an explicit fp32 or bf16 is honoured on every device."""
+    an Ascend 910A), fp32 on the CPU; an explicit fp32 or bf16 is honoured on every device, fp16 where
+    DeepSpeed trains in it (CUDA, NPU, a CPU with oneDNN fp16), else a ConfigError naming the key."""
     if pref == "auto":
         return torch.bfloat16 if device != "cpu" and _native_bf16(device) else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[pref]
+    if pref == "fp16" and device == "cpu" and not cpu_fp16():
+        raise ConfigError(
+            "'model.dtype' is fp16, which needs a CUDA or NPU device: DeepSpeed refuses fp16 on a CPU without "
+            "oneDNN fp16 support, such as this one; use model.dtype: bf16 or fp32 on the CPU"
+        )
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[pref]
 
 
 def _local_index(kind: str, local_rank: int) -> int:

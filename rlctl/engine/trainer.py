@@ -27,7 +27,7 @@ from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.batch import Sequences
 from rlctl.engine.critic import METRICS as CRITIC_METRICS
 from rlctl.engine.critic import Critic
-from rlctl.engine.data import PromptCursor, load_rows, load_val_rows
+from rlctl.engine.data import PromptCursor, load_prompts
 from rlctl.engine.dist import MAX, MEAN, SUM
 from rlctl.engine.experience import METRICS as BATCH_METRICS
 from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of, batch_metrics
@@ -91,18 +91,18 @@ class Trainer:
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
-        reward_fn = load_reward(cfg.reward)
-        self.data = PromptCursor(load_rows(cfg.data, cfg.seed), cfg.seed, cfg.data.shuffle)
+        reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
+        prompts = load_prompts(cfg, self.tokenizer)  # filtered before the cursor numbers the rows
+        prompts.announce(self.emit, self.dist.is_main)
+        self.data = PromptCursor(prompts.train, cfg.seed, cfg.data.shuffle)
         self._build_models()
         self.experience = Experience(
             cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist, tokenizer=self.tokenizer
         )
         self.validator = (
-            Validator(cfg, load_val_rows(cfg.data, cfg.seed, self.data.rows), self.rollout, reward_fn, self.dist)
-            if cfg.validates
-            else None
+            Validator(cfg, prompts.val, self.rollout, reward_fn, self.dist) if prompts.val is not None else None
         )
         self.recovery = Recovery(self)
         k = cfg.algorithm.kl_ctrl
@@ -139,8 +139,11 @@ class Trainer:
         )
 
     def ensure_reference(self) -> None:
-        """The frozen reference model (the initial weights), loaded the first time a KL term needs it."""
-        if self.ref is None:
+        """The frozen reference model (the initial weights), loaded the first time a KL term needs it; under
+        LoRA the actor itself with its adapter disabled (the frozen base), nothing loaded."""
+        if self.ref is None and self.actor.has_lora:
+            self.ref = self.actor.reference()
+        elif self.ref is None:
             ref = load_causal_lm(self.model_dir, self.runtime.dtype, self.cfg.model.trust_remote_code)
             self.ref = ref.to(self.runtime.device).eval().requires_grad_(False)
 

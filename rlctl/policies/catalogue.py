@@ -28,6 +28,9 @@ METRICS: dict[str, str] = {
     "actor/pg_clipfrac_lower": "share of tokens clipped by the dual-clip lower bound",
     "actor/entropy": "mean entropy of the actor's token distributions over the responses",
     "actor/grad_norm": "the actor's gradient norm before clipping",
+    "actor/loss_scale": "the actor's fp16 loss scale after the step's update (model.dtype: fp16 only)",
+    "actor/overflow_skipped": "optimizer steps of the actor skipped so far because fp16 gradients overflowed "
+    "(model.dtype: fp16 only)",
     "actor/lr": "the actor's learning rate at this step",
     "actor/kl_coef": "the KL coefficient used at this step (fixed, scheduled or adaptive)",
     "actor/reward_kl_penalty": "the KL penalty folded into the reward (algorithm.kl_in_reward)",
@@ -52,6 +55,9 @@ METRICS: dict[str, str] = {
     "critic/vf_loss": "the value model's loss (with a critic)",
     "critic/vf_clipfrac": "share of value predictions clipped (with a critic)",
     "critic/grad_norm": "the value model's gradient norm (with a critic)",
+    "critic/loss_scale": "the value model's fp16 loss scale after the step's update (model.dtype: fp16 only)",
+    "critic/overflow_skipped": "optimizer steps of the value model skipped so far because fp16 gradients "
+    "overflowed (model.dtype: fp16 only)",
     "critic/lr": "the value model's learning rate (with a critic)",
     "response_length/mean": "mean response length in tokens",
     "response_length/max": "longest response of the step, in tokens",

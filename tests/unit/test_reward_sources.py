@@ -200,7 +200,10 @@ def test_a_url_is_not_contacted_when_loaded(serve):
     [
         ("function: a:b\n  sources: [{function: c:d}]", "'reward' .*line 1.*'sources' or 'function', not both"),
         ("url: ftp://host/x", "'reward.url'.*http:// or https://"),
-        ("sources: [{function: a:b, url: 'http://h'}]", "'reward.sources.0'.*exactly one of 'function' and 'url'"),
+        (
+            "sources: [{function: a:b, url: 'http://h'}]",
+            "'reward.sources.0'.*exactly one of 'function', 'url' and 'model'",
+        ),
         ("sources: [{url: 'http://h/a'}, {url: 'http://h/b'}]", r"unique \(repeated: h\)"),
         ("sources: [{function: a:b, timeout: 3}]", "'reward.sources.0'.*'url' source only"),
         ("sources: [{function: a:b, name: 'a b'}]", "'reward.sources.0.name'"),

@@ -1,4 +1,4 @@
-"""The run's reward: one source or several weighted ones (functions and HTTP endpoints), summed.
+"""The run's reward: one source or several weighted ones (functions, HTTP endpoints, reward models), summed.
 
 ``load_reward(cfg.reward)`` gives a ``RewardSources``, itself a reward function
 ``fn(prompts, completions, **columns) -> list[float]``, so the code that scores completions does not
@@ -6,8 +6,9 @@ know how many sources there are. Each source's result is checked on its own (an 
 source); the step's score is ``sum(weight * score)``. With ``reward.sources``, ``recording(fn)`` collects
 each source's mean over the completions scored within the block, as ``critic/score/<name>/mean``
 (declared for the ranks in ``metrics_of(fn)``: MEAN, since every rank scores an equal share). The
-single-source shorthands (``reward.function``, ``reward.url``) log no per-source metric: it would repeat
-``critic/score/mean``.
+single-source shorthands (``reward.function``, ``reward.url``, ``reward.model``) log no per-source mean:
+it would repeat ``critic/score/mean``. A reward model source (shorthand included) also logs
+``critic/score/<name>/truncated_frac``: the fraction of the block's texts cut from the left to its context.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rlctl.config.schema import RewardConfig, RewardSourceConfig
 from rlctl.engine.dist import MEAN
 from rlctl.engine.reward import check_scores, load_reward_fn, score_completions
+from rlctl.engine.reward.model import ModelReward
 from rlctl.engine.reward.remote import RemoteReward
 
 
@@ -30,15 +34,15 @@ class Source:
     name: str
     weight: float
     fn: Callable[..., Any]
-    spec: str  # ``module:function`` or the URL
+    spec: str  # ``module:function``, the URL or the model's directory
     kwargs: dict[str, Any] = field(default_factory=dict)
-    remote: bool = False
+    what: str | None = None  # how errors name a source of ours ("reward URL"); None: a user's function
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-        """One checked float per completion; a function is called as untrusted code, a URL is ours."""
-        if not self.remote:
+        """One checked float per completion; a function is called as untrusted code, a URL or model is ours."""
+        if self.what is None:
             return score_completions(self.fn, self.spec, prompts, completions, columns, self.kwargs)
-        return check_scores(self.spec, self.fn(prompts, completions, **columns), len(completions), what="reward URL")
+        return check_scores(self.spec, self.fn(prompts, completions, **columns), len(completions), what=self.what)
 
 
 class RewardSources:
@@ -65,7 +69,7 @@ class RewardSources:
         total = [0.0] * len(completions)
         for source in self.sources:
             scores = source.score(prompts, completions, columns)
-            if self._sums is not None and self.per_source:
+            if self._sums is not None:
                 acc = self._sums.setdefault(source.name, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + sum(scores), acc[1] + len(scores)
             total = [t + source.weight * s for t, s in zip(total, scores)]
@@ -74,8 +78,12 @@ class RewardSources:
     @contextlib.contextmanager
     def recording(self) -> Iterator[dict[str, float]]:
         """Within the block, each source's scores are counted; at its end the dict yielded holds
-        ``critic/score/<name>/mean`` for every source (empty for a shorthand)."""
+        ``critic/score/<name>/mean`` for every source (none for a shorthand) and
+        ``critic/score/<name>/truncated_frac`` for every reward model."""
         self._sums, out = {}, {}
+        models = [s for s in self.sources if isinstance(s.fn, ModelReward)]
+        for source in models:
+            source.fn.truncated = 0
         try:
             yield out
         finally:
@@ -84,11 +92,15 @@ class RewardSources:
             for source in self.sources:
                 total, count = sums.get(source.name, (0.0, 0.0))
                 out[metric_name(source.name)] = total / count if count else 0.0
+        for source in models:
+            count = sums.get(source.name, (0.0, 0.0))[1]
+            out[truncated_name(source.name)] = source.fn.truncated / count if count else 0.0
 
     @property
     def metrics(self) -> dict[str, str]:
         """How the ranks reduce the metrics ``recording`` gives."""
-        return {metric_name(s.name): MEAN for s in self.sources} if self.per_source else {}
+        means = {metric_name(s.name): MEAN for s in self.sources} if self.per_source else {}
+        return {**means, **{truncated_name(s.name): MEAN for s in self.sources if isinstance(s.fn, ModelReward)}}
 
 
 def metric_name(name: str) -> str:
@@ -96,17 +108,30 @@ def metric_name(name: str) -> str:
     return f"critic/score/{name}/mean"
 
 
-def load_reward(cfg: RewardConfig) -> RewardSources:
+def truncated_name(name: str) -> str:
+    """The metric of the fraction of texts the reward model ``name`` saw cut to its context."""
+    return f"critic/score/{name}/truncated_frac"
+
+
+def load_reward(cfg: RewardConfig, device: torch.device | str = "cpu") -> RewardSources:
     """The reward ``cfg`` describes; every function source is imported (ConfigError or InputError as
-    ``load_reward_fn`` says). A URL is not contacted here."""
-    return RewardSources([_load_source(s) for s in cfg.source_list()], per_source=cfg.sources is not None)
+    ``load_reward_fn`` says), every reward model's directory checked (InputError naming its key; its
+    weights load on ``device``, the rank's, at its first call). A URL is not contacted here."""
+    if cfg.sources is None:
+        keyed = [(s, "reward.model.path") for s in cfg.source_list()]
+    else:
+        keyed = [(s, f"reward.sources[{i}].model.path") for i, s in enumerate(cfg.sources)]
+    return RewardSources([_load_source(s, key, device) for s, key in keyed], per_source=cfg.sources is not None)
 
 
-def _load_source(s: RewardSourceConfig) -> Source:
+def _load_source(s: RewardSourceConfig, key: str, device: torch.device | str) -> Source:
+    """One source; ``key`` names a reward model's directory in its errors."""
     if s.function is not None:
         return Source(s.label, s.weight, load_reward_fn(s.function), s.function, s.kwargs)
+    if s.model is not None:
+        return Source(s.label, s.weight, ModelReward(s.model, key, device), s.model.path, what="reward model")
     fn = RemoteReward(s.url, s.timeout, s.retries, s.kwargs)
-    return Source(s.label, s.weight, fn, s.url, remote=True)
+    return Source(s.label, s.weight, fn, s.url, what="reward URL")
 
 
 @contextlib.contextmanager

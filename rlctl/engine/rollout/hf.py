@@ -18,6 +18,7 @@ from transformers import LogitsProcessor
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.batch import Sequences
+from rlctl.engine.data import prompt_texts
 from rlctl.engine.rollout.sampling import StopStrings, truncate
 from rlctl.engine.rollout.seeds import sample_seed
 
@@ -163,14 +164,9 @@ class HFRollout:
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
-        if self.cfg.data.apply_chat_template:
-            prompts = [
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                for p in prompts
-            ]
         tok.truncation_side = "left"
         enc = tok(
-            prompts,
+            prompt_texts(tok, self.cfg.data, prompts),
             return_tensors="pt",
             padding=True,
             truncation=True,

@@ -157,9 +157,8 @@ class VLLMRollout(HFRollout):
     def sync_weights(self) -> None:
         """Push the actor's current weights into the engine, from memory (the worker runs in this
         process, so the tensors are passed by reference), then forget the prefix cache."""
-        module = self.actor.module
         with self.actor.full_parameters(), process_state_kept(self.cpu):
-            weights = [(name, p.detach()) for name, p in module.named_parameters()]
+            weights = self.actor.merged_weights()  # (LoRA: the adapter merged, under the base's names)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
