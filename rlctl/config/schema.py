@@ -16,7 +16,16 @@ from urllib.parse import urlsplit
 import fsspec
 import yaml
 from fsspec.core import split_protocol
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlctl.config.knobs import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
 from rlctl.engine.algos.registry import (
@@ -148,7 +157,7 @@ class DataConfig(Strict):
         None,
         min_length=1,
         description="System message put before every prompt (training and validation) through the chat "
-        "template; turns `data.apply_chat_template` on. Empty: none.",
+        "template; turns `data.apply_chat_template` on. Unset: none.",
     )
     max_prompt_length: int = Field(
         512,
@@ -170,7 +179,11 @@ class DataConfig(Strict):
         """A system prompt is a chat message: it turns the chat template on, and contradicts it turned off."""
         if not isinstance(data, dict) or data.get("system_prompt") is None:
             return data
-        if data.get("apply_chat_template", True) in (False, "false"):  # (0 == False too)
+        try:  # read as pydantic reads a bool ("no", "off", 0 ...)
+            on = TypeAdapter(bool).validate_python(data.get("apply_chat_template", True))
+        except ValidationError:
+            return data  # the field's own error names it
+        if not on:
             raise ValueError(
                 "system_prompt is set but apply_chat_template is false: a system prompt is a chat message, "
                 "given through the chat template (drop apply_chat_template: false)"

@@ -14,6 +14,7 @@ the same files the same way and draws the same prompts.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -291,6 +292,15 @@ def _split_of(path: Path, key: str, wanted: tuple[str, ...]) -> str:
     return found
 
 
+def rows_digest(rows: list[dict[str, Any]]) -> str:
+    """A hash of the rows in order (keys sorted): equal digests mean the cursor indexes the same prompts."""
+    h = hashlib.blake2b(digest_size=16)
+    for row in rows:
+        h.update(orjson.dumps(row, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY, default=str))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
 class PromptCursor:
     """Draws batches of (row index, row) in a seeded order, epoch after epoch. Stateful."""
 
@@ -304,6 +314,7 @@ class PromptCursor:
         self.position = 0
         self._order = self._permutation(0)
         self.exclude: set[int] = set()  # owned by the policy guard, not part of this state
+        self.digest = rows_digest(rows)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -337,6 +348,7 @@ class PromptCursor:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_rows": len(self.rows),
+            "rows_digest": self.digest,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +358,12 @@ class PromptCursor:
                 f"the dataset now has {len(self.rows)} rows but the snapshot was taken with "
                 f"{state['num_rows']}; resume with the same 'data.path' (and the same prompts "
                 "'data.filter_overlong_prompts' keeps)"
+            )
+        if state.get("rows_digest", self.digest) != self.digest:  # (snapshots before it have none)
+            raise InputError(
+                f"the dataset's {len(self.rows)} prompts are not the ones the snapshot was taken with (as many, "
+                "but other rows or another order): resume with the same 'data.path', and the same tokenizer and "
+                "'data.max_prompt_length' when 'data.filter_overlong_prompts' chooses the rows"
             )
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.position = state["epoch"], state["position"]

@@ -5,6 +5,7 @@ directory's tokenizer is) and real JSONL and parquet files."""
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pydantic
 import pytest
 import yaml
 
@@ -60,6 +61,11 @@ def test_system_prompt_turns_the_template_on_and_refuses_it_off(tmp_path):
         load_config(cfg, ["data.apply_chat_template=false"])
     assert err.value.exit_code == ExitCode.CONFIG
     assert "'data' (c.yaml line 1): system_prompt is set but apply_chat_template is false" in err.value.message
+    for falsy in ("off", "no", "False", 0):  # whatever pydantic reads as false is refused alike
+        with pytest.raises(pydantic.ValidationError, match="system_prompt is set but apply_chat_template is false"):
+            DataConfig.model_validate({"system_prompt": "s", "apply_chat_template": falsy})
+    with pytest.raises(ConfigError, match="apply_chat_template"):  # not a bool: the field's own error
+        load_config(cfg, ["data.apply_chat_template=maybe"])
     assert DataConfig().apply_chat_template is False and DataConfig().filter_overlong_prompts is False
 
 
@@ -165,6 +171,11 @@ def test_filtering_is_deterministic_and_the_cursor_resumes_on_it(tmp_path, chat_
     assert len(unfiltered.train) == len(prompts) and unfiltered.filtered == []
     with pytest.raises(InputError, match="now has 60 rows but the snapshot was taken with"):
         PromptCursor(unfiltered.train, seed=5).load_state_dict(state)
+    other = [*first[:-1], {"prompt": "z"}]  # as many rows, one other (another tokenizer kept another prompt)
+    with pytest.raises(InputError, match=f"the dataset's {len(first)} prompts are not the ones the snapshot"):
+        PromptCursor(other, seed=5).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "rows_digest"}  # a snapshot from before the digest
+    PromptCursor(other, seed=5).load_state_dict(older)
 
 
 def test_every_prompt_dropped_names_the_file_and_the_limit(tmp_path, chat_tokenizer):

@@ -178,19 +178,28 @@ def test_an_update_with_one_step_overflowed_reports_the_other_steps_norm(fp16_ru
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_fp16_on_cuda_logs_the_loss_scale_and_resumes_it(tmp_path):
-    """fp16 as CUDA computes it, through the CLI: the loss scale in every row, and restored by a resume."""
+    """fp16 as CUDA computes it, through the CLI: rewards of 1e5 (RLOO does not normalise them away)
+    overflow the fp16 gradients, so the scale moves; a resume from step 2 restores the scaler, and the
+    later steps' scales and skipped counts come out as before (a fresh scaler would start at 2**16)."""
+    (tmp_path / "huge.py").write_text(
+        "def f(prompts, completions, **_):\n    return [1e5 * (len(c) % 3) for c in completions]\n"
+    )
     run = tmp_path / "run"
-    args = ["--set", "device=cuda", "--set", "model.dtype=fp16", "--set", "trainer.total_steps=4"]
+    args = ["--set", "device=cuda", "--set", "model.dtype=fp16", "--set", "trainer.total_steps=6"]
     args += ["--set", "checkpoint.every=2", "--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=4"]
-    r = run_cli("start", "--run-dir", str(run), *args, env={"DS_ACCELERATOR": "cuda"})
+    args += ["--set", "algorithm.adv_estimator=rloo", "--set", "reward.function=huge:f"]
+    env = {"DS_ACCELERATOR": "cuda"}
+    r = run_cli("start", "--run-dir", str(run), *args, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     scales = [row["actor/loss_scale"] for row in rows]
+    skipped = [row["actor/overflow_skipped"] for row in rows]
     assert all(s in {2.0**k for k in range(17)} for s in scales), scales  # 2**16, halved on overflows
-    assert all(row["actor/overflow_skipped"] >= 0 for row in rows)
-    r = run_cli("resume", str(run), "--from", "step-2", env={"DS_ACCELERATOR": "cuda"})
+    assert skipped[-1] > skipped[1] and min(scales[2:]) < 2.0**16, (scales, skipped)  # overflows after step 2
+    r = run_cli("resume", str(run), "--from", "step-2", env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     again = metrics_of(run)
-    assert [row["step"] for row in again] == [1, 2, 3, 4]
+    assert [row["step"] for row in again] == [1, 2, 3, 4, 5, 6]
     assert [row["actor/loss_scale"] for row in again] == scales  # the scaler came back with the snapshot
+    assert [row["actor/overflow_skipped"] for row in again] == skipped
