@@ -210,3 +210,37 @@ def hf_weights_sha256(model_dir) -> str:
         h.update(name.encode())
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def save_reward_model(path, *, context=64, num_labels=1, head=None, padding_side="left"):
+    """A tiny seeded Llama with a score head (hidden 64, 2 layers) and the built-in char tokenizer, saved
+    in ``path`` (``head``: another class, e.g. a causal LM, for the errors a reward model must give)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlctl.engine.model import build_char_tokenizer
+
+    head = head or LlamaForSequenceClassification
+    tok = build_char_tokenizer()
+    tok.padding_side, tok.model_max_length = padding_side, context
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=context,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        num_labels=num_labels,
+    )
+    torch.manual_seed(0)
+    model = head(cfg)
+    if head is LlamaForSequenceClassification:
+        torch.nn.init.normal_(model.score.weight, std=1.0)  # scores far apart enough to tell texts apart
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

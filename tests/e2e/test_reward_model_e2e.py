@@ -6,36 +6,10 @@ same rows and weights as an uninterrupted one (the reward model scores alike aft
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from rlctl.engine.model import build_char_tokenizer
-
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, run_cli, stable
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, run_cli, save_reward_model, stable
 
 pytestmark = pytest.mark.slow
-
-
-def save_reward_model(path, context):
-    """A tiny seeded Llama sequence classifier (one label) with the built-in char tokenizer, in ``path``."""
-    tok = build_char_tokenizer()
-    tok.model_max_length = context
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=context,
-        pad_token_id=tok.pad_token_id,
-        num_labels=1,
-    )
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):

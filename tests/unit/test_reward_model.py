@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlctl.config.load import load_config
 from rlctl.config.schema import RewardConfig, RewardModelConfig
@@ -17,35 +17,10 @@ from rlctl.engine.reward.model import ModelReward
 from rlctl.engine.reward.sources import load_reward, metrics_of, recording
 from rlctl.errors import ConfigError, InputError
 
+from helpers import save_reward_model
+
 PROMPTS = ["abc=", "de=", "fghij=", "k=", "abc="]
 COMPLETIONS = ["abc", "x", "fghijfghij", "", "abd"]
-
-
-def save_reward_model(path, *, context=64, num_labels=1, head=LlamaForSequenceClassification, padding_side="left"):
-    """A tiny seeded Llama with a score head (hidden 64, 2 layers) and the char tokenizer, in ``path``."""
-    tok = build_char_tokenizer()
-    tok.padding_side, tok.model_max_length = padding_side, context
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=context,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        num_labels=num_labels,
-    )
-    torch.manual_seed(0)
-    model = head(cfg)
-    if head is LlamaForSequenceClassification:
-        torch.nn.init.normal_(model.score.weight, std=1.0)  # scores far apart enough to tell texts apart
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
