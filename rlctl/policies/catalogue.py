@@ -29,7 +29,7 @@ METRICS: dict[str, str] = {
     "actor/entropy": "mean entropy of the actor's token distributions over the responses",
     "actor/grad_norm": "the actor's gradient norm before clipping",
     "actor/loss_scale": "the actor's fp16 loss scale after the step's update (model.dtype: fp16 only)",
-    "actor/overflow_skipped": "optimizer steps of the actor skipped so far because fp16 gradients overflowed "
+    "actor/overflow_skipped": "optimizer steps of the actor's update this step skipped because fp16 gradients overflowed "
     "(model.dtype: fp16 only)",
     "actor/lr": "the actor's learning rate at this step",
     "actor/kl_coef": "the KL coefficient used at this step (fixed, scheduled or adaptive)",
@@ -56,7 +56,7 @@ METRICS: dict[str, str] = {
     "critic/vf_clipfrac": "share of value predictions clipped (with a critic)",
     "critic/grad_norm": "the value model's gradient norm (with a critic)",
     "critic/loss_scale": "the value model's fp16 loss scale after the step's update (model.dtype: fp16 only)",
-    "critic/overflow_skipped": "optimizer steps of the value model skipped so far because fp16 gradients "
+    "critic/overflow_skipped": "optimizer steps of the value model's update this step skipped because fp16 gradients "
     "overflowed (model.dtype: fp16 only)",
     "critic/lr": "the value model's learning rate (with a critic)",
     "response_length/mean": "mean response length in tokens",
