@@ -19,7 +19,7 @@ from rlctl.config import RunConfig
 from rlctl.engine import algos, lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
-from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch
+from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch, weights_digest
 from rlctl.engine.model import load_causal_lm
 from rlctl.engine.runtime import Runtime
 
@@ -105,7 +105,7 @@ class Actor(DSModule):
         """A hash of the plain model's weights (``merged_weights``), by name: equal hashes mean
         bit-identical policies; under LoRA it is the hash of the merged model ``rlctl export`` writes."""
         with self.full_parameters():
-            return lora.sha256_of(self.merged_weights())
+            return weights_digest(self.merged_weights())
 
     def log_probs(
         self, seqs: Sequences, temperature: float, with_entropy: bool = False

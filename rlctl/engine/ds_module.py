@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +90,15 @@ def _save_without_crc(obj, fh) -> None:
 
 def DeferringCheckpointEngine():  # noqa: N802 - a factory: DeepSpeed is imported lazily
     return _deferring_engine_class()()
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A sha256 of tensors' bytes by name (sorted): equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda nt: nt[0]):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def rank_mini_batch(cfg: RunConfig) -> int:
@@ -290,12 +299,8 @@ class DSModule:
 
     def weights_sha256(self) -> str:
         """A hash of every parameter's bytes, by name: equal hashes mean bit-identical weights."""
-        h = hashlib.sha256()
         with self.full_parameters():
-            for name, p in sorted(self.module.named_parameters()):
-                h.update(name.encode())
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+            return weights_digest(self.module.named_parameters())
 
     # -- fp16 loss scaling (model.dtype: fp16), for the update's metrics ----------------------------------
     def loss_scale(self) -> float:

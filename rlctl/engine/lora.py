@@ -13,8 +13,6 @@ model's parameter names: what vLLM is given, what ``weights_sha256`` hashes, wha
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from collections.abc import Iterable
 
 import torch
 
@@ -115,15 +113,6 @@ def merged_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             w = w + deltas[name].to(w.dtype)
         out.append((base_name(name), w))
     return out
-
-
-def sha256_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A hash of tensors' bytes by name (sorted): equal hashes mean bit-identical weights."""
-    h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda nt: nt[0]):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class AdapterDisabled:

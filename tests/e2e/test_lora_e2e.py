@@ -67,10 +67,11 @@ def test_lora_run_snapshots_the_adapter_resumes_exactly_and_exports(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlctl.engine.lora import merged_weights, sha256_of
+    from rlctl.engine.ds_module import weights_digest
+    from rlctl.engine.lora import merged_weights
 
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(run / "model")), str(adapter))
-    assert sha256_of(merged_weights(peft_model)) == completed_hash(ref)
+    assert weights_digest(merged_weights(peft_model)) == completed_hash(ref)
 
 
 def test_vllm_samples_the_merged_adapter_after_a_sync(runtime, tmp_path):

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rlctl.config import RunConfig
 from rlctl.engine import lora
 from rlctl.engine.actor import Actor, sequence_log_probs
+from rlctl.engine.ds_module import weights_digest
 from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.errors import ConfigError
@@ -158,7 +159,7 @@ def test_merged_weights_load_strictly_into_the_plain_model_and_agree(runtime, tm
         lp_plain = sequence_log_probs(plain, seqs, 1.0)[0]
         lp_live = actor.log_probs(seqs, 1.0)[0]
     assert (lp_plain - lp_live).abs().max() < 1e-5
-    assert actor.weights_sha256() == lora.sha256_of(plain.named_parameters())
+    assert actor.weights_sha256() == weights_digest(plain.named_parameters())
 
 
 @pytest.mark.parametrize("rank", [0, 4])
