@@ -244,3 +244,39 @@ def save_reward_model(path, *, context=64, num_labels=1, head=None, padding_side
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def writer_pids(ancestor: int) -> list[int]:
+    """The snapshot writer processes (rlctl.checkpoint.process) below process ``ancestor``."""
+    parents, writers = {}, []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if b"rlctl.checkpoint.process" in fh.read():
+                    writers.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def below(pid: int) -> bool:
+        seen = set()
+        while pid in parents and pid not in seen:
+            seen.add(pid)
+            pid = parents[pid]
+            if pid == ancestor:
+                return True
+        return False
+
+    return sorted(p for p in writers if below(p))
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,4 +1,9 @@
-"""Snapshots: scheduled, staged while training waits, uploaded and committed in the background.
+"""Snapshots: scheduled, staged while training waits, written, uploaded and committed in the background.
+
+Training waits only while the Statefuls' state dicts are taken and handed to the writer: the snapshot
+writer process (``rlctl.checkpoint.process``; in a thread with ``writer="thread"``) serializes, hashes,
+writes and uploads the files, and a thread of the manager writes the manifest once they are all on
+storage, right after the lease's check.
 
 Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.dir`` says otherwise)::
 
@@ -34,7 +39,6 @@ thread at its next ``save()`` or ``wait()``.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -58,27 +62,22 @@ from rlctl.checkpoint.manifest import (
     UnreadableManifest,
     checksum_problem,
     parse_manifest,
-    parse_rank_list,
-    sha256_file,
     stored_checksum_problem,
     val_problem,
 )
-from rlctl.checkpoint.writer import DurableFile, no_space
+from rlctl.checkpoint.process import NoSharedMemory, pickle_job, writer
+from rlctl.checkpoint.writer import no_space
+from rlctl.checkpoint.writing import WriteJob, Written, finish, rank_list
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
-from rlctl.storage import Storage, fsync_path
+from rlctl.storage import Storage
 
 QUARANTINE = "quarantine"
 STATE_FILE = "state.pt"
-RANKS_DIR = "ranks"
 
 
 def state_file(rank: int) -> str:
     return STATE_FILE if rank == 0 else f"state.rank-{rank}.pt"
-
-
-def rank_list(rank: int) -> str:
-    return f"{RANKS_DIR}/rank-{rank}.json"
 
 
 _OWN_RANK_FILE = re.compile(r"^(?:state\.rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")  # the manager's own
@@ -109,16 +108,16 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 EventFn = Callable[[dict[str, Any]], None]
 
 
-Defer = Callable[[str, Callable[[Any], None]], None]
+Defer = Callable[[str, Any], None]
 
 
 class DirStateful(Protocol):
     """State too big or too structured for a state_dict: saved into, and loaded from, a directory.
 
-    ``save_to_dir`` may write files at once, or hand a file to ``defer(path, write)``: the manager then
-    calls ``write(fileobj)`` on its background thread. Whoever defers promises that what ``write`` reads
-    does not change until ``SnapshotManager.wait_staged()`` returns (the actor waits there before its
-    next optimizer step)."""
+    ``save_to_dir`` may write files at once, or hand an object to ``defer(path, obj)``: the snapshot
+    writer then serializes it into ``path`` with ``torch.save`` (in its own process, or in the manager's
+    background thread). Whoever defers promises that the tensors ``obj`` holds do not change until
+    ``SnapshotManager.wait_staged()`` returns (the actor waits there before its next optimizer step)."""
 
     def save_to_dir(self, path: str, defer: Defer | None = None) -> None: ...
 
@@ -252,50 +251,6 @@ class KeepBest:
         return [i for _, i in scored]
 
 
-def _local_files(
-    root: str, known: dict[str, dict[str, Any]], skip: set[str] = frozenset()
-) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``root``, each fsynced; ``known`` ones (written by a
-    DurableFile, already hashed and synced) are taken as they are; ``skip`` ones (other ranks') left out."""
-    files = {}
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root).replace(os.sep, "/")
-            if rel == MANIFEST or rel in skip:
-                continue
-            files[rel] = known[rel] if rel in known else _durable_meta(full)
-    return dict(sorted(files.items()))
-
-
-def _durable_meta(path: str) -> dict[str, Any]:
-    """Size and sha256 of a file written without a DurableFile, fsynced: durable before a manifest
-    (or a rank's list) can claim it."""
-    meta = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-    fsync_path(path)
-    return meta
-
-
-def _write_deferred(
-    stage: str, deferred, staged: threading.Event, hold: float = 0.0, full: bool = False
-) -> dict[str, dict[str, Any]]:
-    """Write the deferred files (each hashed and synced as it goes), then release training at
-    ``staged``, even on failure. Returns their sizes and sha256 by path relative to ``stage``.
-    ``hold`` and ``full`` are the write_delay and enospc fault drills."""
-    known = {}
-    try:
-        if deferred and hold:
-            time.sleep(hold)
-        for path, write in deferred:
-            with DurableFile(path, full=full) as fh:
-                write(fh)
-            size, digest = fh.close()
-            known[os.path.relpath(path, stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
-    finally:
-        staged.set()  # the live state is no longer read: training may step again
-    return known
-
-
 @dataclass
 class Retention:
     keep_last: int | None = None  # None: keep every snapshot
@@ -312,16 +267,19 @@ class Retention:
 
 @dataclass
 class _Job:
-    """A snapshot staged by ``save`` for the background thread to finish and commit."""
+    """A snapshot staged by ``save`` for the commit thread to have written and to commit: ``work`` is
+    written by the writer process (``payload``, the work pickled for it) or, without one, in the thread."""
 
     step: int
-    stage: str
     manifest: dict[str, Any]
     stall: float
-    deferred: list[tuple[str, Callable[[Any], None]]]
+    work: WriteJob
     staged: threading.Event
-    own: list[str]
-    full: bool  # the enospc fault drill
+    payload: bytes | None = None
+
+    @property
+    def stage(self) -> str:
+        return self.work.stage
 
 
 class SnapshotManager:
@@ -330,7 +288,9 @@ class SnapshotManager:
     discovery and restore. ``collectives`` are the ranks' (``Local()`` for one process); ``topology`` the
     facts besides the world size a snapshot must have been written for to be usable here.
     ``max_failures``: failed snapshots in a row that end the run (StorageError); ``fence``: called right
-    before any manifest is written, it raises when this process may no longer write (a lost lease)."""
+    before any manifest is written, it raises when this process may no longer write (a lost lease);
+    ``writer``: "process" writes snapshot files in this process's writer process
+    (``rlctl.checkpoint.process``), "thread" in the commit thread."""
 
     def __init__(
         self,
@@ -349,6 +309,7 @@ class SnapshotManager:
         rank_timeout: float = 1800.0,
         max_failures: int = 3,
         fence: Callable[[], None] | None = None,
+        writer: str = "process",
     ):
         self.storage = storage
         self.world_size = world_size
@@ -363,6 +324,11 @@ class SnapshotManager:
         self.staging_dir = staging_dir
         self.asynchronous = asynchronous
         self.fence = fence
+        if writer not in ("process", "thread"):
+            raise ValueError(f"writer must be process or thread, not {writer!r}")
+        # memory:// is seen by this process alone: its snapshots are written in the thread
+        self.writer = "thread" if storage.in_process else writer
+        self._fell_back = False  # a job was written in the thread for want of shared memory (said once)
         self.failures = FailureCount(max_failures, storage.url)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-snapshot")
         self._pending: Future | None = None
@@ -522,6 +488,9 @@ class SnapshotManager:
         try:
             stage = self._stage_dir(step, name)
             deferred, own = self._stage_files(stage, states, dirs, extra_files, full)
+            work = WriteJob(name, stage, self.storage, self.rank, self.world_size, self.rank_timeout, deferred, own)
+            work.hold, work.full = float(faults.value("write_delay", step) or 0), full
+            payload = self._hand_over(work)
         except SnapshotError:
             raise
         except Exception as exc:
@@ -539,7 +508,7 @@ class SnapshotManager:
             "good": good,
             **(meta or {}),
         }
-        job = _Job(step, stage, manifest, time.perf_counter() - t0, deferred, threading.Event(), own, full)
+        job = _Job(step, manifest, time.perf_counter() - t0, work, threading.Event(), payload)
         with self._lock:
             self._staged = job.staged
             self._pending = self._pool.submit(self._commit, job)
@@ -573,12 +542,12 @@ class SnapshotManager:
 
     def _stage_files(self, stage, states, dirs, extra_files, full: bool):
         """Every directory-Stateful saved (or deferred), this rank's state file and (rank 0) the extra
-        files written. Returns the deferred writes and this rank's own files."""
+        files written. Returns the deferred (path, object) pairs and this rank's own files."""
         import torch
 
-        deferred: list[tuple[str, Callable[[Any], None]]] = []
+        deferred: list[tuple[str, Any]] = []
         for key, obj in dirs.items():
-            obj.save_to_dir(os.path.join(stage, key), lambda path, write: deferred.append((path, write)))
+            obj.save_to_dir(os.path.join(stage, key), lambda path, state: deferred.append((path, state)))
         buf = io.BytesIO()
         torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
         own = [state_file(self.rank)]  # what this rank wrote besides the deferred files
@@ -587,14 +556,38 @@ class SnapshotManager:
             _write(os.path.join(stage, *rel.split("/")), data, full)
         return deferred, own
 
+    def _hand_over(self, work: WriteJob) -> bytes | None:
+        """The job pickled for the writer process (started here, on the training thread, if it is not
+        running), or None when the commit thread writes it: ``writer`` "thread", or too little shared
+        memory for the state (said once, as ``snapshot_writer_fallback``)."""
+        if self.writer != "process":
+            return None
+        try:
+            payload = pickle_job(work)
+        except NoSharedMemory as exc:
+            if not self._fell_back:
+                self._fell_back = True
+                self.on_event({"event": "snapshot_writer_fallback", "reason": str(exc), "writer": "thread"})
+            return None
+        writer().start()
+        return payload
+
+    def _write_files(self, job: _Job) -> Written | None:
+        """Have the job's files written (by the writer process, or here) and brought to storage."""
+        if job.payload is None:
+            return finish(job.work, job.staged.set)
+        return writer().run(job.payload, stage_copy=self.asynchronous, staged=job.staged.set, hold=job.work.hold)
+
     def _commit(self, job: _Job) -> bool:
-        """The background half of a snapshot: finish, upload and commit it (rank 0), or list this
-        rank's files for rank 0 (the others). Its outcome; a failure is reported and counted here."""
-        if self.rank != 0:
-            return self._write_rank_files(job)
+        """The background half of a snapshot: have its files written and brought to storage, then
+        commit it (rank 0) or list this rank's files for rank 0 (the others, in the writer). Its outcome;
+        a failure is reported and counted here."""
         name, t0 = step_name(job.step), time.perf_counter()
         try:
-            data = self._complete(job, name, t0)
+            written = self._write_files(job)
+            if self.rank != 0:
+                return True
+            data = self._manifest(job, written, t0)
             if self.fence is not None:
                 try:
                     self.fence()
@@ -606,41 +599,42 @@ class SnapshotManager:
             self._failed(job.step, exc, job.stage)
             return False
         finally:
+            job.staged.set()
             if not self.storage.is_local:
                 shutil.rmtree(job.stage, ignore_errors=True)
         self._committed(job, t0)
         return True
 
-    def _complete(self, job: _Job, name: str, t0: float) -> bytes:
-        """Write the deferred files, gather every file's size and sha256 (the other ranks' from their
-        lists) and upload them; the manifest to commit."""
-        hold = float(faults.value("write_delay", job.step) or 0)
-        known = _write_deferred(job.stage, job.deferred, job.staged, hold, job.full)
+    def _manifest(self, job: _Job, written: Written, t0: float) -> bytes:
+        """The manifest that commits what was written (every rank's files, sizes and sha256)."""
         manifest = job.manifest
         manifest["write_s"] = round(time.perf_counter() - t0, 4)
-        others = self._other_ranks_files(name) if self.world_size > 1 else {}
-        manifest["files"] = dict(sorted({**_local_files(job.stage, known, skip=set(others)), **others}.items()))
-        manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
         if not self.storage.is_local:
-            self.storage.put_dir(job.stage, name)
+            manifest["upload_s"], manifest["upload_bytes"] = written.upload_s, written.upload_bytes
+        manifest["files"] = written.files
+        manifest["total_bytes"] = sum(f["size"] for f in written.files.values())
         delay = self.commit_delay or float(faults.value("commit_delay", job.step) or 0)
         if delay:
             time.sleep(delay)
         return orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
 
     def _committed(self, job: _Job, t0: float) -> None:
-        name = step_name(job.step)
+        name, m = step_name(job.step), job.manifest
         self.failures.committed()
         self.last_committed = job.step
+        upload = {}
+        if m.get("upload_s"):  # object storage: rank 0's upload, in MB/s
+            upload = {"upload_mb_s": round(m["upload_bytes"] / 1e6 / m["upload_s"], 1)}
         self.on_event(
             {
                 "event": "snapshot_committed",
                 "step": job.step,
-                "good": job.manifest["good"],
-                "bytes": job.manifest["total_bytes"],
+                "good": m["good"],
+                "bytes": m["total_bytes"],
                 "stall_s": round(job.stall, 4),
                 "commit_s": round(time.perf_counter() - t0, 4),
                 "location": self.storage.url_of(name),
+                **upload,
             }
         )
         try:
@@ -673,50 +667,6 @@ class SnapshotManager:
             )
         except Exception:
             pass  # then rank 0 times out waiting for the list, and says so
-
-    def _write_rank_files(self, job: _Job) -> bool:
-        """A rank other than 0: write, hash and upload this rank's files, then list them in
-        ranks/rank-N.json for rank 0 to verify and commit. Rank 0 reports the outcome."""
-        name = step_name(job.step)
-        try:
-            known = _write_deferred(job.stage, job.deferred, job.staged, full=job.full)
-            known.update({rel: _durable_meta(os.path.join(job.stage, rel)) for rel in job.own})
-            if not self.storage.is_local:
-                self.storage.put_dir(job.stage, name)
-            data = orjson.dumps({"rank": self.rank, "files": known})
-            self.storage.write_bytes(f"{name}/{rank_list(self.rank)}", data)
-            return True
-        except Exception as exc:  # rank 0 reads the error from the list and reports the snapshot failed
-            self._failed(job.step, exc, job.stage)
-            return False
-        finally:
-            if not self.storage.is_local:
-                shutil.rmtree(job.stage, ignore_errors=True)
-
-    def _other_ranks_files(self, name: str) -> dict[str, dict[str, Any]]:
-        """Wait for every other rank's file list, then check each listed file is on storage with its
-        listed size. Raises when a rank's list does not come within ``rank_timeout`` or a file is off."""
-        files: dict[str, dict[str, Any]] = {}
-        deadline = time.monotonic() + self.rank_timeout
-        for rank in range(1, self.world_size):
-            while not self.storage.exists(name, rank_list(rank)):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {rank} did not list its snapshot files within {self.rank_timeout:.0f} s")
-                time.sleep(0.05)
-            raw = self.storage.read_bytes(name, rank_list(rank))
-            files[rank_list(rank)] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-            listed = parse_rank_list(raw, rank)
-            if "error" in listed:
-                raise RuntimeError(f"rank {rank} could not write its files: {listed['error']}")
-            for rel, meta in listed["files"].items():
-                size = self.storage.size(name, rel) if self.storage.exists(name, rel) else None
-                if size != meta["size"]:
-                    raise RuntimeError(
-                        f"rank {rank}'s file {rel} is {'missing' if size is None else f'{size} bytes'}; "
-                        f"its list says {meta['size']} bytes"
-                    )
-                files[rel] = meta
-        return files
 
     def wait_staged(self) -> None:
         """Block until the snapshot in flight no longer reads live state (its deferred files are

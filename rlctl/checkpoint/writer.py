@@ -123,3 +123,17 @@ class DurableFile:
 def no_space(path: str) -> OSError:
     """The error a write to ``path`` on a full disk raises."""
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def save_object(obj, fh) -> None:
+    """``torch.save`` of a deferred object into ``fh``, without the zip format's CRC32: the manifest's
+    sha256 covers every byte already."""
+    import torch
+    from torch.utils.serialization import config as serialization_config
+
+    previous = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        torch.save(obj, fh)
+    finally:
+        serialization_config.save.compute_crc32 = previous

@@ -650,7 +650,13 @@ class CheckpointConfig(Strict):
         "{metric: val/score/mean, mode: max, k: 2}; `--from best` and `--step best` pick the first.",
     )
     asynchronous: bool = Field(
-        True, description="Upload and commit in a background thread; training waits only for staging."
+        True, description="Write, upload and commit in the background; training waits only for staging."
+    )
+    writer: Literal["process", "thread"] = Field(
+        "process",
+        description="process: snapshot files are serialized, hashed, written and uploaded by a writer "
+        "process of each rank (off the training process's GIL; its state is handed over in shared memory); "
+        "thread: by a thread of the training process. memory:// storage always uses the thread.",
     )
     staging_dir: str | None = Field(
         None, description="Local directory for staging snapshots bound for remote storage (default: temp)."

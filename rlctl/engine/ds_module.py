@@ -45,10 +45,10 @@ def _deferring_engine_class():
     class _Deferring(CheckpointEngine):
         """DeepSpeed's checkpoint I/O with serialization moved off the training thread.
 
-        ``save`` hands the state dict to ``defer(path, write)``; the snapshot manager calls ``write`` on
-        a background thread with a file that hashes and fsyncs as it goes. Without ``defer`` (a plain
-        ``save_checkpoint``) it saves at once. ``preserves_storage_sharing`` is False, so DeepSpeed does
-        not clone every tensor first: nothing is copied in the training thread at all."""
+        ``save`` hands the state dict to ``defer(path, state_dict)``; the snapshot writer (a process of
+        its own, or a thread) serializes it into a file that hashes and fsyncs as it goes. Without
+        ``defer`` (a plain ``save_checkpoint``) it saves at once. ``preserves_storage_sharing`` is
+        False, so DeepSpeed does not clone every tensor first: nothing is copied in the training thread."""
 
         def __init__(self):
             super().__init__()
@@ -62,7 +62,7 @@ def _deferring_engine_class():
             if self.defer is None:
                 torch.save(state_dict, path)
             else:
-                self.defer(path, lambda fh: _save_without_crc(state_dict, fh))
+                self.defer(path, state_dict)
 
         def load(self, path: str, map_location=None):
             return torch.load(path, map_location=map_location, weights_only=False)
@@ -74,18 +74,6 @@ def _deferring_engine_class():
             return False
 
     return _Deferring
-
-
-def _save_without_crc(obj, fh) -> None:
-    """torch.save without the zip format's CRC32: the manifest's sha256 covers every byte already."""
-    from torch.utils.serialization import config as serialization_config
-
-    previous = serialization_config.save.compute_crc32
-    serialization_config.save.compute_crc32 = False
-    try:
-        torch.save(obj, fh)
-    finally:
-        serialization_config.save.compute_crc32 = previous
 
 
 def DeferringCheckpointEngine():  # noqa: N802 - a factory: DeepSpeed is imported lazily

@@ -41,6 +41,7 @@ RESUME_ONLY: frozenset[str] = frozenset(
         "checkpoint.keep_last",
         "checkpoint.keep_every",
         "checkpoint.asynchronous",
+        "checkpoint.writer",
         "checkpoint.staging_dir",
         "cluster.address",
     }

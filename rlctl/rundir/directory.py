@@ -168,6 +168,7 @@ def snapshot_manager(
         asynchronous=c.asynchronous,
         max_failures=c.max_failures,
         fence=fence,
+        writer=c.writer,
     )
 
 

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
@@ -57,6 +58,10 @@ def _ensure_dir(makedirs: Callable[..., None], path: str) -> None:
         makedirs(path, exist_ok=True)
     except FileExistsError as exc:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from exc
+
+
+def _reopen(url: str, options: dict[str, Any], retry_timeout: float) -> Storage:
+    return Storage(url, options, retry_timeout=retry_timeout)
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -93,15 +98,21 @@ class Storage:
         retry_timeout: float | None = None,
     ):
         self.url = str(url).rstrip("/") or "/"
+        self.options = dict(options or {})
         self.retry_timeout = default_retry_timeout() if retry_timeout is None else float(retry_timeout)
         self.fs, self.root = guarded("open", self.url, lambda: open_fs(self.url, dict(options or {})), 0.0)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.is_local = "file" in protocols
+        self.in_process = "memory" in protocols  # no other process sees it (memory://)
         if not self.is_local:
             fence_third_party_random()
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+    def __reduce__(self):
+        # another process (the snapshot writer) opens the same location with the same options
+        return _reopen, (self.url, self.options, self.retry_timeout)
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts) if parts else self.root
@@ -112,6 +123,7 @@ class Storage:
     def child(self, *parts: str) -> Storage:
         sub = Storage.__new__(Storage)
         sub.url, sub.fs, sub.is_local = self.url_of(*parts), self.fs, self.is_local
+        sub.options, sub.in_process = self.options, self.in_process
         sub.root, sub.retry_timeout = self.path(*parts), self.retry_timeout
         return sub
 
@@ -284,14 +296,24 @@ class Storage:
         _ensure_dir(os.makedirs, os.path.dirname(dst))
         os.rename(src, dst)
 
-    def put_dir(self, local_dir: str, *parts: str) -> None:
-        """Upload every file of a local directory below ``parts``."""
+    def put_dir(self, local_dir: str, *parts: str, workers: int = 8) -> int:
+        """Upload every file of a local directory below ``parts``, ``workers`` files at a time (a large
+        file goes up in parts, as its filesystem does multipart uploads). Returns the bytes uploaded."""
+        uploads = []
         for root, _, files in os.walk(local_dir):
             for name in files:
                 src = os.path.join(root, name)
                 rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
                 put = functools.partial(self._put, src, self.path(*parts, rel))
-                self._call("upload to", (*parts, rel), put, ())
+                uploads.append(functools.partial(self._call, "upload to", (*parts, rel), put, ()))
+        if len(uploads) > 1 and workers > 1:
+            with ThreadPoolExecutor(max_workers=min(workers, len(uploads)), thread_name_prefix="rlctl-upload") as pool:
+                for done in [pool.submit(upload) for upload in uploads]:
+                    done.result()
+        else:
+            for upload in uploads:
+                upload()
+        return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(local_dir) for n in names)
 
     def _put(self, src: str, dst: str) -> None:
         self._makedirs(posixpath.dirname(dst))

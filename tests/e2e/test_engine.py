@@ -163,6 +163,44 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     assert fresh.weights_sha256() == at_save
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_writer_process_writes_the_bytes_the_thread_writes(runtime, model_dir, tmp_path, stage):
+    """Snapshots handed to the writer process (asynchronous: copied into its staging buffers; synchronous:
+    written from shared memory) are byte for byte the files the in-process thread writes of the same
+    state, step after step (the state stays in shared memory once moved there), and restore exactly."""
+    from rlctl.checkpoint.snapshots import SnapshotManager
+    from rlctl.rundir.directory import zero_topology
+
+    cfg = make_cfg(actor__zero_stage=stage)
+    managers = {
+        (writer, asynchronous): SnapshotManager(
+            Storage(str(tmp_path / f"{writer}-{asynchronous}")),
+            topology=[zero_topology(stage)],
+            writer=writer,
+            asynchronous=asynchronous,
+        )
+        for writer, asynchronous in (("thread", True), ("process", True), ("process", False))
+    }
+    fences = [m.wait_staged for m in managers.values()]
+    actor = Actor(cfg, model_dir, runtime, fence=lambda: [fence() for fence in fences])
+    rollout = HFRollout(cfg, actor, load_tokenizer(model_dir))
+    weights = {}
+    for step in (1, 2, 3):
+        seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=step)
+        actor.update(seqs, torch.tensor([1.0, -1.0, 0.5, -0.5]).unsqueeze(1) * seqs.response_mask, None, None, 0.0)
+        weights[step] = actor.weights_sha256()
+        for manager in managers.values():
+            manager.save(step, {}, {"actor": actor}, good=True)
+    for manager in managers.values():
+        manager.close()
+    files = {key: [i.manifest["files"] for i in m.scan()] for key, m in managers.items()}
+    assert files[("process", True)] == files[("thread", True)] == files[("process", False)]
+    for info in managers[("process", True)].scan():
+        fresh = Actor(cfg, model_dir, runtime)
+        managers[("process", True)].restore(info, {}, {"actor": fresh})
+        assert fresh.weights_sha256() == weights[info.step]
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_dir, mode):
     """Splitting a mini-batch into micro-batches of different token counts must not reweigh tokens:

@@ -182,12 +182,32 @@ def test_explicit_step_that_does_not_exist(storage):
 
 # -- failed snapshots: reported, counted, and the end of the run at max_failures -------------------
 class DeferredBlob(Blob):
-    """A directory-Stateful that defers its file to the background thread, as the engines do."""
+    """A directory-Stateful that defers its file to the snapshot writer, as the engines do: a tensor
+    of its bytes, written with torch.save."""
 
     def save_to_dir(self, path, defer=None):
+        import torch
+
         os.makedirs(path, exist_ok=True)
-        data = self.data
-        defer(os.path.join(path, "blob.bin"), lambda fh: fh.write(data))
+        defer(os.path.join(path, "blob.bin"), {"data": torch.frombuffer(bytearray(self.data), dtype=torch.uint8)})
+
+    def load_from_dir(self, path):
+        import torch
+
+        self.data = torch.load(os.path.join(path, "blob.bin"))["data"].numpy().tobytes()
+
+
+class QuotaExceeded:
+    """Crosses to the writer process (pickle protocol 5), then fails as an over-quota disk would when
+    torch.save (protocol 2) writes it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce_ex__(self, protocol):
+        if protocol < 5:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), self.path)
+        return QuotaExceeded, (self.path,)
 
 
 def test_enospc_drill_fails_every_snapshot_from_its_step_and_max_failures_ends_the_run(storage, monkeypatch):
@@ -216,12 +236,7 @@ def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_p
         def save_to_dir(self, path, defer=None):
             os.makedirs(path, exist_ok=True)
             target = os.path.join(path, "blob.bin")
-
-            def write(fh):
-                fh.write(b"half")
-                raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), target)
-
-            defer(target, write)
+            defer(target, {"half": b"half", "rest": QuotaExceeded(target)})
 
     storage = Storage(str(tmp_path / "ckpt"))
     events = []

@@ -1,0 +1,335 @@
+"""The snapshot writer process: serialization, hashing, writing and upload outside the training
+process, so none of it holds the training process's GIL.
+
+One writer process per training process, started at its first snapshot and kept (``writer()``). The
+training thread hands it a ``WriteJob`` pickled with torch's multiprocessing reductions: the tensors of
+the deferred state dicts are moved into shared memory the first time (their storage stays there, in
+place, for the rest of the run) and from then on only their handles are sent, a few KB. The writer
+maps them, and:
+
+- ``stage_copy`` (asynchronous snapshots): copies them at once into staging buffers of its own (kept
+  from one snapshot to the next, so no page is faulted in twice) and says "staged": the training
+  process's next optimizer step, which waits for that, may go on while the writer serializes, hashes,
+  writes and uploads from its copy;
+- otherwise (a synchronous snapshot: training waits anyway) it serializes straight from the shared
+  state, and says "staged" when the files are written.
+
+Then it finishes the job (``writing.finish``) and sends back what rank 0 commits. A failure comes back as
+the exception it raised. The writer runs niced (training keeps its core) and dies with its parent
+(PR_SET_PDEATHSIG): it never outlives the run it writes for, and it never writes a manifest, so killing
+either process at any moment leaves no committed partial snapshot. When the writer dies mid-job, the
+job fails with ``WriterDied`` and the next job starts a new writer.
+
+On the training side this module costs the pickling of the job (the state dicts' structure) and a
+blocked read in the manager's commit thread; everything else runs in the writer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rlctl.checkpoint.writing import WriteJob, Written, finish
+
+SHM_DIR = "/dev/shm"
+_SHM_MARGIN = 64 << 20  # free shared memory left over after moving a storage there
+_PR_SET_PDEATHSIG = 1
+
+
+class WriterDied(RuntimeError):
+    """The writer process ended in the middle of a job."""
+
+
+class NoSharedMemory(RuntimeError):
+    """The state cannot be moved into shared memory (too little of it): the job is written in a thread."""
+
+
+# -- the training process's side -----------------------------------------------------------------------
+
+
+def _pickler_class():
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    def reduce(t: torch.Tensor):
+        if t.device.type != "cpu":  # staged to host memory here; the writer never touches a device
+            t = t.detach().cpu()
+        storage = t.untyped_storage()
+        if not storage.is_shared() and storage.nbytes():
+            _check_room(storage.nbytes())
+        rebuild, args = reduce_tensor(t.detach())  # (autograd does not cross processes: the data does)
+        state = torch._utils._get_obj_state(t)
+        if type(t) is torch.Tensor and not t.requires_grad and not state:
+            return rebuild, args
+        return _rebuild_like, (rebuild, args, type(t), t.requires_grad, state)
+
+    class JobPickler(ForkingPickler):
+        _extra_reducers = {
+            **ForkingPickler._extra_reducers,
+            **{cls: reduce for cls in ForkingPickler._extra_reducers if issubclass_safe(cls, torch.Tensor)},
+        }
+
+    return JobPickler
+
+
+def _rebuild_like(rebuild, args, cls, requires_grad: bool, state):
+    """A tensor as torch.save sees the one it stands for: its class, requires_grad and attributes (so
+    the writer's files are byte for byte those written in the training process)."""
+    import torch
+
+    t = rebuild(*args)
+    if cls is torch.nn.Parameter:
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    else:
+        t = t if cls is torch.Tensor else t.as_subclass(cls)
+        t.requires_grad_(requires_grad)
+    return torch._utils._set_obj_state(t, state) if state else t
+
+
+def issubclass_safe(cls: Any, base: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _check_room(nbytes: int) -> None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise NoSharedMemory(f"{SHM_DIR} is not available ({exc.strerror})") from exc
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes + _SHM_MARGIN:
+        raise NoSharedMemory(f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the snapshot's state needs more")
+
+
+def pickle_job(job: WriteJob) -> bytes:
+    """The job as the writer receives it (call on the training thread: moving a tensor's storage into
+    shared memory swaps its memory under anything that computes with it). Raises NoSharedMemory."""
+    buf = io.BytesIO()
+    _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
+    return buf.getvalue()
+
+
+class WriterProcess:
+    """The parent's handle on one writer process: ``run`` one pickled job at a time."""
+
+    def __init__(self, on_start: Callable[[int], None] | None = None):
+        self._on_start = on_start
+        self._proc: subprocess.Popen | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Start the writer unless it runs (call on a thread that lives as long as the run: the writer
+        dies with the thread that started it)."""
+        with self._lock:
+            if self.alive():
+                return
+            self._close_conn()
+            ours, theirs = socket.socketpair()
+            # the writer unpickles what this process pickles: it imports from where this process does
+            path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+            env = {**os.environ, "PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "rlctl.checkpoint.process", str(theirs.fileno()), str(os.getpid())]
+            self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+            theirs.close()
+            self._conn = multiprocessing.connection.Connection(ours.detach())
+            self._conn.send_bytes(bytes(multiprocessing.current_process().authkey))
+            if self._on_start is not None:
+                self._on_start(self._proc.pid)
+
+    def run(self, payload: bytes, stage_copy: bool, staged: Callable[[], None], hold: float = 0.0) -> Written | None:
+        """Send one pickled job and wait for its outcome (on the manager's commit thread: waiting
+        releases the GIL). ``staged`` is called when the writer no longer reads the live state, also
+        when it fails. ``hold``: the write_delay drill, seconds the writer waits before it reads the
+        state. Raises what the job raised, or WriterDied."""
+        with self._lock:
+            try:
+                conn = self._conn
+                if conn is None or not self.alive():
+                    raise WriterDied("the snapshot writer process is not running")
+                conn.send((stage_copy, hold, payload))
+                while True:
+                    kind, value = self._receive(conn)
+                    if kind == "staged":
+                        staged()
+                    elif kind == "done":
+                        return value
+                    else:
+                        raise value
+            finally:
+                staged()
+
+    def _receive(self, conn) -> tuple[str, Any]:
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as exc:
+            code = self._proc.wait() if self._proc is not None else None
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+            raise WriterDied(
+                f"the snapshot writer process (pid {self.pid}) {how} in the middle of the snapshot"
+            ) from exc
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        """Stop the writer (it finishes nothing: call when no job runs)."""
+        with self._lock:
+            self._close_conn()  # EOF: the writer leaves its loop
+            if self._proc is not None:
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                self._proc = None
+
+
+_writer: WriterProcess | None = None
+_writer_lock = threading.Lock()
+
+
+def writer() -> WriterProcess:
+    """This process's writer (one per rank, shared by every snapshot manager of the process)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = WriterProcess()
+        return _writer
+
+
+# -- the writer process ------------------------------------------------------------------------------
+
+
+class _StagingBuffers:
+    """Buffers of the writer's own that shared storages are copied into, kept for the next snapshot."""
+
+    def __init__(self):
+        self._free: dict[int, list[Any]] = {}
+        self._used: list[Any] = []
+
+    def take(self, nbytes: int):
+        import torch
+
+        pool = self._free.get(nbytes)
+        buf = pool.pop() if pool else torch.UntypedStorage(nbytes)
+        self._used.append(buf)
+        return buf
+
+    def release(self) -> None:
+        for buf in self._used:
+            self._free.setdefault(buf.nbytes(), []).append(buf)
+        self._used = []
+
+
+class _CopyingUnpickler(pickle.Unpickler):
+    """Unpickles a job, each shared storage copied into a staging buffer as it is mapped (once per
+    storage: views of one storage stay views of one copy)."""
+
+    def __init__(self, data: bytes, buffers: _StagingBuffers):
+        super().__init__(io.BytesIO(data))
+        self._buffers, self._copies = buffers, {}
+        self._mapped: list[Any] = []  # alive while unpickling: torch maps a storage sent twice once
+
+    def load(self):
+        try:
+            return super().load()
+        finally:
+            self._mapped = []
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name)
+        if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_storage"):
+            return self._copying(found)
+        return found
+
+    def _copying(self, rebuild):
+        def rebuild_copy(*args):
+            shared = rebuild(*args)
+            if not shared.nbytes():  # (empty: nothing to copy, and every empty storage its own)
+                return shared
+            self._mapped.append(shared)
+            key = (shared.data_ptr(), shared.nbytes())
+            if key not in self._copies:
+                self._copies[key] = self._buffers.take(shared.nbytes()).copy_(shared)
+            return self._copies[key]
+
+        return rebuild_copy
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(conn) -> None:
+    buffers = _StagingBuffers()
+    while True:
+        try:
+            stage_copy, hold, payload = conn.recv()
+        except EOFError:
+            return
+        try:
+            time.sleep(hold)  # (the write_delay drill: before the live state is read)
+            if stage_copy:
+                job = _CopyingUnpickler(payload, buffers).load()
+                job.hold = 0.0
+                conn.send(("staged", None))
+                result = finish(job, staged=lambda: None)
+            else:
+                job = pickle.loads(payload)
+                job.hold = 0.0
+                result = finish(job, staged=lambda: conn.send(("staged", None)))
+            conn.send(("done", result))
+        except Exception as exc:
+            conn.send(("error", _sendable(exc)))
+        finally:
+            job = None
+            buffers.release()
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def main(fd: int, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before we could ask to die with it
+        return
+    os.nice(10)
+    conn = multiprocessing.connection.Connection(fd)
+    multiprocessing.current_process().authkey = conn.recv_bytes()  # torch's shared fds come through it
+    _serve(conn)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
