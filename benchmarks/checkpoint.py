@@ -23,6 +23,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +46,31 @@ def raw_write(path: str, nbytes: int, chunk: int = 64 << 20) -> float:
     dt = time.perf_counter() - t0
     os.unlink(path)
     return dt
+
+
+_RAW_WRITER = """
+import os, sys
+os.nice(10)
+path, left, chunk = sys.argv[1], int(sys.argv[2]), 64 << 20
+buf = os.urandom(chunk)
+print("ready", flush=True)
+with open(path, "wb") as fh:
+    while left > 0:
+        left -= fh.write(buf[: min(chunk, left)])
+    fh.flush()
+    os.fsync(fh.fileno())
+os.unlink(path)
+"""
+
+
+def beside_raw_write(path: str, nbytes: int, work) -> float:
+    """Seconds ``work()`` takes while a niced process writes ``nbytes`` to ``path`` with one fsync: what
+    any writer beside training costs it on this machine (the floor of the stall)."""
+    proc = subprocess.Popen([sys.executable, "-c", _RAW_WRITER, path, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()  # it is writing now
+    seconds = work()
+    proc.wait()
+    return seconds
 
 
 def main() -> None:
@@ -150,6 +176,7 @@ def main() -> None:
         for i in range(args.repeats):
             rows.setdefault("update", []).append(timed_update())
             rows.setdefault("raw", []).append(raw_write(str(root / "raw.bin"), size))
+            rows.setdefault("beside raw", []).append(beside_raw_write(str(root / "raw2.bin"), size, timed_update))
             for writer in ("thread", "process"):
                 rows.setdefault(f"sync {writer}", []).append(sync_snapshot(f"s{writer}{i}", writer)[0])
                 blocked, save_s, waited = async_stall(f"a{writer}{i}", writer)
@@ -172,11 +199,14 @@ def report(rows: dict[str, list[float]], size: int, n_params: int, root: Path, r
     print(f"{'measure':<48}{'seconds':>10}{'GB/s':>8}")
     print(f"{'raw sequential write + fsync':<48}{raw:>10.3f}{gb / raw:>8.2f}")
     print(f"{'training update alone':<48}{update:>10.3f}")
+    print(f"{'the update beside a raw write in a niced process':<48}{med['beside raw']:>10.3f}")
     for w in ("thread", "process"):
         print(f"{f'[{w}] synchronous snapshot':<48}{med[f'sync {w}']:>10.3f}{gb / med[f'sync {w}']:>8.2f}")
         print(f"{f'[{w}] async: save() returns after':<48}{med[f'save {w}']:>10.3f}")
         print(f"{f'[{w}] async snapshot + the next update':<48}{med[f'blocked {w}']:>10.3f}")
         print(f"{f'[{w}]   of which waiting at the fence':<48}{med[f'fence {w}']:>10.3f}")
+    floor = max(0.0, med["beside raw"] - update)
+    print(f"floor: a bare write beside training slows it {floor:.3f} s = {floor / med['sync process']:6.1%} of a save")
     for w in ("thread", "process"):
         stall, sync = max(0.0, med[f"blocked {w}"] - update), med[f"sync {w}"]
         print(f"[{w:>7}] stall {stall:.3f} s / synchronous save = {stall / sync:6.1%}   (target <= 5%)")

@@ -65,13 +65,14 @@ def _pickler_class():
     import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
+    staged: dict = {}  # device storage -> its host copy, for this job
+
     def reduce(t: torch.Tensor):
-        if t.device.type != "cpu":  # staged to host memory here; the writer never touches a device
-            t = t.detach().cpu()
-        storage = t.untyped_storage()
+        data = t.detach() if t.device.type == "cpu" else on_host(t, staged)  # the writer never sees a device
+        storage = data.untyped_storage()
         if not storage.is_shared() and storage.nbytes():
             _check_room(storage.nbytes())
-        rebuild, args = reduce_tensor(t.detach())  # (autograd does not cross processes: the data does)
+        rebuild, args = reduce_tensor(data)  # (autograd does not cross processes: the data does)
         state = torch._utils._get_obj_state(t)
         if type(t) is torch.Tensor and not t.requires_grad and not state:
             return rebuild, args
@@ -84,6 +85,22 @@ def _pickler_class():
         }
 
     return JobPickler
+
+
+def on_host(t, staged: dict):
+    """``t`` (on any device) as a view of a host copy of its storage in shared memory. Each storage is
+    copied once per ``staged`` cache, so views of one storage stay views of one copy (a ZeRO-3 restore
+    relies on that)."""
+    import torch
+
+    source = t.untyped_storage()
+    key = (str(source.device), source.data_ptr(), source.nbytes())
+    host = staged.get(key)
+    if host is None:
+        _check_room(source.nbytes())
+        host = staged[key] = torch.UntypedStorage(source.nbytes()).share_memory_()
+        host.copy_(source)
+    return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
 
 def _rebuild_like(rebuild, args, cls, requires_grad: bool, state):
@@ -244,11 +261,12 @@ class _StagingBuffers:
         self._used = []
 
 
-class _CopyingUnpickler(pickle.Unpickler):
-    """Unpickles a job, each shared storage copied into a staging buffer as it is mapped (once per
-    storage: views of one storage stay views of one copy)."""
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a job in the writer. Each shared storage is mapped with its page tables filled at once
+    (one call, not a page fault per 4 KiB), and, given ``buffers``, copied into a staging buffer as it
+    is mapped (once per storage: views of one storage stay views of one copy)."""
 
-    def __init__(self, data: bytes, buffers: _StagingBuffers):
+    def __init__(self, data: bytes, buffers: _StagingBuffers | None):
         super().__init__(io.BytesIO(data))
         self._buffers, self._copies = buffers, {}
         self._mapped: list[Any] = []  # alive while unpickling: torch maps a storage sent twice once
@@ -262,21 +280,37 @@ class _CopyingUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         found = super().find_class(module, name)
         if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_storage"):
-            return self._copying(found)
+            return self._mapping(found)
         return found
 
-    def _copying(self, rebuild):
-        def rebuild_copy(*args):
+    def _mapping(self, rebuild):
+        def rebuild_mapped(*args):
             shared = rebuild(*args)
-            if not shared.nbytes():  # (empty: nothing to copy, and every empty storage its own)
+            if not shared.nbytes():  # (empty: nothing to map or copy, and every empty storage its own)
                 return shared
-            self._mapped.append(shared)
             key = (shared.data_ptr(), shared.nbytes())
             if key not in self._copies:
-                self._copies[key] = self._buffers.take(shared.nbytes()).copy_(shared)
+                _populate(shared.data_ptr(), shared.nbytes())
+                self._mapped.append(shared)
+                copy = self._buffers.take(shared.nbytes()).copy_(shared) if self._buffers is not None else shared
+                self._copies[key] = copy
             return self._copies[key]
 
-        return rebuild_copy
+        return rebuild_mapped
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+; elsewhere madvise fails and pages fault in as they are read
+_libc = None
+
+
+def _populate(address: int, length: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    _libc.madvise(start, length + address - start, _MADV_POPULATE_READ)
 
 
 def _die_with_parent() -> None:
@@ -296,14 +330,12 @@ def _serve(conn) -> None:
             return
         try:
             time.sleep(hold)  # (the write_delay drill: before the live state is read)
+            job = _Unpickler(payload, buffers if stage_copy else None).load()
+            job.hold = 0.0
             if stage_copy:
-                job = _CopyingUnpickler(payload, buffers).load()
-                job.hold = 0.0
                 conn.send(("staged", None))
                 result = finish(job, staged=lambda: None)
             else:
-                job = pickle.loads(payload)
-                job.hold = 0.0
                 result = finish(job, staged=lambda: conn.send(("staged", None)))
             conn.send(("done", result))
         except Exception as exc:

@@ -519,3 +519,21 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
     managers[0].restore(managers[0].scan()[0], {"counter": Counter()}, {"blob": Blob()})  # rank 0 never reads it
     with pytest.raises(SnapshotError, match="state.rank-1.pt does not match its sha256"):
         managers[1].restore(managers[1].scan()[0], {"counter": Counter()}, {"blob": Blob()})
+
+
+def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
+    """What the writer is handed of a device tensor: a view of a shared-memory copy of its storage, one
+    copy per storage (here on CPU, the code is the same for any device)."""
+    import torch
+
+    from rlctl.checkpoint.process import on_host
+
+    flat = torch.arange(12, dtype=torch.float32)
+    a, b = flat[2:6], flat.view(3, 4)[1:, ::2]
+    staged = {}
+    ha, hb = on_host(a, staged), on_host(b, staged)
+    assert torch.equal(ha, a) and torch.equal(hb, b) and hb.stride() == b.stride()
+    assert ha.untyped_storage().data_ptr() == hb.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    assert ha.untyped_storage().is_shared() and len(staged) == 1
+    flat.zero_()  # a copy: the live tensor moves on
+    assert ha[0].item() == 2.0
