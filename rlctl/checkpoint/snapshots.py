@@ -556,6 +556,12 @@ class SnapshotManager:
             _write(os.path.join(stage, *rel.split("/")), data, full)
         return deferred, own
 
+    def start_writer(self) -> None:
+        """Start this process's snapshot writer now rather than at the first snapshot (call on a thread
+        that lives as long as the run); nothing to do without one."""
+        if self.writer == "process":
+            writer().start()
+
     def _hand_over(self, work: WriteJob) -> bytes | None:
         """The job pickled for the writer process (started here, on the training thread, if it is not
         running), or None when the commit thread writes it: ``writer`` "thread", or too little shared
@@ -569,7 +575,7 @@ class SnapshotManager:
                 self._fell_back = True
                 self.on_event({"event": "snapshot_writer_fallback", "reason": str(exc), "writer": "thread"})
             return None
-        writer().start()
+        self.start_writer()
         return payload
 
     def _write_files(self, job: _Job) -> Written | None:

@@ -91,6 +91,8 @@ class Trainer:
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
+        if snapshots is not None and cfg.checkpoint.every:
+            snapshots.start_writer()  # its start-up overlaps loading the models, not the first snapshot
         reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)

@@ -26,9 +26,12 @@ class SilentReporter:
 
 
 def report_event(reporter: Reporter, event: dict[str, Any]) -> None:
-    """Say what an event means for the run when a person must hear it now: a failed snapshot."""
+    """Say what an event means for the run when a person must hear it now: a failed snapshot, or
+    snapshots written in the training process for want of shared memory."""
     if event.get("event") == "snapshot_failed":
         reporter.note(snapshot_failed_note(event))
+    elif event.get("event") == "snapshot_writer_fallback":
+        reporter.note(f"warning: snapshots are written in the training process: {event.get('reason')}")
 
 
 def snapshot_failed_note(event: dict[str, Any]) -> str:

@@ -537,3 +537,23 @@ def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
     assert ha.untyped_storage().is_shared() and len(staged) == 1
     flat.zero_()  # a copy: the live tensor moves on
     assert ha[0].item() == 2.0
+
+
+def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_said_once(tmp_path, monkeypatch):
+    """Too small a /dev/shm (a real 64 KiB tmpfs stands for it) is found before any storage is moved
+    there: the snapshot is written by the thread instead, commits, restores, and the run hears it once."""
+    import rlctl.checkpoint.process as process
+
+    with small_tmpfs(tmp_path / "shm") as shm:
+        monkeypatch.setattr(process, "SHM_DIR", str(shm))
+        events = []
+        m = SnapshotManager(Storage(str(tmp_path / "ckpt")), on_event=events.append)
+        for step in (1, 2):
+            blob = DeferredBlob(bytes([step]) * (256 << 10))
+            m.save(step, {"counter": Counter(step)}, {"blob": blob}, good=True)
+            assert m.wait() is True
+        fallbacks = [e for e in events if e["event"] == "snapshot_writer_fallback"]
+        assert len(fallbacks) == 1 and f"{shm} has 0 MiB free" in fallbacks[0]["reason"]
+        restored = DeferredBlob()
+        m.restore(m.scan()[-1], {"counter": Counter()}, {"blob": restored})
+        assert restored.data == bytes([2]) * (256 << 10)
