@@ -1,20 +1,23 @@
-"""Snapshot cost against the disk it lands on, measured in one run.
+"""Snapshot cost against the disk it lands on, measured in one run, for both snapshot writers.
 
     .venv/bin/python benchmarks/checkpoint.py [--dir DIR] [--hidden 768 --layers 12] [--repeats 3]
 
-Builds a real DeepSpeed ZeRO-2 actor (a ~130M-parameter Llama-style model with AdamW states, about
-1.6 GB of state), takes one optimizer step so the Adam moments exist, then measures on the same disk:
+Builds a real DeepSpeed ZeRO-2 actor (a ~134M-parameter Llama-style model with AdamW states, about
+2.15 GB of snapshot), takes one optimizer step so the Adam moments exist, takes one snapshot with the
+writer process (it starts, and the state moves into shared memory: a one-time cost, printed), then
+measures on the same disk, alternating, medians over --repeats:
 
 - raw: sequential write of the same number of bytes with one fsync (the disk's ceiling);
-- sync: a snapshot with the background commit disabled (serialize, hash, fsync, manifest), i.e. what a
-  synchronous save costs training;
-- async stall: the extra wall time of [snapshot + the next training update] over the same update
-  without a snapshot. Snapshot files are serialized in a background thread straight from the live
-  tensors; the update waits at a fence before its optimizer step if they are not written yet, and
-  competes with the writer for the CPU meanwhile. Both costs are in the stall.
+- for each writer (``thread``: a thread of the training process; ``process``: the rank's writer
+  process): a synchronous snapshot (serialize, hash, fsync, manifest: what a synchronous save costs
+  training), and the asynchronous stall: the extra wall time of [snapshot + the next training update]
+  over the update alone. The update waits at a fence before its optimizer step until the writer no
+  longer reads the live state, and competes with the writer for the CPU meanwhile: both are in the stall;
+- the floor: the same update while a bare niced process writes the same bytes with one fsync. On a
+  machine whose CPUs both train and write, this is what any writer beside training costs it.
 
-It prints the stall as a fraction of the synchronous save (target <= 5%) and the snapshot bandwidth as a
-fraction of raw (target >= 80%). Medians over --repeats.
+It prints each writer's stall as a fraction of its synchronous save (target <= 5%) and its snapshot
+bandwidth as a fraction of raw (target >= 80%), and the floor as a fraction of the synchronous save.
 """
 
 from __future__ import annotations

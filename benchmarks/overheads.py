@@ -1,31 +1,54 @@
-"""What the safety machinery costs per step, against a real step measured in the same run.
+"""What the safety machinery costs, against a real step and a real save or load measured in the same run.
 
-    .venv/bin/python benchmarks/overheads.py [--steps 40] [--snapshots 15]
+    .venv/bin/python benchmarks/overheads.py [--steps 40] [--snapshots 15] [--restarts 5] [--rollbacks 8]
 
-Runs the tiny built-in workload (8 prompts x 4 samples x 16 new tokens) through the real Trainer, with a
-real snapshot manager on local disk, to get the steady-state step time. Then it times, on the same rows,
-the rollback-policy checks (policies/default.yaml, every rule) and one metrics row written to
-metrics.jsonl (orjson, flushed), each as a fraction of the step (target for checks + logging: under 1%).
+Everything runs the tiny built-in workload (the built-in config with 8 prompts x 4 samples x 16 new
+tokens) through the real Trainer, with real snapshot managers on local disk (a temp dir).
 
-Then snapshots of the whole run state (ZeRO-2 engine, optimizer, RNG, data cursor ...), taken as a run
-takes them, alternating:
-
-- asynchronous: the stall is the time `snapshot()` blocks, plus how much longer the step after it
-  takes than the control steps taken just before each snapshot (medians): that step waits at the
-  optimizer-step fence for files still being written, and shares the CPU and the GIL with the writer.
-  The commit is awaited after that step;
-- synchronous: the training thread calls `snapshot()` and then waits for the commit.
-
-Target: the asynchronous stall under 5% of a synchronous save.
+1. Steady-state step time; on its rows, the rollback-policy checks (policies/default.yaml, every
+   rule) and one metrics row written to metrics.jsonl (orjson, flushed), each as a fraction of the step
+   (target for checks + logging: under 1%).
+2. Snapshots of the whole run state (ZeRO-2 engine, optimizer, RNG, data cursor ...), for both
+   writers side by side (``checkpoint.writer=thread``: a thread of the training process;
+   ``process``: the rank's writer process), one trainer each, built one after the other in this
+   process; after a warm-up snapshot each (printed: the process writer starts and moves the state into
+   shared memory then), rounds alternate between the writers, and within a round:
+   - asynchronous: the stall is the time ``snapshot()`` blocks, plus how much longer the step after it
+     takes than the control step taken just before (medians): that step waits at the optimizer-step
+     fence for the state still being read, and shares the CPU with the writer. The commit is awaited
+     after that step;
+   - synchronous: the training thread calls ``snapshot()`` and then waits for the commit.
+   Each writer's stall is printed as a fraction of its own synchronous save (target <= 5%).
+3. Restart: ``rlctl start`` and ``rlctl resume`` as real subprocesses of the CLI. A fresh start of 3
+   steps (its last one snapshotted) is timed from launch to its step-1 metrics row, then ``rlctl resume
+   RUN --set trainer.total_steps=4`` from launch to its step-4 row; the time is the row's own
+   ``timestamp`` (taken when the step ends) minus the launch time. Medians of --restarts pairs, and
+   their ratio.
+4. In-process rollback: a trainer with ``checkpoint.every=2`` and a policy that rolls back when
+   ``actor/ppo_kl > 1.0`` runs ``train()`` while the ``metric`` fault drill reports ppo_kl = 5.0 at steps
+   5, 9, 13 ... (each fires once, then rolls back to the snapshot 1 step earlier). The time from the
+   policy's firing (its ``policy`` event) to the start of the next step (waiting for a snapshot in
+   flight, the restore, re-syncing the rollout weights, moving later rows and snapshots aside) is
+   printed against the pure load of that same snapshot: ``SnapshotManager.restore`` on the trainer's
+   Statefuls and engine (checksums verified, state loaded), as the rollback calls it; the engines'
+   ``load_from_dir`` alone is printed too, and how long the rollback waited for the commit of the
+   snapshot it rolls back to (its ``snapshot_committed`` event after the firing). Medians; target <= 1.5x.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 from rlctl.config import load_config
 from rlctl.engine.runtime import open_rank
@@ -36,44 +59,60 @@ from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.directory import snapshot_manager
 from rlctl.storage import Storage
 
+TINY = ["trainer.prompts_per_step=8", "algorithm.group_size=4", "rollout.max_new_tokens=16"]
+WRITERS = ("thread", "process")
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+KL_ROLLBACK = 'policies=[{rules: [{name: kl-spike, when: "actor/ppo_kl > 1.0", actions: [{type: rollback}]}]}]'
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--snapshots", type=int, default=15, help="snapshots of each kind")
-    args = ap.parse_args()
-    cfg = load_config(
-        None,
-        [
-            f"trainer.total_steps={args.steps}",
-            "trainer.prompts_per_step=8",
-            "algorithm.group_size=4",
-            "rollout.max_new_tokens=16",
-            "checkpoint.every=0",
-        ],
-    )
-    root = tempfile.mkdtemp(prefix="rlctl-overheads-")
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+class Events:
+    """The events a trainer and its snapshot manager emit, each with the perf_counter it came at."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, dict[str, Any]]] = []
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.seen.append((time.perf_counter(), event))
+
+    def of(self, kind: str) -> list[tuple[float, dict[str, Any]]]:
+        return [(t, e) for t, e in self.seen if e["event"] == kind]
+
+
+def build(root: str, overrides: list[str], events: Events) -> Trainer:
+    """A trainer of the tiny workload on run directory ``root``, with its snapshot manager built as a
+    rank builds it (how far its policies may roll back), both emitting to ``events``."""
+    cfg = load_config(None, [*TINY, *overrides])
     run = Storage(root)
     rank = open_rank(cfg)
-    snapshots = snapshot_manager(run, cfg, collectives=rank.dist)
-    trainer = Trainer(cfg, run, rank, snapshots=snapshots)
+    reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
+    snapshots = snapshot_manager(run, cfg, events, collectives=rank.dist, max_steps_back=reach)
+    return Trainer(cfg, run, rank, snapshots=snapshots, on_event=events.emit)
+
+
+def steady_steps(trainer: Trainer, steps: int) -> tuple[list[dict[str, Any]], float]:
+    """The rows of ``steps`` steps and the median step time after 5 warm-up steps."""
     trainer.metrics = trainer._metrics_log()  # as train() opens it: a snapshot records its offset
-    rows, steps = [], []
-    for step in range(1, args.steps + 1):
+    rows, times = [], []
+    for step in range(1, steps + 1):
         t0 = time.perf_counter()
         rows.append(trainer.train_step(step))
-        steps.append(time.perf_counter() - t0)
-    step_s = statistics.median(steps[5:])
+        times.append(time.perf_counter() - t0)
+    return rows, median(times[5:])
 
+
+def checks_and_logging(rows: list[dict[str, Any]], root: str, reps: int = 50) -> tuple[float, float, int]:
+    """Seconds per row of the default policies' checks and of writing the row to a metrics log."""
     policies = load_policies(["policies/default.yaml"])
     guard = PolicyGuard(policies)
-    reps = 50
     t0 = time.perf_counter()
     for rep in range(reps):
         for i, row in enumerate(rows):
             guard.check(rep * len(rows) + i + 1, {**row, "step": rep * len(rows) + i + 1})
     check_s = (time.perf_counter() - t0) / (reps * len(rows))
-
     log = JsonlLog(Storage(root), "bench-metrics.jsonl")
     t0 = time.perf_counter()
     for _rep in range(reps):
@@ -81,51 +120,230 @@ def main() -> None:
             log.write(row)
     log_s = (time.perf_counter() - t0) / (reps * len(rows))
     log.close()
+    return check_s, log_s, len(policies)
 
-    # snapshots, alternating: a control step, an async snapshot, the step after it (whose excess over the
-    # control steps is the rest of the stall), the commit awaited, one more step, a sync snapshot
-    step, control, blocked, after, sync_save = args.steps, [], [], [], []
+
+def timed_sync_snapshot(trainer: Trainer) -> float:
+    t0 = time.perf_counter()
+    trainer.snapshot(good=True)
+    assert trainer.snapshots.wait(), "the synchronous snapshot did not commit"
+    return time.perf_counter() - t0
+
+
+def snapshot_round(trainer: Trainer, step: int, out: dict[str, list[float]]) -> int:
+    """One alternating round: a control step, an asynchronous snapshot, the step after it (whose excess
+    over the control step is the rest of the stall), the commit awaited, one more step, a synchronous
+    snapshot. The last step taken."""
+    step += 1
+    t0 = time.perf_counter()
+    trainer.train_step(step)
+    out["control"].append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    trainer.snapshot(good=True)
+    out["blocked"].append(time.perf_counter() - t0)
+    step += 1
+    t0 = time.perf_counter()
+    trainer.train_step(step)
+    out["after"].append(time.perf_counter() - t0)
+    assert trainer.snapshots.wait(), "the asynchronous snapshot did not commit"
+    step += 1
+    trainer.train_step(step)
+    out["sync"].append(timed_sync_snapshot(trainer))
+    return step
+
+
+def snapshot_bytes(trainer: Trainer) -> int:
+    newest = trainer.snapshots.scan()[-1]
+    return sum(f.stat().st_size for f in Path(trainer.run.path(), "checkpoints", newest.name).rglob("*") if f.is_file())
+
+
+def measure_writers(args, root: str) -> tuple[list[dict[str, Any]], float, dict[str, dict[str, Any]]]:
+    """Both writers' trainers (``checkpoint.writer`` set in each config), their steady steps and a
+    warm-up snapshot each, then rounds alternating between them. The first trainer's rows and step time,
+    and each writer's figures."""
+    trainers, steps, figures, rows, step_s = {}, {}, {}, [], 0.0
+    for writer in WRITERS:
+        events = Events()
+        overrides = [f"trainer.total_steps={args.steps}", "checkpoint.every=0", f"checkpoint.writer={writer}"]
+        trainers[writer] = trainer = build(f"{root}/{writer}", overrides, events)
+        writer_rows, writer_step_s = steady_steps(trainer, args.steps)
+        rows, step_s = rows or writer_rows, step_s or writer_step_s
+        first = timed_sync_snapshot(trainer)
+        figures[writer] = {"step": writer_step_s, "first": first, "events": events}
+        figures[writer].update(control=[], blocked=[], after=[], sync=[])
+        steps[writer] = args.steps
     for _ in range(args.snapshots):
-        step += 1
-        t0 = time.perf_counter()
-        trainer.train_step(step)
-        control.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        trainer.snapshot(good=True)
-        blocked.append(time.perf_counter() - t0)
-        step += 1
-        t0 = time.perf_counter()
-        trainer.train_step(step)
-        after.append(time.perf_counter() - t0)
-        assert snapshots.wait(), "the asynchronous snapshot did not commit"
-        step += 1
-        trainer.train_step(step)
-        t0 = time.perf_counter()
-        trainer.snapshot(good=True)
-        assert snapshots.wait(), "the synchronous snapshot did not commit"
-        sync_save.append(time.perf_counter() - t0)
-    snapshots.close()
-    size = sum(f.stat().st_size for f in Path(root, "checkpoints").glob(f"step-{step:06d}/**/*") if f.is_file())
-    excess = statistics.median(after) - statistics.median(control)
-    stall, sync = statistics.median(blocked) + max(0.0, excess), statistics.median(sync_save)
+        for writer in WRITERS:
+            steps[writer] = snapshot_round(trainers[writer], steps[writer], figures[writer])
+    for writer, trainer in trainers.items():
+        figures[writer]["size"] = snapshot_bytes(trainer)
+        trainer.snapshots.close()
+        trainer.metrics.close()
+    return rows, step_s, figures
 
+
+def print_writers(args, step_s: float, check_s: float, log_s: float, n_rules: int, figures) -> None:
     print(f"steady-state step (tiny model, 8x4x16): {step_s * 1e3:.1f} ms (median of {args.steps - 5})")
-    print(
-        f"policy checks (default.yaml, {len(policies)} rules):  {check_s * 1e6:.1f} us = {check_s / step_s:.3%} of a step"
-    )
+    print(f"policy checks (default.yaml, {n_rules} rules):  {check_s * 1e6:.1f} us = {check_s / step_s:.3%} of a step")
     print(f"metrics row (orjson, flushed):          {log_s * 1e6:.1f} us = {log_s / step_s:.3%} of a step")
     print(f"checks + logging:                       {(check_s + log_s) / step_s:.3%} of a step (target < 1%)")
-    print(f"snapshot ({size / 1e6:.1f} MB, medians of {args.snapshots} each):")
-    print(f"  synchronous save:                     {sync * 1e3:.1f} ms = {sync / step_s:.1%} of a step")
-    print(
-        f"  asynchronous: blocked in snapshot()   {statistics.median(blocked) * 1e3:.1f} ms; the step after it "
-        f"{statistics.median(after) * 1e3:.1f} ms against {statistics.median(control) * 1e3:.1f} ms for the control "
-        "steps"
-    )
-    print(
-        f"  asynchronous stall (blocked + excess): {stall * 1e3:.1f} ms = {stall / step_s:.1%} of a step, "
-        f"{stall / sync:.1%} of the synchronous save (target < 5%)"
-    )
+    size = figures[WRITERS[0]]["size"]
+    print(f"snapshot ({size / 1e6:.1f} MB), both writers, rounds alternating, medians of {args.snapshots} each:")
+    for writer in WRITERS:
+        f = figures[writer]
+        fell = f["events"].of("snapshot_writer_fallback")
+        note = f" (FELL BACK to the thread: {fell[0][1]['reason']})" if fell else ""
+        sync, blocked, after, control = (median(f[k]) for k in ("sync", "blocked", "after", "control"))
+        stall = blocked + max(0.0, after - control)
+        print(f"  [{writer}]{note} warm-up snapshot (the first): {f['first'] * 1e3:.1f} ms")
+        print(f"  [{writer}] synchronous save: {sync * 1e3:.1f} ms = {sync / f['step']:.1%} of a step")
+        print(
+            f"  [{writer}] asynchronous: blocked in snapshot() {blocked * 1e3:.1f} ms; the step after it "
+            f"{after * 1e3:.1f} ms against {control * 1e3:.1f} ms for the control steps"
+        )
+        print(
+            f"  [{writer}] asynchronous stall (blocked + excess): {stall * 1e3:.1f} ms = {stall / f['step']:.1%} "
+            f"of a step = {stall / sync:.1%} of the synchronous save (target <= 5%)"
+        )
+
+
+# -- restart: rlctl start / rlctl resume in subprocesses --------------------------------------------------
+def cli() -> list[str]:
+    exe = Path(sys.executable).parent / "rlctl"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "rlctl"]
+
+
+def row_after(metrics: Path, after: int) -> dict[str, Any] | None:
+    """The first metrics row of a step after ``after``, once it is on disk."""
+    if not metrics.exists():
+        return None
+    for line in metrics.read_bytes().splitlines():
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a line still being written
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > after:
+            return row
+    return None
+
+
+def time_to_new_row(argv: list[str], run_dir: Path, after: int) -> float:
+    """Seconds from launching the CLI with ``argv`` to the end of its first step after ``after`` (that
+    row's own timestamp); the process is then let finish, and must exit 0."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}  # (this process joined a group)
+    log = run_dir.parent / f"{run_dir.name}-{argv[0]}.stderr"
+    with open(log, "w") as err:
+        launched = time.time()
+        proc = subprocess.Popen([*cli(), *argv], stdout=subprocess.DEVNULL, stderr=err, env=env)
+        while (row := row_after(run_dir / "metrics.jsonl", after)) is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rlctl {argv[0]} exited {proc.returncode} before a new step: see {log}")
+            time.sleep(0.02)
+        rc = proc.wait(timeout=600)
+    if rc != 0:
+        raise RuntimeError(f"rlctl {argv[0]} exited {rc}: see {log}")
+    return row["timestamp"] - launched
+
+
+def measure_restarts(args, root: str) -> tuple[list[float], list[float]]:
+    """Pairs of a fresh start (3 steps, the last snapshotted; timed to step 1) and a resume of it to
+    step 4 (timed to step 4)."""
+    starts, resumes = [], []
+    sets = [a for kv in [*TINY, "trainer.total_steps=3", "checkpoint.every=3"] for a in ("--set", kv)]
+    for i in range(args.restarts):
+        run_dir = Path(root, f"restart-{i}")
+        starts.append(time_to_new_row(["start", "--run-dir", str(run_dir), *sets], run_dir, 0))
+        resumes.append(time_to_new_row(["resume", str(run_dir), "--set", "trainer.total_steps=4"], run_dir, 3))
+    return starts, resumes
+
+
+def print_restarts(starts: list[float], resumes: list[float]) -> None:
+    start, resume = median(starts), median(resumes)
+    print(f"restart (rlctl in a subprocess, launch to the end of its first new step; medians of {len(starts)}):")
+    print(f"  rlctl start (fresh run) to step 1:    {start:.2f} s  ({', '.join(f'{s:.2f}' for s in starts)})")
+    print(f"  rlctl resume RUN to its next step:    {resume:.2f} s  ({', '.join(f'{s:.2f}' for s in resumes)})")
+    print(f"  resume / start:                       {resume / start:.2f}x")
+
+
+# -- in-process rollback ------------------------------------------------------------------------------------
+def measure_rollbacks(args, root: str) -> dict[str, Any]:
+    """A real train() whose policy rolls back at steps 5, 9, 13 ...: from each firing to the next step's
+    start; then the pure load of the snapshot rolled back to, the engines' load alone, and the
+    trainer's whole restore (load, knobs, rollout weights re-synced)."""
+    fire_at = [4 * k + 1 for k in range(1, args.rollbacks + 1)]
+    drill = ",".join(f"metric@{s}=actor/ppo_kl:5.0" for s in fire_at)
+    events = Events()
+    overrides = [f"trainer.total_steps={fire_at[-1] + 1}", "checkpoint.every=2", KL_ROLLBACK, f"faults='{drill}'"]
+    trainer = build(f"{root}/rollback", overrides, events)
+    starts: list[float] = []
+    train_step = trainer.train_step
+
+    def timed_train_step(step: int) -> dict[str, Any]:
+        starts.append(time.perf_counter())
+        return train_step(step)
+
+    trainer.train_step = timed_train_step  # (an instance attribute: train() calls it)
+    trainer.train()
+    fired = events.of("policy")
+    rolled = events.of("rollback")
+    assert [e["step"] for _, e in fired] == fire_at and len(rolled) == len(fire_at), "the drill did not fire"
+    total = [min(s for s in starts if s > t) - t for t, _ in fired]
+    in_rollback = [t_rb - t for (t, _), (t_rb, _) in zip(fired, rolled, strict=True)]
+    committed = {e["step"]: t for t, e in events.of("snapshot_committed")}  # (the last commit of each step)
+    commit_wait = [max(0.0, committed[e["to_step"]] - t) for (t, _), (_, e) in zip(fired, rolled, strict=True)]
+    target = rolled[-1][1]["to_step"]
+    (info,) = [i for i in trainer.snapshots.scan() if i.step == target]
+    states = {k: v for k, v in trainer.stateful().items() if k != "policy"}  # as a rollback restores
+    load, engines, restore = [], [], []
+    for _ in range(max(5, args.rollbacks)):
+        t0 = time.perf_counter()
+        trainer.snapshots.restore(info, states, trainer.dir_stateful())
+        load.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for key, engine in trainer.dir_stateful().items():
+            engine.load_from_dir(trainer.snapshots.storage.path(info.name, key))
+        engines.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        trainer.restore(info, rollback=True)
+        restore.append(time.perf_counter() - t0)
+    trainer.snapshots.close()
+    return {
+        "total": total,
+        "in_rollback": in_rollback,
+        "commit_wait": commit_wait,
+        "load": load,
+        "engines": engines,
+        "restore": restore,
+    }
+
+
+def print_rollbacks(r: dict[str, Any]) -> None:
+    m = {k: median(v) * 1e3 for k, v in r.items()}
+    n = len(r["total"])
+    print(f"in-process rollback (checkpoint.writer=process; medians of {n} rollbacks, {len(r['load'])} loads each):")
+    print(f"  policy fires -> next step starts:     {m['total']:.1f} ms")
+    print(f"    in the rollback (to its event):     {m['in_rollback']:.1f} ms")
+    print(f"    waiting for the target's commit:    {m['commit_wait']:.1f} ms")
+    print(f"  pure load (SnapshotManager.restore):  {m['load']:.1f} ms")
+    print(f"    the engines' load_from_dir alone:   {m['engines']:.1f} ms")
+    print(f"  Trainer.restore (+ knobs, weight sync): {m['restore']:.1f} ms")
+    print(f"  rollback / pure load:                 {m['total'] / m['load']:.2f}x (target <= 1.5x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--snapshots", type=int, default=15, help="snapshots of each kind, per writer")
+    ap.add_argument("--restarts", type=int, default=5, help="start + resume pairs")
+    ap.add_argument("--rollbacks", type=int, default=8)
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="rlctl-overheads-")  # (kept when something fails: the CLI's logs are there)
+    rows, step_s, figures = measure_writers(args, root)
+    check_s, log_s, n_rules = checks_and_logging(rows, root)
+    print_writers(args, step_s, check_s, log_s, n_rules, figures)
+    print_rollbacks(measure_rollbacks(args, root))
+    print_restarts(*measure_restarts(args, root))
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ config's ``faults`` key (the demo's config names one).
 Used by the test suite and by anyone who wants to see what a bad night looks like before having one.
 A comma-separated list of ``name[@step][=value]``:
 
-- ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run)
+- ``sleep@7=30``        sleep 30 s after step 7 (a window to kill or signal the run), once the snapshots
+                        of earlier steps are committed
 - ``commit_delay@6=30`` wait 30 s in the background before writing the manifest of the step-6
                         snapshot (of every snapshot without @step): a window to kill the run mid-commit
 - ``nan_log_prob@5``    make one log-prob of step 5 NaN, as a broken kernel or a degenerate sample
@@ -15,6 +16,8 @@ A comma-separated list of ``name[@step][=value]``:
                         (once per process); ``degenerate@4=a``: the token "a" (one token of the tokenizer)
 - ``metric@7=actor/ppo_kl:5.0``  report actor/ppo_kl as 5.0 at step 7 (once per process): a KL spike;
                         validation metrics too (``metric@6=val/score/mean:0.0``: a validation drop)
+- ``build_delay=30``   hold the trainer's build 30 s, after the run directory is set up and before the
+                        models load: a window to stop a run while it is built
 - ``write_delay=2``     hold a snapshot's background file writes for 2 s (training must wait at the
                         next optimizer step, never change the state being written)
 - ``stale_rollout``     never push the actor's weights into the rollout engine after an update (vllm): a
@@ -41,6 +44,7 @@ KNOWN = {
     "sleep",
     "commit_delay",
     "write_delay",
+    "build_delay",
     "nan_log_prob",
     "degenerate",
     "metric",
@@ -106,10 +110,20 @@ def once(name: str, step: int) -> str | None:
     return None
 
 
-def after_step(step: int, rank: int, stopped: Callable[[], bool]) -> None:
+def while_building() -> None:
+    """The ``build_delay=S`` drill: sleep S seconds (1 by default) while the trainer is built (a stop
+    signal then ends the run at once, as it does in any part of the build)."""
+    if (pause := value("build_delay")) is not None:
+        time.sleep(float(pause or 1))
+
+
+def after_step(step: int, rank: int, stopped: Callable[[], bool], settle: Callable[[int], None] | None = None) -> None:
     """The drills that act between steps: ``sleep@N=S`` pauses S seconds (1 by default), cut short when
-    ``stopped()`` (signal handlers do not end time.sleep); ``crash@N=R`` raises on rank R (0)."""
+    ``stopped()`` (signal handlers do not end time.sleep), once ``settle(N)`` has returned (the snapshots
+    of earlier steps are committed); ``crash@N=R`` raises on rank R (0)."""
     if (pause := value("sleep", step)) is not None:
+        if settle is not None:
+            settle(step)
         deadline = time.monotonic() + float(pause or 1)
         while not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)

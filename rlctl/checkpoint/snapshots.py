@@ -332,6 +332,7 @@ class SnapshotManager:
         self.failures = FailureCount(max_failures, storage.url)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlctl-snapshot")
         self._pending: Future | None = None
+        self._pending_step: int | None = None  # the step of the snapshot in flight
         self._staged = threading.Event()
         self._staged.set()
         self._lock = threading.Lock()
@@ -512,6 +513,7 @@ class SnapshotManager:
         with self._lock:
             self._staged = job.staged
             self._pending = self._pool.submit(self._commit, job)
+            self._pending_step = step
         if not self.asynchronous:
             self.wait()
         return job.stall
@@ -673,6 +675,16 @@ class SnapshotManager:
             )
         except Exception:
             pass  # then rank 0 times out waiting for the list, and says so
+
+    def settle(self, step: int) -> None:
+        """Wait for a snapshot of a step before ``step`` that is still in flight (the sleep drill does,
+        so that a kill in its window finds every earlier snapshot committed, however long the writer
+        took to start; a snapshot of ``step`` itself may still be in flight, as a commit_delay drill
+        wants)."""
+        with self._lock:
+            earlier = self._pending is not None and self._pending_step is not None and self._pending_step < step
+        if earlier:
+            self.wait()
 
     def wait_staged(self) -> None:
         """Block until the snapshot in flight no longer reads live state (its deferred files are

@@ -93,6 +93,7 @@ class Trainer:
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
         if snapshots is not None and cfg.checkpoint.every:
             snapshots.start_writer()  # its start-up overlaps loading the models, not the first snapshot
+        faults.while_building()
         reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
@@ -253,7 +254,8 @@ class Trainer:
                 healthy = row_is_finite(row)
                 if self.snapshots is not None and self.snapshots.should_save(self.state.step):
                     self.snapshot(good=healthy)
-                faults.after_step(self.state.step, self.dist.rank, lambda: self.stop_signal is not None)
+                settle = self.snapshots.settle if self.snapshots is not None else None
+                faults.after_step(self.state.step, self.dist.rank, lambda: self.stop_signal is not None, settle)
             self._finish(passed, healthy)
         finally:
             self.metrics.close()

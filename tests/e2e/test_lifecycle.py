@@ -74,7 +74,7 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tm
     """The run directory exists (the trainer is being built): exit 75, a `preempted` event, --check
     says preempted; resume starts the run over (it never trained) and completes."""
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS, faults="build_delay=60")  # a window to stop it
     code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
     assert code == 75, err
     assert "stopped by SIGTERM before training began; no snapshot yet; resume will start over" in err
