@@ -18,6 +18,9 @@ measures on the same disk, alternating, medians over --repeats:
 
 It prints each writer's stall as a fraction of its synchronous save (target <= 5%) and its snapshot
 bandwidth as a fraction of raw (target >= 80%), and the floor as a fraction of the synchronous save.
+Then an in-process rollback of the same state, by a real Trainer of the model whose KL policy fires
+(the ``metric`` drill): the time from the firing to the next step against the pure load of the
+snapshot it rolls back to (target <= 1.5x).
 """
 
 from __future__ import annotations
@@ -187,9 +190,27 @@ def main() -> None:
                 rows.setdefault(f"save {writer}", []).append(save_s)
                 rows.setdefault(f"fence {writer}", []).append(waited)
         report(rows, size, n_params, root, args.repeats)
+        rollback_at_scale(model_dir, root)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def rollback_at_scale(model_dir: Path, root: Path) -> None:
+    """An in-process rollback of this state: a real Trainer of the same model (2 prompts x 2 samples x 8
+    new tokens, snapshots every 2 steps with the writer process) whose KL policy fires at steps 4 and 8
+    (the ``metric`` drill) and rolls back to the snapshot two steps back, committed by then; the time
+    from each firing to the next step against the pure load of that snapshot (``overheads.py`` does
+    the same on the tiny model, also with the target still in flight)."""
+    from overheads import Events, build, print_rollbacks, rollback_overrides, time_rollbacks
+
+    fire_at = [4, 8]
+    workload = ["trainer.prompts_per_step=2", "algorithm.group_size=2", "rollout.max_new_tokens=8"]
+    workload += [f"model.path={model_dir}", "actor.zero_stage=2"]
+    events = Events()
+    trainer = build(str(root / "rollback"), rollback_overrides(fire_at), events, workload)
+    figures = time_rollbacks(trainer, events, fire_at, loads=3)
+    print_rollbacks(figures, "in-process rollback of this state to a committed snapshot (process writer)", "s")
 
 
 def report(rows: dict[str, list[float]], size: int, n_params: int, root: Path, repeats: int) -> None:

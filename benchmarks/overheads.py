@@ -82,10 +82,10 @@ class Events:
         return [(t, e) for t, e in self.seen if e["event"] == kind]
 
 
-def build(root: str, overrides: list[str], events: Events) -> Trainer:
-    """A trainer of the tiny workload on run directory ``root``, with its snapshot manager built as a
-    rank builds it (how far its policies may roll back), both emitting to ``events``."""
-    cfg = load_config(None, [*TINY, *overrides])
+def build(root: str, overrides: list[str], events: Events, workload: list[str] = TINY) -> Trainer:
+    """A trainer of the workload (the tiny one by default) on run directory ``root``, with its snapshot
+    manager built as a rank builds it (how far its policies may roll back), both emitting to ``events``."""
+    cfg = load_config(None, [*workload, *overrides])
     run = Storage(root)
     rank = open_rank(cfg)
     reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
@@ -266,15 +266,29 @@ def print_restarts(starts: list[float], resumes: list[float]) -> None:
 
 
 # -- in-process rollback ------------------------------------------------------------------------------------
-def measure_rollbacks(args, root: str) -> dict[str, Any]:
-    """A real train() whose policy rolls back at steps 5, 9, 13 ...: from each firing to the next step's
-    start; then the pure load of the snapshot rolled back to, the engines' load alone, and the
-    trainer's whole restore (load, knobs, rollout weights re-synced)."""
-    fire_at = [4 * k + 1 for k in range(1, args.rollbacks + 1)]
-    drill = ",".join(f"metric@{s}=actor/ppo_kl:5.0" for s in fire_at)
+def measure_rollbacks(args, root: str, after: int) -> dict[str, Any]:
+    """A real train() whose policy rolls back ``after`` steps after a snapshot (1: at steps 5, 9, 13 ...,
+    to the snapshot taken one step earlier, still in flight; 2: at steps 6, 10, 14 ..., to the one
+    taken two steps earlier, committed by then); ``time_rollbacks`` says what is measured."""
+    fire_at = [4 * k + after for k in range(1, args.rollbacks + 1)]
     events = Events()
-    overrides = [f"trainer.total_steps={fire_at[-1] + 1}", "checkpoint.every=2", KL_ROLLBACK, f"faults='{drill}'"]
-    trainer = build(f"{root}/rollback", overrides, events)
+    trainer = build(f"{root}/rollback-{after}", rollback_overrides(fire_at), events)
+    return time_rollbacks(trainer, events, fire_at, loads=max(5, args.rollbacks))
+
+
+def rollback_overrides(fire_at: list[int]) -> list[str]:
+    """Config overrides for a run that snapshots every 2 steps and whose policy rolls back when the
+    ``metric`` drill reports ppo_kl = 5.0, at each step of ``fire_at`` (once each)."""
+    drill = ",".join(f"metric@{s}=actor/ppo_kl:5.0" for s in fire_at)
+    return [f"trainer.total_steps={fire_at[-1] + 1}", "checkpoint.every=2", KL_ROLLBACK, f"faults='{drill}'"]
+
+
+def time_rollbacks(trainer: Trainer, events: Events, fire_at: list[int], loads: int) -> dict[str, list[float]]:
+    """Run ``trainer.train()`` (built with ``rollback_overrides(fire_at)``): from each firing to the next
+    step's start, of which in the rollback and waiting for the target's commit; then ``loads`` times the
+    pure load of the last snapshot rolled back to (``SnapshotManager.restore`` on the Statefuls and
+    engines a rollback restores, checksums verified), the engines' load alone, and the trainer's whole
+    restore (load, knobs, rollout weights re-synced)."""
     starts: list[float] = []
     train_step = trainer.train_step
 
@@ -294,39 +308,33 @@ def measure_rollbacks(args, root: str) -> dict[str, Any]:
     target = rolled[-1][1]["to_step"]
     (info,) = [i for i in trainer.snapshots.scan() if i.step == target]
     states = {k: v for k, v in trainer.stateful().items() if k != "policy"}  # as a rollback restores
-    load, engines, restore = [], [], []
-    for _ in range(max(5, args.rollbacks)):
+    figures: dict[str, list[float]] = {"load": [], "engines": [], "restore": []}
+    for _ in range(loads):
         t0 = time.perf_counter()
         trainer.snapshots.restore(info, states, trainer.dir_stateful())
-        load.append(time.perf_counter() - t0)
+        figures["load"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for key, engine in trainer.dir_stateful().items():
             engine.load_from_dir(trainer.snapshots.storage.path(info.name, key))
-        engines.append(time.perf_counter() - t0)
+        figures["engines"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         trainer.restore(info, rollback=True)
-        restore.append(time.perf_counter() - t0)
+        figures["restore"].append(time.perf_counter() - t0)
     trainer.snapshots.close()
-    return {
-        "total": total,
-        "in_rollback": in_rollback,
-        "commit_wait": commit_wait,
-        "load": load,
-        "engines": engines,
-        "restore": restore,
-    }
+    return {"total": total, "in_rollback": in_rollback, "commit_wait": commit_wait, **figures}
 
 
-def print_rollbacks(r: dict[str, Any]) -> None:
-    m = {k: median(v) * 1e3 for k, v in r.items()}
-    n = len(r["total"])
-    print(f"in-process rollback (checkpoint.writer=process; medians of {n} rollbacks, {len(r['load'])} loads each):")
-    print(f"  policy fires -> next step starts:     {m['total']:.1f} ms")
-    print(f"    in the rollback (to its event):     {m['in_rollback']:.1f} ms")
-    print(f"    waiting for the target's commit:    {m['commit_wait']:.1f} ms")
-    print(f"  pure load (SnapshotManager.restore):  {m['load']:.1f} ms")
-    print(f"    the engines' load_from_dir alone:   {m['engines']:.1f} ms")
-    print(f"  Trainer.restore (+ knobs, weight sync): {m['restore']:.1f} ms")
+def print_rollbacks(r: dict[str, Any], title: str, unit: str = "ms") -> None:
+    scale = 1e3 if unit == "ms" else 1.0
+    m = {k: median(v) * scale for k, v in r.items()}
+    rest = m["total"] - m["commit_wait"] - m["restore"]
+    print(f"{title} (medians of {len(r['total'])} rollbacks, {len(r['load'])} loads):")
+    print(f"  policy fires -> next step starts:     {m['total']:.3f} {unit}")
+    print(f"    waiting for the target's commit:    {m['commit_wait']:.3f} {unit}")
+    print(f"    Trainer.restore (load, knobs, weight sync): {m['restore']:.3f} {unit}")
+    print(f"    the rest (rows and later snapshots moved aside, policy state written): {rest:.3f} {unit}")
+    print(f"  pure load (SnapshotManager.restore):  {m['load']:.3f} {unit}")
+    print(f"    the engines' load_from_dir alone:   {m['engines']:.3f} {unit}")
     print(f"  rollback / pure load:                 {m['total'] / m['load']:.2f}x (target <= 1.5x)")
 
 
@@ -341,7 +349,9 @@ def main() -> None:
     rows, step_s, figures = measure_writers(args, root)
     check_s, log_s, n_rules = checks_and_logging(rows, root)
     print_writers(args, step_s, check_s, log_s, n_rules, figures)
-    print_rollbacks(measure_rollbacks(args, root))
+    for after, when in ((2, "committed"), (1, "still in flight")):
+        title = f"in-process rollback to the snapshot {after} step(s) back, {when} at the firing (process writer)"
+        print_rollbacks(measure_rollbacks(args, root, after), title)
     print_restarts(*measure_restarts(args, root))
     shutil.rmtree(root, ignore_errors=True)
 

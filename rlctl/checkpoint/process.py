@@ -94,12 +94,14 @@ def on_host(t, staged: dict):
     import torch
 
     source = t.untyped_storage()
-    key = (str(source.device), source.data_ptr(), source.nbytes())
-    host = staged.get(key)
+    key = (str(source.device), source.data_ptr(), source.nbytes()) if source.nbytes() else None
+    host = staged.get(key) if key is not None else None  # (empty storages all have address 0: never shared)
     if host is None:
         _check_room(source.nbytes())
-        host = staged[key] = torch.UntypedStorage(source.nbytes()).share_memory_()
+        host = torch.UntypedStorage(source.nbytes()).share_memory_()
         host.copy_(source)
+        if key is not None:
+            staged[key] = host
     return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
 
@@ -121,6 +123,24 @@ def issubclass_safe(cls: Any, base: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, base)
 
 
+def _to_share(obj: Any, found: dict) -> dict:
+    """The bytes of each storage of the tensors in ``obj`` (nested lists, tuples and dicts) that is not
+    in shared memory yet, by storage (``found``, filled)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if obj.device.type != "cpu" or not storage.is_shared():
+            found[(str(storage.device), storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _to_share(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _to_share(value, found)
+    return found
+
+
 def _check_room(nbytes: int) -> None:
     try:
         st = os.statvfs(SHM_DIR)
@@ -133,7 +153,10 @@ def _check_room(nbytes: int) -> None:
 
 def pickle_job(job: WriteJob) -> bytes:
     """The job as the writer receives it (call on the training thread: moving a tensor's storage into
-    shared memory swaps its memory under anything that computes with it). Raises NoSharedMemory."""
+    shared memory swaps its memory under anything that computes with it). Raises NoSharedMemory: before
+    any storage moves when the state dicts' tensors would not fit together (each storage pickled is
+    registered for the writer to fetch, and stays so if pickling stops half-way)."""
+    _check_room(sum(_to_share(job.deferred, {}).values()))
     buf = io.BytesIO()
     _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
     return buf.getvalue()
@@ -184,7 +207,7 @@ class WriterProcess:
                 conn = self._conn
                 if conn is None or not self.alive():
                     raise WriterDied("the snapshot writer process is not running")
-                conn.send((stage_copy, hold, payload))
+                self._send(conn, (stage_copy, hold, payload))
                 while True:
                     kind, value = self._receive(conn)
                     if kind == "staged":
@@ -196,15 +219,22 @@ class WriterProcess:
             finally:
                 staged()
 
+    def _send(self, conn, message) -> None:
+        try:
+            conn.send(message)
+        except OSError as exc:  # it died since alive() said it ran
+            raise self._died() from exc
+
     def _receive(self, conn) -> tuple[str, Any]:
         try:
             return conn.recv()
         except (EOFError, OSError) as exc:
-            code = self._proc.wait() if self._proc is not None else None
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-            raise WriterDied(
-                f"the snapshot writer process (pid {self.pid}) {how} in the middle of the snapshot"
-            ) from exc
+            raise self._died() from exc
+
+    def _died(self) -> WriterDied:
+        code = self._proc.wait() if self._proc is not None else None
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+        return WriterDied(f"the snapshot writer process (pid {self.pid}) {how} in the middle of the snapshot")
 
     def _close_conn(self) -> None:
         if self._conn is not None:
@@ -357,6 +387,11 @@ def main(fd: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before we could ask to die with it
         return
+    # stop signals sent to the whole process group (Slurm, systemd, Ctrl-C) are the trainer's to honour:
+    # it finishes its step and its last snapshot, which needs this writer; the writer ends at EOF or
+    # with its parent
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     os.nice(10)
     conn = multiprocessing.connection.Connection(fd)
     multiprocessing.current_process().authkey = conn.recv_bytes()  # torch's shared fds come through it

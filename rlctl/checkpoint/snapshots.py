@@ -39,6 +39,7 @@ thread at its next ``save()`` or ``wait()``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -357,20 +358,22 @@ class SnapshotManager:
         self.retention.protected = set(needed[-1:])
 
     # -- discovery ---------------------------------------------------------------------------------
-    def scan(self, deep: bool = False) -> list[SnapshotInfo]:
-        """Every step directory, committed or not, oldest first. ``deep`` also checks every sha256 (on
+    def scan(self, deep: bool = False, files: bool = True) -> list[SnapshotInfo]:
+        """Every step directory, committed or not, oldest first. ``files``: also check that every file
+        its manifest lists is there with its size (False: the manifest alone, for a caller that restores
+        the snapshot it picks, which verifies every file it reads); ``deep`` also checks every sha256 (on
         any storage, streamed)."""
-        infos = []
-        for name in self.storage.listdir():
-            m = _STEP_DIR.match(name)
-            if not m:
-                continue
-            info = SnapshotInfo(int(m.group(1)), name)
-            self._inspect(info, deep)
-            infos.append(info)
-        return sorted(infos, key=lambda i: i.step)
+        infos = [SnapshotInfo(step, name) for step, name in self._step_dirs()]
+        for info in infos:
+            self._inspect(info, deep, files)
+        return infos
 
-    def _inspect(self, info: SnapshotInfo, deep: bool) -> None:
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        """(step, directory name) of every step directory, oldest first."""
+        found = [(int(m.group(1)), name) for name in self.storage.listdir() if (m := _STEP_DIR.match(name))]
+        return sorted(found)
+
+    def _inspect(self, info: SnapshotInfo, deep: bool, files: bool = True) -> None:
         try:
             raw = self.storage.read_bytes(info.name, MANIFEST)
         except FileNotFoundError:
@@ -381,9 +384,9 @@ class SnapshotManager:
         except UnreadableManifest as exc:
             info.problem, info.unreadable = str(exc), True
             return
-        info.problem = self._problem(info, deep)
+        info.problem = self._problem(info, deep, files)
 
-    def _problem(self, info: SnapshotInfo, deep: bool) -> str | None:
+    def _problem(self, info: SnapshotInfo, deep: bool, files: bool = True) -> str | None:
         m = info.manifest or {}
         if m["format"] != FORMAT:
             return f"manifest format {m['format']!r}; this rlctl reads format {FORMAT}"
@@ -394,11 +397,13 @@ class SnapshotManager:
         for fact in self.topology:
             if (problem := fact.problem(m)) is not None:
                 return problem
-        existing = set(self.storage.walk_files(info.name))
+        if not (files or deep):
+            return None
+        sizes = self.storage.file_sizes(info.name)
         for rel, meta in m["files"].items():
-            if rel not in existing:
+            if rel not in sizes:
                 return f"file {rel} is missing"
-            if (size := self.storage.size(info.name, rel)) != meta["size"]:
+            if (size := sizes[rel]) != meta["size"]:
                 return f"file {rel} has {size} bytes; the manifest says {meta['size']}"
         return stored_checksum_problem(self.storage, info.name, m) if deep else None
 
@@ -433,10 +438,11 @@ class SnapshotManager:
         """What "best" means for this run: retention's keep_best, else the highest val/score/mean."""
         return self.retention.best or KeepBest()
 
-    def best(self, metric: str, mode: str) -> list[SnapshotInfo]:
+    def best(self, metric: str, mode: str, files: bool = True) -> list[SnapshotInfo]:
         """The usable good snapshots of validated steps that record validation ``metric``, best first
-        (``mode`` "max": highest first; "min": lowest; of equal values the earlier step)."""
-        return KeepBest(metric, mode).rank([i for i in self.scan() if i.usable and i.good])
+        (``mode`` "max": highest first; "min": lowest; of equal values the earlier step). ``files``: as
+        for ``scan``."""
+        return KeepBest(metric, mode).rank([i for i in self.scan(files=files) if i.usable and i.good])
 
     def candidates(self, spec: int | str) -> list[SnapshotInfo]:
         """Snapshots to try for ``spec``, best first. An explicit step gives that one only; "best" the
@@ -488,8 +494,10 @@ class SnapshotManager:
         name, stage, full = step_name(step), None, faults.disk_full(step)
         try:
             stage = self._stage_dir(step, name)
-            deferred, own = self._stage_files(stage, states, dirs, extra_files, full)
-            work = WriteJob(name, stage, self.storage, self.rank, self.world_size, self.rank_timeout, deferred, own)
+            if full:  # (the enospc drill: a full disk fails the first files, which DeepSpeed writes here)
+                raise no_space(os.path.join(stage, state_file(self.rank)))
+            deferred, blobs = self._stage_files(stage, states, dirs, extra_files)
+            work = WriteJob(name, stage, self.storage, self.rank, self.world_size, self.rank_timeout, deferred, blobs)
             work.hold, work.full = float(faults.value("write_delay", step) or 0), full
             payload = self._hand_over(work)
         except SnapshotError:
@@ -542,9 +550,9 @@ class SnapshotManager:
         os.makedirs(stage, exist_ok=True)
         return stage
 
-    def _stage_files(self, stage, states, dirs, extra_files, full: bool):
-        """Every directory-Stateful saved (or deferred), this rank's state file and (rank 0) the extra
-        files written. Returns the deferred (path, object) pairs and this rank's own files."""
+    def _stage_files(self, stage, states, dirs, extra_files):
+        """Every directory-Stateful saved (its files deferred), this rank's states serialized and (rank
+        0) the extra files: the deferred (path, object) pairs and the blobs, for the writer to write."""
         import torch
 
         deferred: list[tuple[str, Any]] = []
@@ -552,23 +560,23 @@ class SnapshotManager:
             obj.save_to_dir(os.path.join(stage, key), lambda path, state: deferred.append((path, state)))
         buf = io.BytesIO()
         torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
-        own = [state_file(self.rank)]  # what this rank wrote besides the deferred files
-        _write(os.path.join(stage, own[0]), buf.getvalue(), full)
-        for rel, data in (extra_files or {}).items() if self.rank == 0 else ():
-            _write(os.path.join(stage, *rel.split("/")), data, full)
-        return deferred, own
+        blobs = {state_file(self.rank): buf.getvalue()}
+        if self.rank == 0:
+            blobs.update(extra_files or {})
+        return deferred, blobs
 
     def start_writer(self) -> None:
         """Start this process's snapshot writer now rather than at the first snapshot (call on a thread
         that lives as long as the run); nothing to do without one."""
         if self.writer == "process":
-            writer().start()
+            with contextlib.suppress(OSError):  # (the first snapshot tries again, and says what fails)
+                writer().start()
 
     def _hand_over(self, work: WriteJob) -> bytes | None:
         """The job pickled for the writer process (started here, on the training thread, if it is not
         running), or None when the commit thread writes it: ``writer`` "thread", or too little shared
         memory for the state (said once, as ``snapshot_writer_fallback``)."""
-        if self.writer != "process":
+        if self.writer != "process" or self._fell_back:  # (after a fallback, the thread for the run)
             return None
         try:
             payload = pickle_job(work)
@@ -669,10 +677,12 @@ class SnapshotManager:
         self.on_event(event)
 
     def _list_error(self, name: str, cause: str) -> None:
+        """Tell rank 0 this rank's share failed, unless its list is written already (the writer process
+        listed the files, then died: rank 0 may have committed the snapshot with them)."""
+        path = f"{name}/{rank_list(self.rank)}"
         try:
-            self.storage.write_bytes(
-                f"{name}/{rank_list(self.rank)}", orjson.dumps({"rank": self.rank, "error": cause})
-            )
+            if not self.storage.exists(path):
+                self.storage.write_bytes(path, orjson.dumps({"rank": self.rank, "error": cause}), exclusive=True)
         except Exception:
             pass  # then rank 0 times out waiting for the list, and says so
 
@@ -771,10 +781,10 @@ class SnapshotManager:
         """Move committed snapshots later than ``step`` to abandoned/<tag>/ (a resume turned away from
         them; they are kept, not deleted)."""
         moved = []
-        for info in self.scan():
-            if info.step > step:
-                self.storage.move_dir(info.name, f"abandoned/{tag}/{info.name}")
-                moved.append(info.step)
+        for at, name in self._step_dirs():
+            if at > step:
+                self.storage.move_dir(name, f"abandoned/{tag}/{name}")
+                moved.append(at)
         return moved
 
     # -- restoring ---------------------------------------------------------------------------------
@@ -808,12 +818,3 @@ class SnapshotManager:
         finally:
             cleanup()
         self.last_committed = info.step
-
-
-def _write(path: str, data: bytes, full: bool = False) -> None:
-    """Write a staged file (``full``: fail as on a full disk, the enospc fault drill)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as fh:
-        if full:
-            raise no_space(path)
-        fh.write(data)

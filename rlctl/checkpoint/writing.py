@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from rlctl.checkpoint.manifest import MANIFEST, parse_rank_list, sha256_file
-from rlctl.checkpoint.writer import DurableFile, save_object
+from rlctl.checkpoint.writer import DurableFile, no_space, save_object
 from rlctl.storage import Storage, fsync_path
 
 RANKS_DIR = "ranks"
@@ -41,8 +41,9 @@ def rank_list(rank: int) -> str:
 @dataclass
 class WriteJob:
     """What a rank writes for the snapshot ``name``: ``deferred`` (path, object) pairs serialized into
-    ``stage``, beside the files ``own`` (relative to ``stage``) it wrote there already. ``hold`` and
-    ``full`` are the write_delay and enospc fault drills."""
+    ``stage``, and ``blobs``, small files serialized already (the rank's state file, rank 0's extra
+    files) by path relative to ``stage``. ``hold`` and ``full`` are the write_delay and enospc fault
+    drills."""
 
     name: str
     stage: str
@@ -51,7 +52,7 @@ class WriteJob:
     world_size: int = 1
     rank_timeout: float = 1800.0
     deferred: list[tuple[str, Any]] = field(default_factory=list)
-    own: list[str] = field(default_factory=list)
+    blobs: dict[str, bytes] = field(default_factory=dict)
     hold: float = 0.0
     full: bool = False
 
@@ -71,8 +72,8 @@ def finish(job: WriteJob, staged: Callable[[], None]) -> Written | None:
     called once the live state is no longer read, also when writing fails. Rank 0: what the manifest
     lists; other ranks: None, once their list is written."""
     known = write_deferred(job, staged)
+    known.update(write_blobs(job))
     if job.rank != 0:
-        known.update({rel: durable_meta(os.path.join(job.stage, rel)) for rel in job.own})
         upload(job)
         data = orjson.dumps({"rank": job.rank, "files": known})
         job.storage.write_bytes(f"{job.name}/{rank_list(job.rank)}", data)
@@ -104,6 +105,22 @@ def write_deferred(job: WriteJob, staged: Callable[[], None]) -> Files:
             known[os.path.relpath(path, job.stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
     finally:
         staged()
+    return known
+
+
+def write_blobs(job: WriteJob) -> Files:
+    """Write the job's blobs into its stage, each hashed and synced. Their sizes and sha256."""
+    known = {}
+    for rel, data in job.blobs.items():
+        path = os.path.join(job.stage, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            if job.full:
+                raise no_space(path)
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        known[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     return known
 
 

@@ -706,6 +706,9 @@ class ClusterConfig(Strict):
     cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs reserved for each rank's actor.")
 
 
+_RENDERED: tuple[str, str] = ("", "")  # the last config rendered as YAML: (its JSON, its YAML)
+
+
 class RunConfig(Strict):
     name: str = Field("run", description="Run name; the default run directory is runs/<name>-<timestamp>.")
     seed: int = Field(
@@ -853,6 +856,12 @@ class RunConfig(Strict):
         return self.trainer.val_every > 0 or self.trainer.val_before_train
 
     def to_yaml(self) -> str:
-        # libyaml's emitter where PyYAML has it: the same text, 4x faster (every snapshot writes one)
-        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-        return yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False)
+        """The config as YAML. Every snapshot writes one, and the config rarely changes between them: the
+        last text is kept, keyed by the config's JSON (60x cheaper to make than the YAML)."""
+        global _RENDERED
+        key = self.model_dump_json()
+        if _RENDERED[0] != key:
+            # libyaml's emitter where PyYAML has it: the same text, 4x faster
+            dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+            _RENDERED = (key, yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False))
+        return _RENDERED[1]

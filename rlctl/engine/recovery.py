@@ -231,13 +231,14 @@ class Recovery:
     def rollback_candidates(self, verdict) -> list:
         """The usable good snapshots to try, best first: with ``to: best`` the ones holding the best value
         of the rule's metric, then (when none records it, or every one fails) the newest good ones;
-        otherwise the newest good ones at least ``min_steps_back`` steps back."""
+        otherwise the newest good ones at least ``min_steps_back`` steps back. Their manifests are read,
+        not their files: the restore verifies every file it reads, and a broken one is skipped then."""
         snapshots, step = self.host.snapshots, verdict.step
         horizon = step - (verdict.rollback.min_steps_back or 0)
-        newest = [i for i in reversed(snapshots.scan()) if i.usable and i.good and i.step <= horizon]
+        newest = [i for i in reversed(snapshots.scan(files=False)) if i.usable and i.good and i.step <= horizon]
         if verdict.rollback_best is None:
             return newest
-        best = [i for i in snapshots.best(*verdict.rollback_best) if i.step <= step]
+        best = [i for i in snapshots.best(*verdict.rollback_best, files=False) if i.step <= step]
         tried = {i.step for i in best}
         return best + [i for i in newest if i.step not in tried]
 

@@ -197,6 +197,12 @@ class Storage:
         found = self._call("list", parts, lambda: self.fs.find(self._fresh(base)))
         return sorted(posixpath.relpath(f, base) for f in found)
 
+    def file_sizes(self, *parts: str) -> dict[str, int]:
+        """The size of every file under a directory, by its path relative to it (one listing)."""
+        base = self.path(*parts).rstrip("/")
+        found = self._call("list", parts, lambda: self.fs.find(self._fresh(base), detail=True))
+        return {posixpath.relpath(f, base): int(info["size"]) for f, info in found.items()}
+
     # -- writing ----------------------------------------------------------------------------------
     def makedirs(self, *parts: str) -> None:
         self._call("create directory", parts, lambda: self._makedirs(self.path(*parts)), ())

@@ -102,6 +102,13 @@ def test_missing_file_wrong_size_and_wrong_topology(storage):
     assert problems[1] == "file state.pt is missing"
     assert problems[2] == "file blob/blob.bin has 5 bytes; the manifest says 1000"
     assert problems[3] is None
+    # a rollback picks its target by the manifests alone: the restore verifies every file it reads
+    picked = m.scan(files=False)
+    assert [i.problem for i in picked] == [None, None, None]
+    with pytest.raises(SnapshotError, match="file state.pt is missing"):
+        m.restore(picked[0], {"counter": Counter()}, {"blob": Blob()})
+    with pytest.raises(SnapshotError, match="blob/blob.bin does not match its sha256"):
+        m.restore(picked[1], {"counter": Counter()}, {"blob": Blob()})
     two_ranks = SnapshotManager(storage, world_size=2)
     assert two_ranks.scan()[2].problem == "written by 1 rank(s); this run has 2"
     stage3 = SnapshotManager(storage, topology=[zero_topology(3)])
@@ -537,6 +544,37 @@ def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
     assert ha.untyped_storage().is_shared() and len(staged) == 1
     flat.zero_()  # a copy: the live tensor moves on
     assert ha[0].item() == 2.0
+    # empty storages all sit at address 0 (ZeRO-3's partitioned parameters): never taken for one another
+    e1, e2 = torch.empty(0, dtype=torch.float16), torch.empty(0, dtype=torch.int64)
+    assert on_host(e1, staged).dtype == torch.float16 and on_host(e2, staged).dtype == torch.int64
+    assert len(staged) == 1
+
+
+def ignored(pid, sig) -> bool:
+    with open(f"/proc/{pid}/status") as fh:
+        mask = next(int(line.split()[1], 16) for line in fh if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (sig - 1)))
+
+
+def test_the_writer_process_leaves_stop_signals_to_the_trainer(tmp_path):
+    """A stop signal sent to the whole process group (Slurm, Ctrl-C) reaches the writer too: it keeps
+    running, so the trainer's last snapshot can still be written by it."""
+    import signal
+
+    from rlctl.checkpoint.process import writer
+
+    m = SnapshotManager(Storage(str(tmp_path / "ckpt")))
+    m.start_writer()
+    pid = writer().pid
+    deadline = time.time() + 60  # until it has set its dispositions (/proc/PID/status SigIgn)
+    while time.time() < deadline and not ignored(pid, signal.SIGUSR1):
+        time.sleep(0.01)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        os.kill(pid, sig)
+    time.sleep(0.5)
+    assert writer().alive() and writer().pid == pid
+    m.save(1, {"counter": Counter(1)}, {"blob": DeferredBlob(b"x" * 100)}, good=True)
+    assert m.wait() is True and writer().pid == pid
 
 
 def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_said_once(tmp_path, monkeypatch):
