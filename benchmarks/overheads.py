@@ -18,7 +18,9 @@ tokens) through the real Trainer, with real snapshot managers on local disk (a t
      fence for the state still being read, and shares the CPU with the writer. The commit is awaited
      after that step;
    - synchronous: the training thread calls ``snapshot()`` and then waits for the commit.
-   Each writer's stall is printed as a fraction of its own synchronous save (target <= 5%).
+   Each writer's stall is printed as a fraction of its own synchronous save (target <= 5%), beside
+   what part of any stall DeepSpeed's own state capture is (its ``save_checkpoint`` with every file
+   deferred, nothing written: the training thread must take the state, whoever writes it).
 3. Restart: ``rlctl start`` and ``rlctl resume`` as real subprocesses of the CLI. A fresh start of 3
    steps (its last one snapshotted) is timed from launch to its step-1 metrics row, then ``rlctl resume
    RUN --set trainer.total_steps=4`` from launch to its step-4 row; the time is the row's own
@@ -175,11 +177,25 @@ def measure_writers(args, root: str) -> tuple[list[dict[str, Any]], float, dict[
     for _ in range(args.snapshots):
         for writer in WRITERS:
             steps[writer] = snapshot_round(trainers[writer], steps[writer], figures[writer])
+    figures["floor"] = state_capture(trainers[WRITERS[-1]], root, args.snapshots)
     for writer, trainer in trainers.items():
         figures[writer]["size"] = snapshot_bytes(trainer)
         trainer.snapshots.close()
         trainer.metrics.close()
     return rows, step_s, figures
+
+
+def state_capture(trainer: Trainer, root: str, repeats: int) -> float:
+    """Median seconds the training thread needs to take its engines' state for a snapshot, nothing
+    written: DeepSpeed's ``save_checkpoint`` with every file deferred (the deferred state dicts
+    dropped). Part of any snapshot's time blocked, whichever writer writes the files."""
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        for key, engine in trainer.dir_stateful().items():
+            engine.save_to_dir(os.path.join(root, f"capture-{i}", key), lambda path, state: None)
+        times.append(time.perf_counter() - t0)
+    return median(times)
 
 
 def print_writers(args, step_s: float, check_s: float, log_s: float, n_rules: int, figures) -> None:
@@ -189,6 +205,8 @@ def print_writers(args, step_s: float, check_s: float, log_s: float, n_rules: in
     print(f"checks + logging:                       {(check_s + log_s) / step_s:.3%} of a step (target < 1%)")
     size = figures[WRITERS[0]]["size"]
     print(f"snapshot ({size / 1e6:.1f} MB), both writers, rounds alternating, medians of {args.snapshots} each:")
+    floor = figures["floor"]
+    print(f"  DeepSpeed's state capture alone (save_checkpoint, every file deferred): {floor * 1e3:.1f} ms")
     for writer in WRITERS:
         f = figures[writer]
         fell = f["events"].of("snapshot_writer_fallback")
@@ -205,6 +223,7 @@ def print_writers(args, step_s: float, check_s: float, log_s: float, n_rules: in
             f"  [{writer}] asynchronous stall (blocked + excess): {stall * 1e3:.1f} ms = {stall / f['step']:.1%} "
             f"of a step = {stall / sync:.1%} of the synchronous save (target <= 5%)"
         )
+        print(f"  [{writer}] DeepSpeed's state capture alone / synchronous save: {floor / sync:.1%}")
 
 
 # -- restart: rlctl start / rlctl resume in subprocesses --------------------------------------------------

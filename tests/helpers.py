@@ -81,13 +81,20 @@ def has_step(run_dir, step):
     return lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics_of(run_dir))
 
 
+def settled_before(run_dir, step) -> bool:
+    """Every snapshot of a step before ``step`` is committed: the sleep drill of ``step`` has begun (it
+    waits for them; the step's metric row comes before, while an earlier snapshot may be in flight)."""
+    found = (run_dir / "checkpoints").glob("step-*")
+    return all((d / "manifest.json").exists() for d in found if d.name[5:].isdigit() and int(d.name[5:]) < step)
+
+
 def kill_and_resume(run_dir, args, step) -> subprocess.CompletedProcess:
     """Start a run into ``run_dir`` with ``args``, SIGKILL it while it sleeps after ``step``, then resume it
     from its latest snapshot; the finished resume (asserted to exit 0)."""
     import signal
 
     proc = spawn("start", "--run-dir", str(run_dir), *args, faults=f"sleep@{step}=120")
-    wait_for(has_step(run_dir, step), proc)
+    wait_for(lambda: has_step(run_dir, step)() and settled_before(run_dir, step), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     r = run_cli("resume", str(run_dir), "--from", "latest")

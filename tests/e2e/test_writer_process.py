@@ -17,7 +17,7 @@ RUN = [*SMALL, "--set", "trainer.total_steps=9", "--set", "checkpoint.every=3"]
 
 def _held_writer(run, proc):
     """Wait until the step-6 snapshot is staged and its writer is held by the drill; the writer's pid."""
-    wait_for(lambda: (run / "checkpoints" / "step-000006" / "state.pt").exists(), proc)
+    wait_for(lambda: (run / "checkpoints" / "step-000006").exists(), proc)
     wait_for(lambda: writer_pids(proc.pid), proc)
     (pid,) = writer_pids(proc.pid)
     return pid
