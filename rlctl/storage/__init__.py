@@ -198,8 +198,11 @@ class Storage:
         return sorted(posixpath.relpath(f, base) for f in found)
 
     def file_sizes(self, *parts: str) -> dict[str, int]:
-        """The size of every file under a directory, by its path relative to it (one listing)."""
+        """The size of every file under a directory, by its path relative to it (one listing; on a
+        local disk straight from the directory entries: every commit's retention lists each snapshot)."""
         base = self.path(*parts).rstrip("/")
+        if self.is_local:
+            return self._call("list", parts, lambda: _local_sizes(base))
         found = self._call("list", parts, lambda: self.fs.find(self._fresh(base), detail=True))
         return {posixpath.relpath(f, base): int(info["size"]) for f, info in found.items()}
 
@@ -356,3 +359,19 @@ class Storage:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp, lambda: shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _local_sizes(base: str, prefix: str = "") -> dict[str, int]:
+    """The size of every file under local directory ``base`` by its relative path ({} when there is none)."""
+    sizes: dict[str, int] = {}
+    try:
+        entries = list(os.scandir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return sizes
+    for entry in entries:
+        rel = f"{prefix}{entry.name}"
+        if entry.is_dir(follow_symlinks=False):
+            sizes.update(_local_sizes(entry.path, f"{rel}/"))
+        else:
+            sizes[rel] = entry.stat().st_size
+    return sizes
