@@ -7,14 +7,20 @@ Builds a real DeepSpeed ZeRO-2 actor (a ~134M-parameter Llama-style model with A
 writer process (it starts, and the state moves into shared memory: a one-time cost, printed), then
 measures on the same disk, alternating, medians over --repeats:
 
-- raw: sequential write of the same number of bytes with one fsync (the disk's ceiling);
+- raw: sequential write of the same number of bytes with one fsync (the issue's baseline), and the same
+  write paced as the snapshot's files are (writeback started after every 64 MiB): the disk's ceiling.
+  The snapshot, paced, beats the first; sha256 of as many bytes on one core (every file is hashed as it
+  is written) bounds it below the second;
 - for each writer (``thread``: a thread of the training process; ``process``: the rank's writer
   process): a synchronous snapshot (serialize, hash, fsync, manifest: what a synchronous save costs
   training), and the asynchronous stall: the extra wall time of [snapshot + the next training update]
   over the update alone. The update waits at a fence before its optimizer step until the writer no
   longer reads the live state, and competes with the writer for the CPU meanwhile: both are in the stall;
 - the floor: the same update while a bare niced process writes the same bytes with one fsync. On a
-  machine whose CPUs both train and write, this is what any writer beside training costs it.
+  machine whose CPUs both train and write, this is what any writer beside training costs it;
+- memory: the same update while a bare niced process makes 3 in-memory passes over as many bytes (no
+  disk): the memory traffic of a writer reading the state (the staging copy, serializing, hashing),
+  against an optimizer step that streams the same amount.
 
 It prints each writer's stall as a fraction of its synchronous save (target <= 5%) and its snapshot
 bandwidth as a fraction of raw (target >= 80%), and the floor as a fraction of the synchronous save.
@@ -26,6 +32,7 @@ snapshot it rolls back to (target <= 1.5x).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import statistics
@@ -38,15 +45,22 @@ from pathlib import Path
 import torch
 
 
-def raw_write(path: str, nbytes: int, chunk: int = 64 << 20) -> float:
+def raw_write(path: str, nbytes: int, chunk: int = 64 << 20, paced: bool = False) -> float:
+    """Seconds to write ``nbytes`` sequentially and fsync once. ``paced``: also ask the kernel to start
+    writeback after every 64 MiB chunk (``sync_file_range``), as the snapshot's files do."""
+    from rlctl.checkpoint.writer import _SYNC_FILE_RANGE_WRITE, _sync_file_range
+
     buf = os.urandom(chunk)
     t0 = time.perf_counter()
     with open(path, "wb") as fh:
-        left = nbytes
+        left, done = nbytes, 0
         while left > 0:
             n = min(chunk, left)
             fh.write(buf[:n])
-            left -= n
+            left, done = left - n, done + n
+            if paced and _sync_file_range is not None:
+                fh.flush()
+                _sync_file_range(fh.fileno(), done - n, n, _SYNC_FILE_RANGE_WRITE)
         fh.flush()
         os.fsync(fh.fileno())
     dt = time.perf_counter() - t0
@@ -67,6 +81,40 @@ with open(path, "wb") as fh:
     os.fsync(fh.fileno())
 os.unlink(path)
 """
+
+
+_MEMORY_PASSES = """
+import os, sys
+os.nice(10)
+n, passes, chunk = int(sys.argv[1]), int(sys.argv[2]), 64 << 20
+src, dst = bytearray(os.urandom(chunk)) * (n // chunk + 1), bytearray(n + chunk)
+print("ready", flush=True)
+s, d = memoryview(src), memoryview(dst)
+for _ in range(passes):
+    for off in range(0, n, chunk):
+        d[off : off + chunk] = s[off : off + chunk]
+"""
+
+
+def beside_memory_passes(nbytes: int, passes: int, work) -> float:
+    """Seconds ``work()`` takes while a niced process copies ``nbytes`` in memory ``passes`` times, no
+    disk: the memory traffic a writer makes reading the state (a staging copy, serializing, hashing)."""
+    args = [sys.executable, "-c", _MEMORY_PASSES, str(nbytes), str(passes)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    seconds = work()
+    proc.wait()
+    return seconds
+
+
+def sha256_alone(nbytes: int, chunk: int = 64 << 20) -> float:
+    """Seconds one core takes to sha256 ``nbytes`` in memory (every snapshot file is hashed as it is
+    written: this bounds a writer's bandwidth from above, whatever the disk)."""
+    buf, digest = os.urandom(chunk), hashlib.sha256()
+    t0 = time.perf_counter()
+    for off in range(0, nbytes, chunk):
+        digest.update(buf[: min(chunk, nbytes - off)])
+    return time.perf_counter() - t0
 
 
 def beside_raw_write(path: str, nbytes: int, work) -> float:
@@ -182,7 +230,10 @@ def main() -> None:
         for i in range(args.repeats):
             rows.setdefault("update", []).append(timed_update())
             rows.setdefault("raw", []).append(raw_write(str(root / "raw.bin"), size))
+            rows.setdefault("raw paced", []).append(raw_write(str(root / "raw.bin"), size, paced=True))
+            rows.setdefault("sha256", []).append(sha256_alone(size))
             rows.setdefault("beside raw", []).append(beside_raw_write(str(root / "raw2.bin"), size, timed_update))
+            rows.setdefault("beside memory", []).append(beside_memory_passes(size, 3, timed_update))
             for writer in ("thread", "process"):
                 rows.setdefault(f"sync {writer}", []).append(sync_snapshot(f"s{writer}{i}", writer)[0])
                 blocked, save_s, waited = async_stall(f"a{writer}{i}", writer)
@@ -221,7 +272,10 @@ def report(rows: dict[str, list[float]], size: int, n_params: int, root: Path, r
         f"disk: {root}; median of {repeats}"
     )
     print(f"{'measure':<48}{'seconds':>10}{'GB/s':>8}")
+    paced = med["raw paced"]
     print(f"{'raw sequential write + fsync':<48}{raw:>10.3f}{gb / raw:>8.2f}")
+    print(f"{'raw, writeback started every 64 MiB, + fsync':<48}{paced:>10.3f}{gb / paced:>8.2f}")
+    print(f"{'sha256 of as many bytes, one core, in memory':<48}{med['sha256']:>10.3f}{gb / med['sha256']:>8.2f}")
     print(f"{'training update alone':<48}{update:>10.3f}")
     print(f"{'the update beside a raw write in a niced process':<48}{med['beside raw']:>10.3f}")
     for w in ("thread", "process"):
@@ -229,12 +283,19 @@ def report(rows: dict[str, list[float]], size: int, n_params: int, root: Path, r
         print(f"{f'[{w}] async: save() returns after':<48}{med[f'save {w}']:>10.3f}")
         print(f"{f'[{w}] async snapshot + the next update':<48}{med[f'blocked {w}']:>10.3f}")
         print(f"{f'[{w}]   of which waiting at the fence':<48}{med[f'fence {w}']:>10.3f}")
+    print(f"{'the update beside 3 niced in-memory passes':<48}{med['beside memory']:>10.3f}")
     floor = max(0.0, med["beside raw"] - update)
     print(f"floor: a bare write beside training slows it {floor:.3f} s = {floor / med['sync process']:6.1%} of a save")
+    memory = max(0.0, med["beside memory"] - update)
+    print(
+        f"memory: 3 bare passes over the state's bytes beside training slow it {memory:.3f} s = "
+        f"{memory / med['sync process']:6.1%} of a save"
+    )
     for w in ("thread", "process"):
         stall, sync = max(0.0, med[f"blocked {w}"] - update), med[f"sync {w}"]
         print(f"[{w:>7}] stall {stall:.3f} s / synchronous save = {stall / sync:6.1%}   (target <= 5%)")
         print(f"[{w:>7}] snapshot bandwidth / raw write     = {raw / sync:6.1%}   (target >= 80%)")
+        print(f"[{w:>7}] snapshot bandwidth / paced raw write = {paced / sync:6.1%}")
 
 
 if __name__ == "__main__":

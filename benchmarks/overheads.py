@@ -346,7 +346,7 @@ def time_rollbacks(trainer: Trainer, events: Events, fire_at: list[int], loads: 
 def print_rollbacks(r: dict[str, Any], title: str, unit: str = "ms") -> None:
     scale = 1e3 if unit == "ms" else 1.0
     m = {k: median(v) * scale for k, v in r.items()}
-    rest = m["total"] - m["commit_wait"] - m["restore"]
+    rest = max(0.0, m["total"] - m["commit_wait"] - m["restore"])  # (medians of separate measurements)
     print(f"{title} (medians of {len(r['total'])} rollbacks, {len(r['load'])} loads):")
     print(f"  policy fires -> next step starts:     {m['total']:.3f} {unit}")
     print(f"    waiting for the target's commit:    {m['commit_wait']:.3f} {unit}")
