@@ -190,7 +190,11 @@ class WriterProcess:
             path = os.pathsep.join(p or os.getcwd() for p in sys.path)
             env = {**os.environ, "PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
             cmd = [sys.executable, "-m", "rlctl.checkpoint.process", str(theirs.fileno()), str(os.getpid())]
-            self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+            # its own session: a stop signal for the trainer's process group (Slurm, Ctrl-C) never reaches
+            # it, not even while it starts (it dies with its parent, PR_SET_PDEATHSIG)
+            self._proc = subprocess.Popen(
+                cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True
+            )
             theirs.close()
             self._conn = multiprocessing.connection.Connection(ours.detach())
             self._conn.send_bytes(bytes(multiprocessing.current_process().authkey))

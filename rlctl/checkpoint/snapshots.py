@@ -498,7 +498,7 @@ class SnapshotManager:
                 raise no_space(os.path.join(stage, state_file(self.rank)))
             deferred, blobs = self._stage_files(stage, states, dirs, extra_files)
             work = WriteJob(name, stage, self.storage, self.rank, self.world_size, self.rank_timeout, deferred, blobs)
-            work.hold, work.full = float(faults.value("write_delay", step) or 0), full
+            work.hold = float(faults.value("write_delay", step) or 0)
             payload = self._hand_over(work)
         except SnapshotError:
             raise

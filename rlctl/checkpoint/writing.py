@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from rlctl.checkpoint.manifest import MANIFEST, parse_rank_list, sha256_file
-from rlctl.checkpoint.writer import DurableFile, no_space, save_object
+from rlctl.checkpoint.writer import DurableFile, save_object
 from rlctl.storage import Storage, fsync_path
 
 RANKS_DIR = "ranks"
@@ -42,8 +42,7 @@ def rank_list(rank: int) -> str:
 class WriteJob:
     """What a rank writes for the snapshot ``name``: ``deferred`` (path, object) pairs serialized into
     ``stage``, and ``blobs``, small files serialized already (the rank's state file, rank 0's extra
-    files) by path relative to ``stage``. ``hold`` and ``full`` are the write_delay and enospc fault
-    drills."""
+    files) by path relative to ``stage``. ``hold`` is the write_delay fault drill."""
 
     name: str
     stage: str
@@ -54,7 +53,6 @@ class WriteJob:
     deferred: list[tuple[str, Any]] = field(default_factory=list)
     blobs: dict[str, bytes] = field(default_factory=dict)
     hold: float = 0.0
-    full: bool = False
 
 
 @dataclass
@@ -99,7 +97,7 @@ def write_deferred(job: WriteJob, staged: Callable[[], None]) -> Files:
             time.sleep(job.hold)
         for path, obj in job.deferred:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with DurableFile(path, full=job.full) as fh:
+            with DurableFile(path) as fh:
                 save_object(obj, fh)
             size, digest = fh.close()
             known[os.path.relpath(path, job.stage).replace(os.sep, "/")] = {"size": size, "sha256": digest}
@@ -115,8 +113,6 @@ def write_blobs(job: WriteJob) -> Files:
         path = os.path.join(job.stage, *rel.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as fh:
-            if job.full:
-                raise no_space(path)
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

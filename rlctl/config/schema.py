@@ -706,7 +706,7 @@ class ClusterConfig(Strict):
     cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs reserved for each rank's actor.")
 
 
-_RENDERED: tuple[str, str] = ("", "")  # the last config rendered as YAML: (its JSON, its YAML)
+_RENDERED: tuple[str, str] = ("", "")  # the last config rendered as YAML: (the repr of its values, its YAML)
 
 
 class RunConfig(Strict):
@@ -857,11 +857,14 @@ class RunConfig(Strict):
 
     def to_yaml(self) -> str:
         """The config as YAML. Every snapshot writes one, and the config rarely changes between them: the
-        last text is kept, keyed by the config's JSON (60x cheaper to make than the YAML)."""
+        last text is kept, keyed by the repr of the config's values (20x cheaper to make than the YAML;
+        unlike JSON, it tells inf, nan and None apart)."""
         global _RENDERED
-        key = self.model_dump_json()
-        if _RENDERED[0] != key:
-            # libyaml's emitter where PyYAML has it: the same text, 4x faster
-            dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-            _RENDERED = (key, yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False))
-        return _RENDERED[1]
+        key, (last_key, last_text) = repr(self.model_dump()), _RENDERED
+        if key == last_key:
+            return last_text
+        # libyaml's emitter where PyYAML has it: the same text, 4x faster
+        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+        text = yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False)
+        _RENDERED = (key, text)
+        return text

@@ -370,8 +370,11 @@ def _local_sizes(base: str, prefix: str = "") -> dict[str, int]:
         return sizes
     for entry in entries:
         rel = f"{prefix}{entry.name}"
-        if entry.is_dir(follow_symlinks=False):
-            sizes.update(_local_sizes(entry.path, f"{rel}/"))
-        else:
-            sizes[rel] = entry.stat().st_size
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                sizes.update(_local_sizes(entry.path, f"{rel}/"))
+            else:
+                sizes[rel] = entry.stat().st_size
+        except FileNotFoundError:  # gone since the listing (a temporary renamed into place, a purge), or a
+            continue  # dangling link: not there
     return sizes

@@ -253,3 +253,17 @@ def test_choices_come_from_the_registries_and_load_no_torch():
         "assert 'torch' not in sys.modules, 'the config schema imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_yaml_of_a_changed_config_is_rendered_again():
+    """to_yaml keeps the last text it made: any change of a value gives new text, inf and None too
+    (the JSON form writes both as null)."""
+    cfg = load_config(None, [])
+    first = cfg.to_yaml()
+    assert cfg.to_yaml() is first and "clip_ratio_high: null" in first
+    cfg.algorithm.clip_ratio_high = float("inf")
+    assert "clip_ratio_high: .inf" in cfg.to_yaml()
+    cfg.algorithm.clip_ratio_high = None
+    assert cfg.to_yaml() == first
+    cfg.actor.lr = 0.5
+    assert "lr: 0.5" in cfg.to_yaml() and load_config(None, []).to_yaml() == first
