@@ -94,7 +94,7 @@ def on_host(t, staged: dict):
     import torch
 
     source = t.untyped_storage()
-    key = (str(source.device), source.data_ptr(), source.nbytes()) if source.nbytes() else None
+    key = _storage_key(source) if source.nbytes() else None
     host = staged.get(key) if key is not None else None  # (empty storages all have address 0: never shared)
     if host is None:
         _check_room(source.nbytes())
@@ -123,6 +123,11 @@ def issubclass_safe(cls: Any, base: type) -> bool:
     return isinstance(cls, type) and issubclass(cls, base)
 
 
+def _storage_key(storage) -> tuple[str, int, int]:
+    """What tells one storage from another while a job is pickled: its device, address and size."""
+    return str(storage.device), storage.data_ptr(), storage.nbytes()
+
+
 def _to_share(obj: Any, found: dict) -> dict:
     """The bytes of each storage of the tensors in ``obj`` (nested lists, tuples and dicts) that is not
     in shared memory yet, by storage (``found``, filled)."""
@@ -131,7 +136,7 @@ def _to_share(obj: Any, found: dict) -> dict:
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         if obj.device.type != "cpu" or not storage.is_shared():
-            found[(str(storage.device), storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+            found[_storage_key(storage)] = storage.nbytes()
     elif isinstance(obj, dict):
         for value in obj.values():
             _to_share(value, found)
@@ -391,9 +396,9 @@ def main(fd: int, parent: int) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before we could ask to die with it
         return
-    # stop signals sent to the whole process group (Slurm, systemd, Ctrl-C) are the trainer's to honour:
-    # it finishes its step and its last snapshot, which needs this writer; the writer ends at EOF or
-    # with its parent
+    # stop signals are the trainer's to honour (it finishes its step and its last snapshot, which needs
+    # this writer); group signals never come here (its own session), and these ignore one sent to every
+    # rlctl process by name; the writer ends at EOF or with its parent
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     os.nice(10)

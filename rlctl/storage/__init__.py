@@ -193,9 +193,7 @@ class Storage:
 
     def walk_files(self, *parts: str) -> list[str]:
         """Paths of every file under a directory, relative to it."""
-        base = self.path(*parts).rstrip("/")
-        found = self._call("list", parts, lambda: self.fs.find(self._fresh(base)))
-        return sorted(posixpath.relpath(f, base) for f in found)
+        return sorted(self.file_sizes(*parts))
 
     def file_sizes(self, *parts: str) -> dict[str, int]:
         """The size of every file under a directory, by its path relative to it (one listing; on a
