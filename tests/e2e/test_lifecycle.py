@@ -75,7 +75,7 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tm
     says preempted; resume starts the run over (it never trained) and completes."""
     run = tmp_path / "run"
     proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS, faults="build_delay=60")  # a window to stop it
-    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    code, err = stop_when(proc, lambda: "start" in kinds(run))  # (config.yaml comes just before the event)
     assert code == 75, err
     assert "stopped by SIGTERM before training began; no snapshot yet; resume will start over" in err
     assert f"rlctl resume {run} --from latest" in err and "Traceback" not in err
