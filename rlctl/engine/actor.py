@@ -20,7 +20,7 @@ from rlctl.engine import algos, lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch, weights_digest
-from rlctl.engine.model import load_causal_lm
+from rlctl.engine.model import load_causal_lm, logits_to_keep
 from rlctl.engine.runtime import Runtime
 
 # How the ranks reduce each metric ``Actor.update`` reports (also how its micro-batches combine: counts
@@ -269,14 +269,15 @@ class Actor(DSModule):
 def sequence_log_probs(
     model: torch.nn.Module, seqs: Sequences, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    T = seqs.responses.shape[1]
     out = model(
         input_ids=seqs.input_ids,
         attention_mask=seqs.attention_mask,
         position_ids=position_ids_for(seqs.attention_mask),
         use_cache=False,
+        **logits_to_keep(model, T + 1),  # the LM head over the response's positions only
     )
-    P = seqs.prompt_len
-    logits = out.logits[:, P - 1 : -1, :].float() / temperature  # (B, T, V): position t predicts token t+1
+    logits = out.logits[:, -(T + 1) : -1, :].float() / temperature  # (B, T, V): position t predicts token t+1
     log_probs = torch.log_softmax(logits, dim=-1)
     token_lp = log_probs.gather(-1, seqs.responses.unsqueeze(-1)).squeeze(-1)
     entropy = None

@@ -281,3 +281,23 @@ def load_causal_lm(model_dir: Path, dtype: torch.dtype, trust_remote_code: bool 
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise InputError(f"cannot load a causal LM from {model_dir}: {one_line(exc)}") from None
+
+
+def logits_to_keep(model, n: int) -> dict:
+    """``{"logits_to_keep": n}`` when the causal LM under ``model`` (a DeepSpeed engine's module, a peft
+    model's base, a LoRA reference's module) takes that argument, else ``{}``: its forward then computes
+    the LM head over the last ``n`` positions only. The others' logits are (B, L, V), GBs in fp32 over a
+    real vocabulary, and a prompt's are never used."""
+    import inspect
+
+    inner = model
+    for attr in ("peft_model", "module"):  # (nn.Module defines no truth value of its own: test for None)
+        if getattr(inner, attr, None) is not None:
+            inner = getattr(inner, attr)
+            break
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    try:
+        return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
+    except (TypeError, ValueError, AttributeError):
+        return {}

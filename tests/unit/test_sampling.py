@@ -94,16 +94,25 @@ def test_sampler_with_filters_is_seeded_and_samples_the_truncated_distribution()
 
 class Scripted(torch.nn.Module):
     """A stand-in causal LM for ``decode``: row i emits ``script[i]`` one token per step (its logits
-    put all mass there), whatever the input."""
+    put all mass there), whatever the input. Like a real model it keeps its state in the KV cache: the
+    prefill stores each row's index there, so rows that ``decode`` drops from the batch (and the
+    cache) leave the others their own scripts."""
 
     def __init__(self, script: list[list[int]], vocab: int):
         super().__init__()
         self.script, self.vocab, self.calls = script, vocab, 0
+        self.batch_sizes: list[int] = []
 
-    def forward(self, input_ids, **_):
-        logits = torch.full((len(self.script), input_ids.shape[1], self.vocab), -30.0)
-        for i, row in enumerate(self.script):
-            logits[i, -1, row[min(self.calls, len(row) - 1)]] = 30.0
+    def forward(self, input_ids, past_key_values, **_):
+        if past_key_values.get_seq_length() == 0:
+            ids = torch.arange(len(self.script), dtype=torch.float32).view(-1, 1, 1, 1)
+            past_key_values.update(ids, ids, 0)
+        rows = past_key_values.layers[0].keys[:, 0, 0, 0].long().tolist()
+        self.batch_sizes.append(len(rows))
+        logits = torch.full((len(rows), input_ids.shape[1], self.vocab), -30.0)
+        for i, row in enumerate(rows):
+            script = self.script[row]
+            logits[i, -1, script[min(self.calls, len(script) - 1)]] = 30.0
         self.calls += 1
         return SimpleNamespace(logits=logits)
 
@@ -185,3 +194,46 @@ def test_vllm_sampling_params_and_logprobs_mode():
         "detokenize": False,
     }
     assert [p["seed"] for p in params] == [sample_seed(5, 4, 3, 0), sample_seed(5, 4, 3, 1)]
+
+
+def test_finished_sequences_leave_the_batch(tok):
+    """Rows that end at eos leave the forward batch once an eighth of it is done, and every row still
+    gets its own script: the batch shrinks 8 -> 6 -> 4 -> 2 as pairs of rows end."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    a = tok.convert_tokens_to_ids("a")
+    script = [[a] * n + [eos] for n in (1, 1, 3, 3, 5, 5, 7, 7)]
+    model = Scripted(script, len(tok))
+    enc = tok(["q"] * 8, return_tensors="pt")
+    responses, _, _ = decode(
+        model, enc["input_ids"], enc["attention_mask"], 10, [eos], pad, SeededGumbelSampler(list(range(8)), 0.0)
+    )
+    assert model.batch_sizes == [8, 8, 6, 6, 4, 4, 2, 2]
+    mask = response_mask_for(responses, [eos])
+    assert mask.sum(-1).tolist() == [2, 2, 4, 4, 6, 6, 8, 8]
+    assert (responses[mask == 0] == pad).all() and responses.shape[1] == 8
+
+
+def test_batched_decode_samples_each_sequence_as_alone(tok):
+    """On a real model, sampling a batch (finished rows dropped along the way) gives every sequence the
+    tokens it gets when decoded alone, with the same log-probs: the seeded noise follows its row."""
+    from rlctl.config import RunConfig
+    from rlctl.engine.model import build_tiny_model
+
+    model = build_tiny_model(RunConfig().model.builtin, tok, 0).eval()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    tok.padding_side = "left"
+    prompts = ["3+4=", "hello there, ", "x", "a longer prompt here: "] * 2
+    seeds = [sample_seed(0, 1, i, 0) for i in range(len(prompts))]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    sampler = SeededGumbelSampler(seeds, 1.0)
+    ids, lps, _ = decode(model, enc["input_ids"], enc["attention_mask"], 24, [eos], pad, sampler)
+    lengths = response_mask_for(ids, [eos]).sum(-1)
+    assert len(set(lengths.tolist())) > 1  # mixed lengths: rows did leave the batch
+    for i, prompt in enumerate(prompts):
+        one = tok([prompt], return_tensors="pt")
+        ids1, lps1, _ = decode(
+            model, one["input_ids"], one["attention_mask"], 24, [eos], pad, SeededGumbelSampler(seeds[i : i + 1], 1.0)
+        )
+        n = int(lengths[i])
+        assert ids[i, :n].tolist() == ids1[0, :n].tolist()
+        torch.testing.assert_close(lps[i, :n], lps1[0, :n], atol=1e-5, rtol=1e-5)

@@ -19,6 +19,7 @@ from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import prompt_texts
+from rlctl.engine.model import logits_to_keep
 from rlctl.engine.rollout.sampling import StopStrings, truncate
 from rlctl.engine.rollout.seeds import sample_seed
 
@@ -57,6 +58,14 @@ class SeededGumbelSampler(LogitsProcessor):
         self._used += 1
         return noise
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (positions in the current batch), in this order: the sequences left
+        after finished ones leave the batch go on with their own generators and noise."""
+        idx = rows.tolist()
+        self.generators = [self.generators[i] for i in idx]
+        if self._noise is not None:
+            self._noise = self._noise[rows.to(self._noise.device)]
+
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.temperature == 0:  # greedy: the argmax of the logits, no noise drawn (no filter removes it)
             return scores.float()
@@ -91,48 +100,93 @@ def decode(
     the untruncated logits / T; of the logits themselves when greedy, T = 0) and the (B,) number of
     tokens each sequence kept before a stop string ended it (R where none did).
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
-    token, no generation-config machinery."""
+    token, no generation-config machinery. Finished sequences leave the batch (``Decoding.compact``):
+    no forward computes them once an eighth of the batch is done, so a batch of mixed lengths costs
+    its real tokens, not its longest sequence times its size."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    eos = torch.tensor(eos_ids, device=input_ids.device)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
+        **logits_to_keep(model, 1),
     )
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    kept = torch.full_like(done, max_new_tokens, dtype=torch.long)
-    tokens, log_probs = [], []
+    state = Decoding(input_ids.shape[0], max_new_tokens, eos_ids, pad_id, input_ids.device)
     position = positions[:, -1:]
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1, :]
-        nxt = sampler(None, logits).argmax(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
-        scaled = logits.float() / (sampler.temperature or 1.0)  # log p of the sampled token, no (B, V) log-softmax
-        log_probs.append(scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1))
-        live = ~done & ~torch.isin(nxt, eos)
-        done |= ~live
-        if stops:
-            stopped = stop_hits(stops, tokens, live)
-            kept = torch.where(stopped, step + 1, kept)
-            done |= stopped
-        if bool(done.all()):
+        state.sample(out.logits[:, -1, :], sampler, step, stops)
+        if state.finished():
             break
+        keep = state.compact()
+        if keep is not None:
+            cache.batch_select_indices(keep)
+            sampler.keep(keep)
+            attention_mask, position = attention_mask[keep], position[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         position = position + 1
         out = model(
-            input_ids=nxt[:, None],
+            input_ids=state.last[:, None],
             attention_mask=attention_mask,
             position_ids=position,
             past_key_values=cache,
             use_cache=True,
         )
-    return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), kept.clamp(max=len(tokens))
+    return state.result()
+
+
+class Decoding:
+    """The bookkeeping of ``decode`` over the whole batch (B rows) while the model computes only the
+    rows still in it (``rows``: their indices in the batch, in order)."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_ids: list[int], pad_id: int, device):
+        self.pad_id, self.eos = pad_id, torch.tensor(eos_ids, device=device)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.kept = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch, device=device)
+        self.tokens: list[torch.Tensor] = []  # one (B,) tensor per step
+        self.log_probs: list[torch.Tensor] = []
+        self.last = self.rows  # the rows' tokens of the last step
+
+    def sample(self, logits: torch.Tensor, sampler: SeededGumbelSampler, step: int, stops) -> None:
+        """Sample the next token of every row in the batch from its (rows, V) logits."""
+        nxt = sampler(None, logits).argmax(-1)
+        nxt = torch.where(self.done[self.rows], torch.full_like(nxt, self.pad_id), nxt)
+        scaled = logits.float() / (sampler.temperature or 1.0)  # log p of the sampled token, no (B, V) log-softmax
+        lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)
+        self.tokens.append(torch.full_like(self.done, self.pad_id, dtype=nxt.dtype).index_copy_(0, self.rows, nxt))
+        self.log_probs.append(torch.zeros_like(self.done, dtype=lp.dtype).index_copy_(0, self.rows, lp))
+        live = ~self.done & ~torch.isin(self.tokens[-1], self.eos)
+        self.done |= ~live
+        if stops:
+            stopped = stop_hits(stops, self.tokens, live)
+            self.kept = torch.where(stopped, step + 1, self.kept)
+            self.done |= stopped
+        self.last = nxt
+
+    def finished(self) -> bool:
+        return bool(self.done.all())
+
+    def compact(self) -> torch.Tensor | None:
+        """The positions (in the current rows) of the rows still running, when at least an eighth of the
+        current rows are done (the cache is copied to drop them); else None and the rows stay."""
+        running = ~self.done[self.rows]
+        gone = len(self.rows) - int(running.sum())
+        if gone == 0 or gone * 8 < len(self.rows):
+            return None
+        keep = running.nonzero()[:, 0]
+        self.rows, self.last = self.rows[keep], self.last[keep]
+        return keep
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.stack(self.tokens, dim=1),
+            torch.stack(self.log_probs, dim=1),
+            self.kept.clamp(max=len(self.tokens)),
+        )
 
 
 def response_mask_for(responses: torch.Tensor, eos_ids: list[int], kept: torch.Tensor | None = None) -> torch.Tensor:
