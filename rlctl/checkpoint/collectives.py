@@ -24,6 +24,9 @@ class Collectives(Protocol):
     def sum(self, value: int) -> int:
         """The sum over every rank."""
 
+    def max(self, value: int) -> int:
+        """The largest over every rank."""
+
 
 class Local:
     """Collectives of one process: every decision is its own; ``barrier`` calls the given meeting
@@ -43,4 +46,7 @@ class Local:
         return flag
 
     def sum(self, value: int) -> int:
+        return value
+
+    def max(self, value: int) -> int:
         return value

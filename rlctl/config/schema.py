@@ -531,6 +531,23 @@ class ActorConfig(Strict):
         description="Sequences per forward/backward on each rank, accumulated to the rank's share "
         "of a mini-batch; empty: that whole share.",
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Dynamic batching (verl's use_dynamic_bsz, ppo_max_token_len_per_gpu): each rank's share "
+        "of a mini-batch sorted by length and cut into micro-batches of at most this many padded tokens "
+        "(rows x (longest prompt + longest response)), for the actor's and critic's updates and their "
+        "no-grad passes; the loss stays the exact mini-batch mean. Empty: by micro_batch_size.",
+    )
+
+    @model_validator(mode="after")
+    def _one_way_to_cut(self) -> ActorConfig:
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "set actor.micro_batch_size or actor.max_tokens_per_micro_batch, not both: they are two "
+                "ways to cut a mini-batch into micro-batches"
+            )
+        return self
 
 
 class CriticConfig(Strict):

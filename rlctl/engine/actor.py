@@ -20,6 +20,7 @@ from rlctl.engine import algos, lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch, weights_digest
+from rlctl.engine.microbatch import MicroBatch
 from rlctl.engine.model import load_causal_lm, logits_to_keep
 from rlctl.engine.runtime import Runtime
 
@@ -67,6 +68,7 @@ class Actor(DSModule):
             grad_clip=cfg.actor.grad_clip,
             mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini,
+            max_tokens=cfg.actor.max_tokens_per_micro_batch,
             betas=cfg.actor.betas,
             weight_decay=cfg.actor.weight_decay,
             warmup_steps=cfg.actor.warmup_steps,
@@ -115,6 +117,11 @@ class Actor(DSModule):
         when called outside ``torch.no_grad``."""
         return sequence_log_probs(self.engine, seqs, temperature, with_entropy)
 
+    def old_log_probs(self, seqs: Sequences, temperature: float) -> torch.Tensor:
+        """(B, T) log-probs of the sampled tokens without gradients, micro-batch by micro-batch under a
+        token budget (``in_pieces``)."""
+        return self.in_pieces(seqs, lambda part: self.log_probs(part, temperature)[0])
+
     def update(
         self,
         seqs: Sequences,
@@ -141,11 +148,10 @@ class Actor(DSModule):
         lr = self.scheduler.get_last_lr()[0]
         overflows = self.overflow_skipped()
         for _ in range(a.ppo_epochs):
-            for idx, tw, _ in self.minibatches(seqs.response_mask, a.loss_agg_mode):
+            for mb in self.minibatches(seqs):
                 loss, stats = self._micro_batch_loss(
                     seqs,
-                    idx,
-                    tw,
+                    mb,
                     advantages,
                     old_log_prob,
                     ref_log_prob,
@@ -154,7 +160,7 @@ class Actor(DSModule):
                     rollout_log_prob=rollout_log_prob,
                 )
                 boundary = self.engine.is_gradient_accumulation_boundary()
-                if not self._apply(loss):
+                if not self._apply(loss, mb):
                     stats["actor/skipped_updates"] = 1.0
                 # (a step DeepSpeed skipped on an fp16 overflow has no norm to report: its inf is no fault)
                 if boundary and ("actor/skipped_updates" in stats or not self.step_overflowed()):
@@ -179,8 +185,7 @@ class Actor(DSModule):
     def _micro_batch_loss(
         self,
         seqs: Sequences,
-        idx: slice,
-        tw: float,
+        mb: MicroBatch,
         advantages: torch.Tensor,
         old_log_prob: torch.Tensor | None,
         ref_log_prob: torch.Tensor | None,
@@ -190,28 +195,29 @@ class Actor(DSModule):
         rollout_log_prob: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's forward: its loss and its metrics, weighted so that their means over
-        micro-batches and ranks are the mini-batch's (``tw``: the token weight of ``minibatches``).
+        micro-batches and ranks are the mini-batch's (``MicroBatch.token_weight``), on the micro-batch's
+        own columns.
 
-        Each term of the loss carries the weight of its own aggregation mode (``agg_weight``): GSPO's
+        Each term of the loss carries the weight of its own aggregation mode (``MicroBatch.weight``): GSPO's
         policy loss is a sequence mean (``policy_agg_mode``) while the entropy and KL terms follow
         ``loss_agg_mode``, as verl. ``seq-mean-token-sum-norm`` divides every term by the same constant,
         ``rollout.max_new_tokens`` (verl's ``loss_scale_factor``)."""
         a, horizon = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
-        weight = algos.core.agg_weight(a.loss_agg_mode, tw)
-        pg_weight = algos.core.agg_weight(algos.core.policy_agg_mode(a.loss_agg_mode, a.importance_ratio), tw)
-        mb, mask = seqs.select(idx), seqs.response_mask[idx]
+        tw, weight = mb.token_weight, mb.weight(a.loss_agg_mode)
+        pg_weight = mb.weight(algos.core.policy_agg_mode(a.loss_agg_mode, a.importance_ratio))
+        part, mask = mb.seqs(seqs), mb.tokens(seqs.response_mask)
         with lora.training(self.module, self.trains_in_train_mode):
-            log_prob, entropy = self.log_probs(mb, self.cfg.rollout.temperature, with_entropy=True)
+            log_prob, entropy = self.log_probs(part, self.cfg.rollout.temperature, with_entropy=True)
         if poison:  # fault drill: one NaN log-prob, as a broken kernel would give
             log_prob = poisoned(log_prob)
-        old = log_prob.detach() if old_log_prob is None else old_log_prob[idx]
-        pl = self._policy_loss(log_prob, old, advantages[idx], mask)
+        old = log_prob.detach() if old_log_prob is None else mb.tokens(old_log_prob)
+        pl = self._policy_loss(log_prob, old, mb.tokens(advantages), mask)
         loss = pl.pg_loss * pg_weight
         if a.entropy_coef:
             loss = loss - a.entropy_coef * weight * algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
         kl_loss = torch.zeros(())
         if ref_log_prob is not None and not a.kl_in_reward:
-            kl = algos.kl_penalty(log_prob, ref_log_prob[idx], a.kl_estimator)
+            kl = algos.kl_penalty(log_prob, mb.tokens(ref_log_prob), a.kl_estimator)
             kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode, horizon)
             loss = loss + kl_coef * weight * kl_loss
         stats = {
@@ -229,7 +235,7 @@ class Actor(DSModule):
         if old_log_prob is None:  # on-policy: the old log-probs are this forward's
             stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
         if rollout_log_prob is not None:
-            diff = (log_prob.detach() - rollout_log_prob[idx]).abs()
+            diff = (log_prob.detach() - mb.tokens(rollout_log_prob)).abs()
             stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item() * tw
         return loss, stats
 
@@ -251,15 +257,15 @@ class Actor(DSModule):
             horizon=self.cfg.rollout.max_new_tokens,
         )
 
-    def _apply(self, loss: torch.Tensor) -> bool:
+    def _apply(self, loss: torch.Tensor, mb: MicroBatch) -> bool:
         """Backward and step on the micro-batch's (weighted) loss when it is finite on every rank (backward
         and step are collectives: every rank applies its micro-batch, or none does). Whether it was applied."""
         if self.collectives.all(bool(torch.isfinite(loss))):
-            self.step(loss)
+            self.step(loss, mb.pieces)
             return True
         # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.
-        # DeepSpeed still counts the micro-step so accumulation boundaries stay aligned.
-        if self.micro_batch == self.mini_batch:
+        # DeepSpeed still counts the micro-step (and steps after the last, on the others' gradients).
+        if mb.count == 1:
             self.engine.zero_grad()
         else:
             self.engine.step()

@@ -58,6 +58,7 @@ class Critic(DSModule):
             grad_clip=cfg.critic.grad_clip,
             mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini,
+            max_tokens=cfg.actor.max_tokens_per_micro_batch,
         )
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
         model = load_value_model(path, runtime.dtype, cfg.model.trust_remote_code)
@@ -67,7 +68,10 @@ class Critic(DSModule):
 
     def values(self, seqs: Sequences) -> torch.Tensor:
         """(B, T) V(s_t): the value of the state before each response token (the head's output at the
-        position that predicts it), 0 on padding."""
+        position that predicts it), 0 on padding; micro-batch by micro-batch under a token budget."""
+        return self.in_pieces(seqs, self._values)
+
+    def _values(self, seqs: Sequences) -> torch.Tensor:
         out = self.engine(
             input_ids=seqs.input_ids,
             attention_mask=seqs.attention_mask,
@@ -86,25 +90,25 @@ class Critic(DSModule):
         n = 0
         overflows = self.overflow_skipped()
         for _ in range(a.ppo_epochs):
-            for idx, tw, weight in self.minibatches(seqs.response_mask, a.loss_agg_mode):
-                mb, mask = seqs.select(idx), seqs.response_mask[idx]
+            for mb in self.minibatches(seqs):
+                mask, weight = mb.tokens(seqs.response_mask), mb.weight(a.loss_agg_mode)
                 with lora.training(self.module, self.cfg.critic.gradient_checkpointing):
-                    vpreds = self.values(mb)
+                    vpreds = self._values(mb.seqs(seqs))
                 vf_loss, vf_clipfrac = algos.compute_value_loss(
                     vpreds,
-                    old_values[idx],
-                    returns[idx],
+                    mb.tokens(old_values),
+                    mb.tokens(returns),
                     mask,
                     self.cfg.critic.cliprange_value,
                     a.loss_agg_mode,
                     horizon=self.cfg.rollout.max_new_tokens,
                 )
                 if self.collectives.all(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
-                    self.step(vf_loss * weight)
+                    self.step(vf_loss * weight, mb.pieces)
                 # weighted so that their means over micro-batches and ranks are the batch's
                 for key, value in (
                     ("critic/vf_loss", vf_loss.item() * weight),
-                    ("critic/vf_clipfrac", vf_clipfrac.item() * tw),
+                    ("critic/vf_clipfrac", vf_clipfrac.item() * mb.token_weight),
                 ):
                     totals[key] = totals.get(key, 0.0) + value
                 n += 1

@@ -101,6 +101,10 @@ class Dist:
         """The sum over every rank."""
         return self._reduce_int(value, self._dist.ReduceOp.SUM if self.active else None)
 
+    def max(self, value: int) -> int:
+        """The largest over every rank."""
+        return self._reduce_int(value, self._dist.ReduceOp.MAX if self.active else None)
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on at least one."""
         return bool(self._reduce_int(int(flag), self._dist.ReduceOp.MAX if self.active else None))

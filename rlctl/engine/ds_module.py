@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,9 @@ import torch
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.snapshots import files_of_rank as snapshot_files_of_rank
 from rlctl.config import RunConfig
-from rlctl.engine.algos.core import agg_weight
+from rlctl.engine import microbatch
+from rlctl.engine.batch import Sequences
+from rlctl.engine.microbatch import MicroBatch
 from rlctl.engine.runtime import Runtime
 
 # a ZeRO partition of one rank: DeepSpeed's zero_pp_rank_N_* (the model states file is shared)
@@ -107,6 +109,7 @@ class EngineSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    max_tokens: int | None = None  # micro-batches by token budget (actor.max_tokens_per_micro_batch)
 
 
 # fp16's dynamic loss scaling (DeepSpeed's defaults, spelt out): start at 2**16; halve on every overflow
@@ -182,32 +185,56 @@ class DSModule:
         self.collectives = collectives or Local()
         self.fence = fence
 
-    def step(self, loss: torch.Tensor) -> None:
-        """Backward and (at a mini-batch boundary, DeepSpeed decides) an optimizer step, behind the fence."""
-        self.engine.backward(loss)
+    def step(self, loss: torch.Tensor, pieces: float = 1.0) -> None:
+        """Backward of one micro-batch's weighted loss and, after the last of its mini-batch, the
+        optimizer step, behind the fence. The loss is divided by the micro-batches its weights count
+        (``MicroBatch.pieces``: DeepSpeed's ``gradient_accumulation_steps`` when their number is fixed;
+        1 for a mini-batch in one piece)."""
+        self.engine.backward(loss / pieces, scale_wrt_gas=False)
         if self.fence is not None:
             self.fence()
         self.engine.step()
 
-    def minibatches(self, mask: torch.Tensor, agg_mode: str):
-        """(slice of one micro-batch, token weight, loss weight) over the rank's (B, T) response mask,
-        mini-batch by mini-batch. DeepSpeed averages gradients over the micro-batches of a mini-batch and over the
-        ranks, so a token mean computed per micro-batch would weigh a token of a short micro-batch more
-        than one of a long one. Times the token weight (this micro-batch's tokens x micro-batches x
-        ranks / the mini-batch's tokens over all ranks), a per-micro-batch token mean becomes its share
-        of the mean over every token of the mini-batch on every rank, as one rank with one micro-batch
-        computes it (where the weight is exactly 1): for the loss under ``token-mean`` and for the
-        token-mean metrics. The loss weight is the token weight under ``agg_mode`` token-mean, else 1:
-        aggregation modes that weigh whole sequences need none, every micro-batch holds equally many."""
-        n = mask.shape[0]
-        scale = self.engine.gradient_accumulation_steps() * self.engine.dp_world_size
-        for start in range(0, n, self.mini_batch):
-            stop = min(start + self.mini_batch, n)
-            tokens = self.collectives.sum(int(mask[start:stop].sum()))
-            for micro in range(start, stop, self.micro_batch):
-                idx = slice(micro, min(micro + self.micro_batch, stop))
-                tw = int(mask[idx].sum()) * scale / tokens if tokens else 1.0
-                yield idx, tw, agg_weight(agg_mode, tw)
+    def minibatches(self, seqs: Sequences) -> Iterator[MicroBatch]:
+        """The micro-batches of the rank's ``seqs``, mini-batch by mini-batch (``microbatch.plan``: by
+        sequence count, or by token budget with ``EngineSpec.max_tokens``), each weighted so that the mean
+        of the weighted per-micro-batch losses over micro-batches and ranks (what DeepSpeed's accumulation
+        and data-parallel averaging compute) is the mini-batch's loss in one piece. Before each one the
+        engine is told whether the optimizer steps after it: a token budget gives mini-batches different
+        micro-batch counts, so the count is never DeepSpeed's fixed ``gradient_accumulation_steps``."""
+        world = self.engine.dp_world_size
+        plans = microbatch.plan(
+            seqs,
+            self.mini_batch,
+            micro_batch=self.micro_batch,
+            max_tokens=self.spec.max_tokens,
+            world=world,
+            total=self.collectives.sum,
+            most=self.collectives.max,
+        )
+        for micro_batches in plans:
+            for mb in micro_batches:
+                self.engine.set_gradient_accumulation_boundary(mb.last)
+                yield mb
+
+    def in_pieces(self, seqs: Sequences, forward: Callable[[Sequences], torch.Tensor]) -> torch.Tensor:
+        """``forward``'s (B, T) result over the rank's batch, computed micro-batch by micro-batch under a
+        token budget (no-grad passes: log-probs, values), else in one piece as before."""
+        if self.spec.max_tokens is None:
+            return forward(seqs)
+        out = torch.zeros(seqs.response_mask.shape, dtype=torch.float32, device=seqs.response_mask.device)
+        for micro_batches in microbatch.plan(
+            seqs,
+            len(seqs),
+            micro_batch=None,
+            max_tokens=self.spec.max_tokens,
+            world=1,
+            total=lambda n: n,
+            most=self.collectives.max,  # ZeRO-3 gathers parameters in every forward: equal counts
+        ):
+            for mb in micro_batches:
+                out[mb.rows, : mb.response_to] = forward(mb.seqs(seqs)).float()
+        return out
 
     @property
     def module(self) -> torch.nn.Module:

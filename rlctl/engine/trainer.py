@@ -366,13 +366,17 @@ class Trainer:
         (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
         temperature = self.cfg.rollout.temperature
         with timed(t, "old_log_prob"), torch.no_grad():
-            old = None if self.on_policy else self.actor.log_probs(seqs, temperature)[0]
+            old = None if self.on_policy else self.actor.old_log_probs(seqs, temperature)
         drift = {}
         if seqs.rollout_log_probs is not None and old is not None:
             diff = (old - seqs.rollout_log_probs).abs()
             drift["rollout/logprob_diff"] = algos.masked_mean(diff, seqs.response_mask).item()
         with timed(t, "ref"), torch.no_grad():
-            ref = None if self.ref is None else sequence_log_probs(self.ref, seqs, temperature)[0]
+            ref = (
+                None
+                if self.ref is None
+                else self.actor.in_pieces(seqs, lambda part: sequence_log_probs(self.ref, part, temperature)[0])
+            )
         with timed(t, "values"), torch.no_grad():
             values = self.critic.values(seqs) if self.critic is not None else None
         return old, ref, values, drift

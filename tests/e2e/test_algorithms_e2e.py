@@ -41,7 +41,7 @@ VARIANTS = {
         "critic.lr=1e-3",
         "algorithm.lam=0.95",
         "actor.mini_batch_size=64",
-        "actor.micro_batch_size=32",
+        "actor.max_tokens_per_micro_batch=600",  # dynamic batching: the actor's and the critic's passes
         "critic.warmup_steps=2",
     ],
     "adaptive_kl": [

@@ -205,13 +205,17 @@ def test_the_writer_process_writes_the_bytes_the_thread_writes(runtime, model_di
 def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_dir, mode):
     """Splitting a mini-batch into micro-batches of different token counts must not reweigh tokens:
     the accumulated gradient equals the one of the whole batch in one pass (token-mean is a mean over
-    every token of the mini-batch, not a mean of per-micro-batch means)."""
+    every token of the mini-batch, not a mean of per-micro-batch means). The same for micro-batches by
+    token budget (sorted by length, cut to their own columns, DeepSpeed told where the mini-batch ends):
+    one sequence each (budget 1), and two or three of unequal sizes (budget 24)."""
     from rlctl.engine.batch import Sequences
 
     tok = load_tokenizer(model_dir)
     results = []
-    for micro in (None, 2):
-        cfg = make_cfg(actor__zero_stage=2, actor__micro_batch_size=micro, actor__grad_clip=1e9)
+    cuts = [{}, {"actor__micro_batch_size": 2}, {"actor__max_tokens_per_micro_batch": 1}]
+    cuts.append({"actor__max_tokens_per_micro_batch": 24})
+    for cut in cuts:
+        cfg = make_cfg(actor__zero_stage=2, actor__grad_clip=1e9, **cut)
         cfg.algorithm.loss_agg_mode = mode
         actor = Actor(cfg, model_dir, runtime)
         rollout = HFRollout(cfg, actor, tok)
@@ -231,12 +235,17 @@ def test_micro_batches_give_the_gradient_of_the_whole_mini_batch(runtime, model_
             results.append(
                 (stats["actor/grad_norm"], torch.cat([p.detach().flatten() for p in actor.module.parameters()]))
             )
-    (norm_whole, weights_whole), (norm_micro, weights_micro) = results
-    assert norm_micro == pytest.approx(norm_whole, rel=1e-5)
-    # Adam's first step moves every weight by about ±lr whatever its gradient's size, so the few weights
-    # whose gradient is float noise around 0 may go either way; all others must agree.
-    far = (weights_micro - weights_whole).abs() > 1e-6
-    assert int(far.sum()) < far.numel() // 1000
+        counts = [mb.count for mb in actor.minibatches(seqs)]
+        results.append((*results.pop(), counts))
+    (norm_whole, weights_whole, counts), *others = results
+    assert counts == [1] and [c[0] for *_, c in others] == [2, 4, counts_24 := others[2][2][0]]
+    assert 2 <= counts_24 < 4
+    for norm_micro, weights_micro, _ in others:
+        assert norm_micro == pytest.approx(norm_whole, rel=1e-5)
+        # Adam's first step moves every weight by about ±lr whatever its gradient's size, so the few weights
+        # whose gradient is float noise around 0 may go either way; all others must agree.
+        far = (weights_micro - weights_whole).abs() > 1e-6
+        assert int(far.sum()) < far.numel() // 1000
 
 
 def test_deepspeed_is_imported_without_compiling_its_muon_optimizer():

@@ -148,6 +148,19 @@ def _ranks_alive(run) -> bool:
     return False
 
 
+def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(tmp_path, one_rank):
+    """Micro-batches by token budget under ZeRO-3 on two ranks: each rank sorts its share by length and
+    cuts it by the budget, the ranks agree on one count (a rank that needs fewer splits its largest, since
+    every forward gathers parameters and every backward reduces together), and the no-grad passes go by
+    the same budget. The run takes the 1-rank run's gradient at step 1 (token-mean is exact whatever the
+    cut) and stays close to it."""
+    run = tmp_path / "budget"
+    budget = ["--set", "actor.max_tokens_per_micro_batch=40", "--set", "actor.zero_stage=3"]
+    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, *budget)
+    assert r.returncode == 0, r.stderr
+    close_to_one_rank(metrics_of(run), metrics_of(one_rank[3]))
+
+
 def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank, two_local):
     """SIGTERM (a preemption) after step 3: the driver forwards it to the Ray actors, every rank stops
     after the same step, rank 0 commits that step's snapshot, exit 75. Resumed under Ray, the run ends

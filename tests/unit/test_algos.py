@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rlctl.engine import algos
+from rlctl.engine import algos, microbatch
+from rlctl.engine.batch import Sequences
 
 
 def test_grpo_advantages_by_hand():
@@ -472,44 +473,45 @@ def test_value_clipfrac_is_zero_when_nothing_is_clipped():
     assert vpreds.grad[0].tolist() == pytest.approx([0.69 / 2, 1.5 / 2])  # d/dv .5 mean(v^2) = v / 2
 
 
-class _Ranks:
-    """The collectives of one rank of a world whose ranks hold ``tokens`` response tokens in all."""
-
-    def __init__(self, tokens: int):
-        self.tokens = tokens
-
-    def sum(self, _value: int) -> int:
-        return self.tokens
+def _rank_batch(mask: torch.Tensor) -> Sequences:
+    """A rank's batch of responses ``mask`` (B, T) after a one-token prompt each."""
+    prompt = torch.ones(mask.shape[0], 1, dtype=torch.long)
+    return Sequences(torch.cat([prompt, mask], 1), torch.cat([prompt, mask], 1), mask, 1)
 
 
-def _split(loss, mask, mode, world: int, micro: int, horizon: int) -> float:
+def _split(loss, mask, mode, world: int, micro: int | None, horizon: int, max_tokens: int | None = None) -> float:
     """``mode``'s loss of the (B, T) batch as DeepSpeed sums it when ``world`` ranks each take B / world rows
-    in micro-batches of ``micro`` rows: each micro-batch's loss times ``agg_weight`` (with the token weight
-    of DSModule.minibatches), averaged over micro-batches and ranks."""
-    from types import SimpleNamespace
-
-    from rlctl.engine.ds_module import DSModule
-
+    in micro-batches (``microbatch.plan``: ``micro`` rows each, or by a ``max_tokens`` budget): each
+    micro-batch's loss on its own columns times its weight, divided by the micro-batches the weights
+    count (``pieces``, as the backward divides), summed, and averaged over ranks (DeepSpeed's averaging).
+    The ranks' collectives are played from the whole batch: the sum of tokens and of rows over ranks,
+    and the largest micro-batch count any rank needs."""
     per_rank = mask.shape[0] // world
-    total, pieces = 0.0, 0
-    for rank in range(world):
-        rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        module = object.__new__(DSModule)
-        module.mini_batch, module.micro_batch = per_rank, micro
-        module.collectives = _Ranks(int(mask.sum()))
-        module.engine = SimpleNamespace(gradient_accumulation_steps=lambda: per_rank // micro, dp_world_size=world)
-        for idx, tw, weight in module.minibatches(mask[rows], mode):
-            assert weight == algos.core.agg_weight(mode, tw)  # DSModule's rule is agg_weight's
-            piece = algos.agg_loss(loss[rows][idx], mask[rows][idx], mode, horizon)
-            total += algos.core.agg_weight(mode, tw) * piece.item()
-            pieces += 1
-    return total / pieces
+    shares = [slice(r * per_rank, (r + 1) * per_rank) for r in range(world)]
+    counts = [len(microbatch.by_tokens(_rank_batch(mask[s]), 0, per_rank, max_tokens or 1)) for s in shares]
+    total = 0.0
+    for rows in shares:
+        sums = iter([int(mask.sum()), mask.shape[0]])  # plan asks for the tokens, then the rows
+        plans = microbatch.plan(
+            _rank_batch(mask[rows]),
+            per_rank,
+            micro_batch=micro,
+            max_tokens=max_tokens,
+            world=world,
+            total=lambda _n, sums=sums: next(sums),
+            most=lambda _n: max(counts),
+        )
+        for mb in [mb for mbs in plans for mb in mbs]:
+            piece = algos.agg_loss(mb.tokens(loss[rows]), mb.tokens(mask[rows]), mode, horizon)
+            total += mb.weight(mode) * piece.item() / mb.pieces
+    return total / world
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_and_ranks_weighted_by_agg_weight_give_the_whole_batch_loss(mode):
-    """2 ranks x 2 micro-batches of 2 sequences, of 1 to 4 tokens each: weighted by agg_weight, the mean of
-    the pieces is the loss of the whole batch in one piece, in every mode; and the actor's GSPO loss (its
+def test_micro_batches_and_ranks_weighted_give_the_whole_batch_loss(mode):
+    """2 ranks x 2 micro-batches of 2 sequences, of 1 to 4 tokens each, and micro-batches by token budgets
+    (sorted by length, of 1 to 4 rows, cut to their own columns, as many on each rank): weighted as
+    ``microbatch.plan`` weighs them, the pieces add up to the loss of the whole batch, in every mode; and the actor's GSPO loss (its
     policy term a sequence mean, its KL term by loss_agg_mode) too, each term with its own weight."""
     loss = torch.arange(1.0, 33.0).view(8, 4)
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]] * 2)
@@ -517,6 +519,9 @@ def test_micro_batches_and_ranks_weighted_by_agg_weight_give_the_whole_batch_los
     whole = algos.agg_loss(loss, mask, mode, horizon=6).item()
     assert _split(loss, mask, mode, world=2, micro=2, horizon=6) == pytest.approx(whole, rel=1e-6)
     assert _split(loss, mask, mode, world=1, micro=2, horizon=6) == pytest.approx(whole, rel=1e-6)
+    for budget in (1, 6, 10, 15, 40):  # token budgets: 1-4 micro-batches of 1-4 rows, trimmed columns
+        assert _split(loss, mask, mode, 2, None, 6, max_tokens=budget) == pytest.approx(whole, rel=1e-6)
+        assert _split(loss, mask, mode, 1, None, 6, max_tokens=budget) == pytest.approx(whole, rel=1e-6)
     pg_mode = algos.core.policy_agg_mode(mode, "sequence")
     gspo = _split(loss, mask, pg_mode, 2, 2, 6) + 0.1 * _split(loss.sqrt(), mask, mode, 2, 2, 6)
     expected = algos.agg_loss(loss, mask, pg_mode) + 0.1 * algos.agg_loss(loss.sqrt(), mask, mode, horizon=6)

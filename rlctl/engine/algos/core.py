@@ -102,20 +102,6 @@ def agg_loss(
     return per_seq.sum() / n_seqs
 
 
-def agg_weight(mode: str, token_weight: float) -> float:
-    """The weight of one micro-batch's ``agg_loss(.., mode)`` so that the mean of the weighted losses over
-    every micro-batch of a mini-batch and every rank (what DeepSpeed's gradient accumulation and data
-    parallel averaging compute) is the loss of the whole mini-batch in one piece.
-
-    ``token_weight`` is the micro-batch's share of the mini-batch's tokens times the number of pieces
-    (its tokens x micro-batches x ranks / the mini-batch's tokens on all ranks; ``DSModule.minibatches``).
-    Under ``token-mean`` the loss is weighted by it; the modes that average whole sequences need no weight
-    (1.0), since every micro-batch holds equally many sequences.
-    """
-    AGG_MODES.canonical(mode)
-    return token_weight if mode == "token-mean" else 1.0
-
-
 def policy_agg_mode(agg_mode: str, level: str = "token") -> str:
     """The aggregation mode of the policy-gradient loss: ``agg_mode``, except GSPO (level="sequence"),
     which verl always aggregates as ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (verl 0.9.0
