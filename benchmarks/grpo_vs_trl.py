@@ -128,6 +128,7 @@ class Job:
     grad_ckpt: bool = False  # TRL only
     describe: bool = False  # TRL only: return the settings the trainer ended up with
     dtype: str = "fp32"  # fp32, or bf16: rlctl model.dtype=bf16, TRL bf16=True (its default)
+    max_tokens: int | None = None  # rlctl only: actor.max_tokens_per_micro_batch (dynamic batching)
 
 
 @dataclasses.dataclass
@@ -138,6 +139,8 @@ class RunResult:
     mean_len: list[float]  # mean completion length per step
     gen_s: list[float]  # generation seconds per step
     ref_s: list[float]  # scoring + reference forward (+ advantages) per step, outside generation
+    padding: list[float]  # per step, the share of the token positions the update computed that were padding
+    max_len: list[float]  # longest completion per step
     wall_s: float  # the whole run, setup included
     threads: int  # torch intra-op threads seen during the run
     describe: dict | None = None
@@ -225,6 +228,7 @@ def rlctl_overrides(job: Job) -> list[str]:
         "actor.warmup_steps=0",
         "actor.mini_batch_size=null",
         "actor.micro_batch_size=null",
+        f"actor.max_tokens_per_micro_batch={job.max_tokens if job.max_tokens else 'null'}",
         "rollout.backend=hf",
         f"rollout.max_new_tokens={job.max_new_tokens}",
         "rollout.temperature=1.0",
@@ -255,6 +259,8 @@ def run_rlctl(job: Job) -> RunResult:
         mean_len=[r["response_length/mean"] for r in rows],
         gen_s=[r["timing_s/gen"] for r in rows],
         ref_s=[r["timing_s/ref"] for r in rows],
+        padding=[r["perf/update_padding_frac"] for r in rows],
+        max_len=[r["response_length/max"] for r in rows],
         wall_s=wall,
         threads=torch.get_num_threads(),
     )
@@ -416,6 +422,16 @@ def run_trl(job: Job) -> RunResult:
 
         return wrapper
 
+    padding: dict[int, float] = {}  # the update's padding: prompts and completions padded to the batch's longest
+    compute_loss = trainer._compute_loss
+
+    def counted_loss(model, inputs):
+        masks = (inputs["prompt_mask"], inputs["completion_mask"])
+        real, computed = sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks)
+        padding[trainer.state.global_step + 1] = 1.0 - real / computed
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = counted_loss
     trainer._generate = timed("gen", trainer._generate)
     trainer._generate_and_score_completions = timed("prepare", trainer._generate_and_score_completions)
     describe = None
@@ -446,6 +462,8 @@ def run_trl(job: Job) -> RunResult:
         mean_len=mean_len,
         gen_s=[phases["gen"].get(s, nan) for s in steps],
         ref_s=[phases["prepare"].get(s, nan) - phases["gen"].get(s, nan) for s in steps],
+        padding=[padding[s] for s in steps],
+        max_len=[float(timer.logs[s]["completions/max_length"]) for s in steps],
         wall_s=wall,
         threads=timer.threads,
         describe=describe,
@@ -529,6 +547,8 @@ def summarize(results: list[RunResult], warmup: int) -> dict:
         "gen_s": gen,
         "ref_s": ref,
         "update_s": statistics.median([s - g - f for s, g, f in zip(step_s, pooled("gen_s"), pooled("ref_s"))]),
+        "padding": statistics.fmean(pooled("padding")),
+        "max_len": max(pooled("max_len")),
         "run_medians": [statistics.median(r.step_s[warmup:]) for r in results],
         "wall_s": [round(r.wall_s, 1) for r in results],
         "threads": sorted({r.threads for r in results}),
@@ -583,6 +603,32 @@ def step_flops(n_mm: int, prompt_tokens: float, completion_len: float, kl: bool)
     return n_mm * tokens * (2 + 6 + (2 if kl else 0))
 
 
+def print_targets(table: list, peaks: dict) -> None:
+    """Each ratio of the throughput targets against its target, from this run's table."""
+    print("targets, from this run:")
+    for label, dtype, kl, r, t in table:
+        ratio = r["tok_per_s"] / t["tok_per_s"]
+        name = label.split()[0]
+        want = 1.3 if name == "var" else 1.0
+        what = "variable lengths" if name == "var" else "identical work"
+        print(
+            f"  {what:16s} {name:5s} {dtype:5s} kl={kl:3s} rlctl/TRL tok/s {ratio:5.2f}  target >= {want:.2f}: "
+            f"{'met' if ratio >= want else 'NOT met'}"
+            + (
+                f" (longest completion {r['max_len']:.0f} / {t['max_len']:.0f}; padding {r['padding']:.0%} / "
+                f"{t['padding']:.0%})"
+                if name == "var"
+                else ""
+            )
+        )
+        if name == "25M" and dtype == "fp32" and kl == "no":
+            at = r["flops"] / r["s_per_step"] / peaks[dtype][0]
+            print(
+                f"  {'matmul peak':16s} 25M   fp32  kl=no  rlctl at {at:6.1%}  target >= 60%: {'met' if at >= 0.6 else 'NOT met'}"
+            )
+    print("  one_step_off     rollout overlapped with the update: not built in rlctl (no ratio to report)")
+
+
 def versions() -> str:
     out = []
     for name in ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "rlctl"):
@@ -605,7 +651,16 @@ def main() -> None:
         default=None,
         help="leading steps of each run left out (default 3 tiny, 2 for 25M; --quick: 2)",
     )
-    ap.add_argument("--models", default="tiny,25M", help="comma list of: tiny, 25M")
+    ap.add_argument(
+        "--models",
+        default="tiny,25M,var",
+        help="comma list of: tiny, 25M, var (the 25M model, 128 new tokens: lengths spread from a few tokens "
+        "to the cap; rlctl with actor.max_tokens_per_micro_batch)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=1024, help="var: rlctl's actor.max_tokens_per_micro_batch (default 1024)"
+    )
+    ap.add_argument("--var-steps", type=int, default=None, help="steps per run, var workload (default 4)")
     ap.add_argument("--kl", default="no,k3", help="comma list of: no, k3")
     ap.add_argument(
         "--dtype",
@@ -632,6 +687,7 @@ def main() -> None:
     specs = {
         "tiny": (16, args.steps or (6 if args.quick else 15), tiny_warm),
         "25M": (32, args.big_steps or (4 if args.quick else 6), big_warm),
+        "var": (128, args.var_steps or (3 if args.quick else 4), args.warmup if args.warmup is not None else 1),
     }  # max new tokens, steps, warm-up
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     kls = [k.strip() for k in args.kl.split(",") if k.strip()]
@@ -691,7 +747,7 @@ def main() -> None:
             for m in models:
                 max_new, steps, warm = specs[m]
                 model_dir = work / f"model-{m}"
-                params = build_model_dir(m, model_dir)
+                params = build_model_dir("25M" if m == "var" else m, model_dir)
                 n_mm = matmul_params(str(model_dir))
                 label = f"{m} ({params / 1e6:.2g}M)" if m == "tiny" else f"{m} ({params / 1e6:.1f}M)"
                 for dtype, kl in [(d, k) for d in dtypes for k in kls]:
@@ -711,6 +767,7 @@ def main() -> None:
                                 args.trl_gradient_checkpointing,
                                 describe,
                                 dtype,
+                                args.max_tokens if m == "var" else None,
                             )
                             res = workers[side].run(job)
                             if res.describe:
@@ -737,7 +794,7 @@ def main() -> None:
     print()
     head = (
         f"{'model':13s} {'dtype':5s} {'kl':3s} {'rlctl s/step':>12s} {'TRL s/step':>10s} {'rlctl tok/s':>11s} "
-        f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}"
+        f"{'TRL tok/s':>9s} {'ratio(tok/s)':>12s}  {'mean len rlctl/TRL':>18s}  {'padding rlctl/TRL':>17s}"
     )
     print(head)
     print("-" * len(head))
@@ -745,14 +802,17 @@ def main() -> None:
         print(
             f"{label:13s} {dtype:5s} {kl:3s} {r['s_per_step']:12.4f} {t['s_per_step']:10.4f} "
             f"{r['tok_per_s']:11.0f} {t['tok_per_s']:9.0f} {r['tok_per_s'] / t['tok_per_s']:12.2f}  "
-            f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}"
+            f"{r['mean_len']:10.1f} / {t['mean_len']:<5.1f}  {r['padding']:8.0%} / {t['padding']:<6.0%}"
         )
     print()
     print(
         "ratio(tok/s) = rlctl tok/s / TRL tok/s (above 1: rlctl is faster). s/step: median step time; tok/s: "
         "median of per-step generated tokens / step time; both over the steps after the warm-up, pooled over "
-        "the runs."
+        "the runs. padding: the share of the token positions each side's update computed that were padding "
+        "(TRL pads prompts and completions to the batch's longest; rlctl to each micro-batch's)."
     )
+    print()
+    print_targets(table, peaks)
     print()
     print(
         "phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "

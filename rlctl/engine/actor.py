@@ -45,6 +45,7 @@ METRICS = {
     "actor/overflow_skipped": MAX,
     "actor/ppo_ratio/max": MAX,
     "actor/log_prob/min": MIN,
+    "perf/update_padding_frac": MEAN,
 }
 
 
@@ -144,7 +145,7 @@ class Actor(DSModule):
         """
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
-        n_micro = 0
+        n_micro, real, computed = 0, 0, 0
         lr = self.scheduler.get_last_lr()[0]
         overflows = self.overflow_skipped()
         for _ in range(a.ppo_epochs):
@@ -170,10 +171,12 @@ class Actor(DSModule):
                     totals["_boundaries"] = totals.get("_boundaries", 0.0) + 1
                 accumulate(totals, stats)
                 n_micro += 1
+                real, computed = real + int(seqs.attention_mask[mb.rows].sum()), computed + mb.padded_size(seqs)
         boundaries = totals.pop("_boundaries", 1.0)
         out = {k: v / n_micro if METRICS[k] == MEAN else v for k, v in totals.items()}  # counts add up
         out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries
         out.setdefault("actor/skipped_updates", 0.0)
+        out["perf/update_padding_frac"] = 1.0 - real / computed if computed else 0.0
         out["actor/lr"] = lr
         if self.engine.fp16_enabled():  # the loss scale after this update, and its steps skipped on overflow
             out["actor/loss_scale"] = self.loss_scale()

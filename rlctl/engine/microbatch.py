@@ -68,6 +68,10 @@ class MicroBatch:
             lp,
         )
 
+    def padded_size(self, seqs: Sequences) -> int:
+        """Token positions a forward of this micro-batch computes: its rows x its columns."""
+        return _count(self.rows, len(seqs)) * (seqs.prompt_len - self.prompt_from + self.response_to)
+
     def tokens(self, values: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a (B, T) per-response-token tensor."""
         return values[self.rows][:, : self.response_to]

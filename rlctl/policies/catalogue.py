@@ -74,6 +74,7 @@ METRICS: dict[str, str] = {
     # throughput
     "perf/throughput": "tokens per second of the step",
     "perf/tokens_seen": "tokens trained on so far in the run",
+    "perf/update_padding_frac": "share of the token positions the actor's update computed that were padding",
     # validation (every trainer.val_every steps)
     "val/score/mean": "mean score of every validation answer",
     "val/response_length/mean": "mean length of the validation answers",
