@@ -60,6 +60,11 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
             "'trainer.total_steps' (run.yaml line 2): input should be greater than or equal to 1",
         ),
         ("trainer: 5\n", [], "'trainer' (run.yaml line 1): input should be a valid dictionary"),
+        (
+            "actor:\n  micro_batch_size: 4\n  max_tokens_per_micro_batch: 512\n",
+            [],
+            "'actor' (run.yaml line 1): set actor.micro_batch_size or actor.max_tokens_per_micro_batch, not both",
+        ),
         ("- a\n- b\n", [], "run.yaml must be a mapping of keys to values, got list"),
         ("actor: {lr: [1, 2\n", [], "run.yaml line 2 is not valid YAML"),
         ("seed: 1\n", ["actor.lr"], "--set expects KEY=VALUE, got 'actor.lr'"),
