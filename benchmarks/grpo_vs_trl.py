@@ -1,8 +1,8 @@
 """rlctl against TRL's GRPOTrainer on identical GRPO work, measured in one run on the same machine.
 
     .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--steps 15] [--big-steps 6] [--rounds 2]
-                                              [--models tiny,25M] [--kl no,k3] [--dtype fp32,bf16]
-                                              [--json FILE]
+                                              [--models tiny,25M,var] [--kl no,k3] [--dtype fp32,bf16]
+                                              [--max-tokens 1024] [--var-steps 4] [--json FILE]
 
 Needs `pip install trl accelerate datasets` in the venv (they are not rlctl dependencies). This is a
 benchmark, not a test: it prints numbers and asserts nothing about them.
@@ -45,6 +45,23 @@ Identical on both sides:
   with `bf16=True` (TRL's own default). Both then multiply in bf16 and keep fp32 master weights and
   AdamW states, each in its own way: rlctl holds the module in bf16 inside DeepSpeed's bf16 ZeRO-2
   optimizer, TRL keeps an fp32 module under accelerate's bf16 autocast.
+
+Two workloads. Identical work (models tiny and 25M): both sides do the same thing, every micro-batch the
+whole batch. Variable lengths (var): the 25M model with 128 new tokens. Its random weights end a
+sequence at each token with a probability of about 1/52 (its vocabulary), so the completions spread
+from a few tokens to the 128-token cap (the longest of each step is printed; most steps have one at
+the cap). TRL pads every completion of the batch to the longest, in generation (`generate` computes
+every row until the last ends) and in the update; rlctl drops finished rows from its decode batch and
+runs the update with dynamic batching (`actor.max_tokens_per_micro_batch`, `--max-tokens`, 1024 by
+default): sequences sorted by length and cut into micro-batches of at most that many padded tokens.
+The table prints each side's update padding: the share of the token positions its update computed
+that were padding (rlctl's `perf/update_padding_frac`; for TRL, its prompt and completion masks in
+`_compute_loss`). The var workload runs in the first `--dtype` and `--kl` only.
+
+Targets. After the table the script prints every throughput target of the project against this run's
+figures: rlctl/TRL tokens/s >= 1.0 on identical work in every row, rlctl at >= 60% of the matmul peak at
+25M fp32 without KL, and rlctl/TRL >= 1.3 on variable lengths. (rlctl has no overlapped rollout mode, so
+there is no one_step_off ratio to print.)
 
 The arithmetic floor. Before the runs, the parent measures the best matmul rate one thread reaches here
 (`F.linear` over the projection shapes of the 25M model, at a batch of 1024 tokens and at a decode step's
