@@ -141,8 +141,7 @@ class Actor(DSModule):
         (B, T) reference log-probs when a KL loss applies (not when the KL is folded into the reward).
         Returns the metrics averaged over micro-batches (counts summed). ``poison`` is the nan_log_prob
         fault drill. ``rollout_log_prob``: the rollout engine's (B, T) log-probs, compared on-policy with
-        this forward's (before any optimizer step) for `rollout/logprob_diff`.
-        """
+        this forward's (before any optimizer step) for `rollout/logprob_diff`."""
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
         n_micro, real, computed = 0, 0, 0
