@@ -160,7 +160,7 @@ class Actor(DSModule):
                     rollout_log_prob=rollout_log_prob,
                 )
                 boundary = self.engine.is_gradient_accumulation_boundary()
-                if not self._apply(loss, mb):
+                if not self.apply(loss, mb):
                     stats["actor/skipped_updates"] = 1.0
                 # (a step DeepSpeed skipped on an fp16 overflow has no norm to report: its inf is no fault)
                 if boundary and ("actor/skipped_updates" in stats or not self.step_overflowed()):
@@ -258,20 +258,6 @@ class Actor(DSModule):
             level=a.importance_ratio,
             horizon=self.cfg.rollout.max_new_tokens,
         )
-
-    def _apply(self, loss: torch.Tensor, mb: MicroBatch) -> bool:
-        """Backward and step on the micro-batch's (weighted) loss when it is finite on every rank (backward
-        and step are collectives: every rank applies its micro-batch, or none does). Whether it was applied."""
-        if self.collectives.all(bool(torch.isfinite(loss))):
-            self.step(loss, mb.pieces)
-            return True
-        # A non-finite loss is never applied: no backward, its micro-batch adds no gradient.
-        # DeepSpeed still counts the micro-step (and steps after the last, on the others' gradients).
-        if mb.count == 1:
-            self.engine.zero_grad()
-        else:
-            self.engine.step()
-        return False
 
 
 def sequence_log_probs(

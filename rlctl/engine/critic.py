@@ -103,8 +103,7 @@ class Critic(DSModule):
                     a.loss_agg_mode,
                     horizon=self.cfg.rollout.max_new_tokens,
                 )
-                if self.collectives.all(bool(torch.isfinite(vf_loss))):  # all ranks step, or none
-                    self.step(vf_loss * weight, mb.pieces)
+                self.apply(vf_loss * weight, mb)  # all ranks step, or none; a non-finite loss never
                 # weighted so that their means over micro-batches and ranks are the batch's
                 for key, value in (
                     ("critic/vf_loss", vf_loss.item() * weight),

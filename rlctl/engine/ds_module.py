@@ -195,6 +195,25 @@ class DSModule:
             self.fence()
         self.engine.step()
 
+    def apply(self, loss: torch.Tensor, mb: MicroBatch) -> bool:
+        """Backward and step on the micro-batch's (weighted) loss when it is finite on every rank (backward
+        and step are collectives: every rank applies its micro-batch, or none does). Whether it was applied.
+        A non-finite loss is never applied: its micro-batch adds no gradient. DeepSpeed still counts the
+        micro-step, and after the mini-batch's last the optimizer steps on the others' gradients (none left
+        over for the next mini-batch); a mini-batch of one micro-batch is dropped. ZeRO-1/2 reduce the
+        accumulated gradients in the backward of the last micro-step (a step without one fails on them),
+        so that one backpropagates an exact zero through the parameters instead."""
+        if self.collectives.all(bool(torch.isfinite(loss))):
+            self.step(loss, mb.pieces)
+            return True
+        if mb.count == 1:
+            self.engine.zero_grad()
+        elif mb.last and self.zero_stage < 3:  # ZeRO-1/2 reduce what accumulated in the last micro-step's backward
+            self.step(sum(p.sum() for p in self.module.parameters() if p.requires_grad) * 0.0)
+        else:
+            self.engine.step()
+        return False
+
     def minibatches(self, seqs: Sequences) -> Iterator[MicroBatch]:
         """The micro-batches of the rank's ``seqs``, mini-batch by mini-batch (``microbatch.plan``: by
         sequence count, or by token budget with ``EngineSpec.max_tokens``), each weighted so that the mean

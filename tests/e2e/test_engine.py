@@ -266,3 +266,25 @@ def test_deepspeed_is_imported_without_compiling_its_muon_optimizer():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_non_finite_critic_micro_batch_leaves_no_gradient_for_the_next_mini_batch(runtime, model_dir, stage):
+    """Two micro-batches, the last with a NaN return (so a NaN value loss): it is not applied, and the
+    optimizer still steps after it on the first micro-batch's gradient, as the actor's update does.
+    Nothing is left accumulated for the next update (before, the critic skipped that step)."""
+    from rlctl.engine.critic import Critic
+
+    cfg = make_cfg(actor__micro_batch_size=2, algorithm__name="ppo", critic__zero_stage=stage)
+    critic = Critic(cfg, model_dir, runtime)
+    rollout = HFRollout(cfg, Actor(cfg, model_dir, runtime), load_tokenizer(model_dir))
+    seqs = rollout.generate(["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+    with torch.no_grad():
+        values = critic.values(seqs)
+    returns = torch.ones_like(values) * seqs.response_mask
+    returns[2:] = float("nan")
+    before = critic.weights_sha256()
+    out = critic.update(seqs, values, returns)
+    assert critic.engine.global_steps == 1 and critic.weights_sha256() != before
+    assert math.isfinite(out["critic/grad_norm"])
+    assert all(p.grad is None for p in critic.module.parameters())
