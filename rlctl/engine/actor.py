@@ -159,18 +159,17 @@ class Actor(DSModule):
                     poison=poison and n_micro == 0,
                     rollout_log_prob=rollout_log_prob,
                 )
-                boundary = self.engine.is_gradient_accumulation_boundary()
                 if not self.apply(loss, mb):
                     stats["actor/skipped_updates"] = 1.0
                 # (a step DeepSpeed skipped on an fp16 overflow has no norm to report: its inf is no fault)
-                if boundary and ("actor/skipped_updates" in stats or not self.step_overflowed()):
+                if mb.last and ("actor/skipped_updates" in stats or not self.step_overflowed()):
                     totals["actor/grad_norm"] = totals.get("actor/grad_norm", 0.0) + _as_float(
                         self.engine.get_global_grad_norm() if "actor/skipped_updates" not in stats else float("nan")
                     )
                     totals["_boundaries"] = totals.get("_boundaries", 0.0) + 1
                 accumulate(totals, stats)
                 n_micro += 1
-                real, computed = real + int(seqs.attention_mask[mb.rows].sum()), computed + mb.padded_size(seqs)
+                real, computed = real + mb.real_size, computed + mb.padded_size
         boundaries = totals.pop("_boundaries", 1.0)
         out = {k: v / n_micro if METRICS[k] == MEAN else v for k, v in totals.items()}  # counts add up
         out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries

@@ -103,7 +103,7 @@ class Critic(DSModule):
                     a.loss_agg_mode,
                     horizon=self.cfg.rollout.max_new_tokens,
                 )
-                self.apply(vf_loss * weight, mb)  # all ranks step, or none; a non-finite loss never
+                self.apply(vf_loss * weight, mb)  # all ranks step, or none; a non-finite loss is never applied
                 # weighted so that their means over micro-batches and ranks are the batch's
                 for key, value in (
                     ("critic/vf_loss", vf_loss.item() * weight),

@@ -34,7 +34,8 @@ class MicroBatch:
     ``seq_weight``: the same over sequences. ``pieces``: the number of micro-batches the weights count,
     which the backward divides by (DeepSpeed averages over ranks), so that the weighted per-micro-batch
     means add up to the mini-batch's. ``index`` of ``count`` in its mini-batch: the optimizer steps
-    after the last."""
+    after the last. ``real_size`` and ``padded_size``: its real tokens (prompts and responses) and the
+    token positions a forward of it computes (its rows x its columns)."""
 
     rows: slice | torch.Tensor
     prompt_from: int
@@ -44,6 +45,8 @@ class MicroBatch:
     pieces: float
     index: int
     count: int
+    real_size: int
+    padded_size: int
 
     @property
     def last(self) -> bool:
@@ -68,24 +71,21 @@ class MicroBatch:
             lp,
         )
 
-    def padded_size(self, seqs: Sequences) -> int:
-        """Token positions a forward of this micro-batch computes: its rows x its columns."""
-        return _count(self.rows, len(seqs)) * (seqs.prompt_len - self.prompt_from + self.response_to)
-
     def tokens(self, values: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of a (B, T) per-response-token tensor."""
         return values[self.rows][:, : self.response_to]
 
 
-def by_count(seqs: Sequences, start: int, stop: int, size: int) -> list[list[int] | slice]:
+def by_count(start: int, stop: int, size: int) -> list[slice]:
     """Rows ``start:stop`` cut into consecutive micro-batches of ``size`` sequences."""
     return [slice(i, min(i + size, stop)) for i in range(start, stop, size)]
 
 
-def by_tokens(seqs: Sequences, start: int, stop: int, budget: int) -> list[list[int]]:
+def by_tokens(sizes: tuple[list[int], list[int]], start: int, stop: int, budget: int) -> list[list[int]]:
     """Rows ``start:stop`` sorted by length (longest first; ties keep batch order) and cut so that each
-    micro-batch's padded size, rows x (longest prompt + longest response), stays within ``budget``."""
-    prompt, response = lengths(seqs)
+    micro-batch's padded size, rows x (longest prompt + longest response), stays within ``budget``.
+    ``sizes``: every row's prompt and response lengths (``lengths``)."""
+    prompt, response = sizes
     order = sorted(range(start, stop), key=lambda i: -(prompt[i] + response[i]))
     groups: list[list[int]] = []
     p_max = r_max = 0
@@ -130,40 +130,38 @@ def plan(
     """The micro-batches of every mini-batch of this rank's ``seqs`` (``mini_batch`` rows each): by
     ``max_tokens`` when set, else by ``micro_batch`` rows. ``total`` sums a count over the ranks and
     ``most`` takes its maximum (the ranks' collectives; identity in a world of one)."""
-    n = len(seqs)
+    n, sizes = len(seqs), lengths(seqs)
     cuts = []
     for start in range(0, n, mini_batch):
         stop = min(start + mini_batch, n)
         if max_tokens is None:
-            cuts.append(by_count(seqs, start, stop, micro_batch or mini_batch))
+            cuts.append(by_count(start, stop, micro_batch or mini_batch))
         else:
-            groups = by_tokens(seqs, start, stop, max_tokens)
+            groups = by_tokens(sizes, start, stop, max_tokens)
             cuts.append(split_to(groups, most(len(groups))))
     pieces = sum(len(c) for c in cuts) / len(cuts)
-    return [weigh(seqs, c, pieces, world, total) for c in cuts]
+    return [weigh(seqs, sizes, c, pieces, world, total) for c in cuts]
 
 
-def weigh(seqs: Sequences, cut: list, pieces: float, world: int, total: Callable[[int], int]) -> list[MicroBatch]:
-    """The micro-batches of one mini-batch (``cut``: their rows) with their columns and weights."""
-    mask = seqs.response_mask
-    prompt, response = lengths(seqs)
-    rows_of = [r if isinstance(r, slice) else torch.tensor(r, dtype=torch.long) for r in cut]
-    tokens = [int(mask[r].sum()) for r in rows_of]
-    all_tokens = total(sum(tokens))
-    all_rows = total(sum(_count(r, len(seqs)) for r in rows_of))
+def weigh(
+    seqs: Sequences, sizes: tuple[list[int], list[int]], cut: list, pieces: float, world: int, total: Callable
+) -> list[MicroBatch]:
+    """The micro-batches of one mini-batch (``cut``: their rows, a slice or a list each) with their
+    columns, weights and sizes (``sizes``: every row's prompt and response lengths)."""
+    prompt, response = sizes
+    members = [list(range(*r.indices(len(seqs)))) if isinstance(r, slice) else r for r in cut]
+    tokens = [sum(response[i] for i in m) for m in members]
+    all_tokens, all_rows = total(sum(tokens)), total(sum(len(m) for m in members))
     out = []
-    for index, (rows, tok) in enumerate(zip(rows_of, tokens)):
+    for index, (rows, m, tok) in enumerate(zip(cut, members, tokens)):
         if isinstance(rows, slice):  # fixed micro-batches keep every column
-            prompt_from, response_to = 0, mask.shape[1]
+            prompt_from, response_to = 0, seqs.response_mask.shape[1]
         else:
-            members = rows.tolist()
-            prompt_from = seqs.prompt_len - max(prompt[i] for i in members)
-            response_to = max(1, max(response[i] for i in members))
+            rows = torch.tensor(rows, dtype=torch.long)
+            prompt_from = seqs.prompt_len - max(prompt[i] for i in m)
+            response_to = max(1, max(response[i] for i in m))
         tw = tok * pieces * world / all_tokens if all_tokens else 1.0
-        sw = _count(rows, len(seqs)) * pieces * world / all_rows
-        out.append(MicroBatch(rows, prompt_from, response_to, tw, sw, pieces, index, len(rows_of)))
+        sw = len(m) * pieces * world / all_rows
+        real, padded = tok + sum(prompt[i] for i in m), len(m) * (seqs.prompt_len - prompt_from + response_to)
+        out.append(MicroBatch(rows, prompt_from, response_to, tw, sw, pieces, index, len(cut), real, padded))
     return out
-
-
-def _count(rows: slice | torch.Tensor, n: int) -> int:
-    return len(range(*rows.indices(n))) if isinstance(rows, slice) else len(rows)

@@ -488,7 +488,10 @@ def _split(loss, mask, mode, world: int, micro: int | None, horizon: int, max_to
     and the largest micro-batch count any rank needs."""
     per_rank = mask.shape[0] // world
     shares = [slice(r * per_rank, (r + 1) * per_rank) for r in range(world)]
-    counts = [len(microbatch.by_tokens(_rank_batch(mask[s]), 0, per_rank, max_tokens or 1)) for s in shares]
+    counts = [
+        len(microbatch.by_tokens(microbatch.lengths(_rank_batch(mask[s])), 0, per_rank, max_tokens or 1))
+        for s in shares
+    ]
     total = 0.0
     for rows in shares:
         sums = iter([int(mask.sum()), mask.shape[0]])  # plan asks for the tokens, then the rows

@@ -21,14 +21,21 @@ def batch(prompts: list[int], responses: list[int], P: int = 6, T: int = 10) -> 
 
 def test_budget_groups_like_lengths_longest_first_and_is_never_exceeded():
     seqs = batch([2, 3, 2, 4, 1, 2], [9, 1, 8, 2, 3, 10])
-    groups = microbatch.by_tokens(seqs, 0, 6, budget=24)
+    groups = microbatch.by_tokens(microbatch.lengths(seqs), 0, 6, budget=24)
     assert groups == [[5, 0], [2, 3], [1, 4]]  # lengths 12, 11 | 10, 6 (2 x (4 + 8) = 24) | 4, 4
     prompt, response = microbatch.lengths(seqs)
     for g in groups:
         width = max(prompt[i] for i in g) + max(response[i] for i in g)
         assert len(g) * width <= 24 or len(g) == 1
-    assert microbatch.by_tokens(seqs, 0, 6, budget=1) == [[5], [0], [2], [3], [1], [4]]  # each alone
-    assert microbatch.by_tokens(seqs, 0, 6, budget=1000) == [[5, 0, 2, 3, 1, 4]]
+    assert microbatch.by_tokens(microbatch.lengths(seqs), 0, 6, budget=1) == [
+        [5],
+        [0],
+        [2],
+        [3],
+        [1],
+        [4],
+    ]  # each alone
+    assert microbatch.by_tokens(microbatch.lengths(seqs), 0, 6, budget=1000) == [[5, 0, 2, 3, 1, 4]]
 
 
 def test_ranks_that_need_fewer_split_their_largest():
@@ -48,7 +55,7 @@ def test_a_micro_batch_keeps_only_its_own_columns():
     assert part.input_ids.tolist() == seqs.input_ids[[1, 4], 3:9].tolist()
     assert part.attention_mask.sum().item() == seqs.attention_mask[[1, 4]].sum().item()  # nothing real cut
     assert last.tokens(seqs.response_mask).tolist() == seqs.response_mask[[1, 4], :3].tolist()
-    assert last.padded_size(seqs) == 2 * 6
+    assert last.padded_size == 2 * 6 and last.real_size == 3 + 1 + 1 + 3
     # the weights: tokens and sequences of the mini-batch, times the pieces they count (3 micro-batches)
     assert sum(mb.token_weight for mb in mbs) == 3.0 and sum(mb.seq_weight for mb in mbs) == 3.0
     assert last.token_weight == 4 * 3 / 33  # 4 of the 33 response tokens, 3 pieces

@@ -149,7 +149,7 @@ class Decoding:
         self.rows = torch.arange(batch, device=device)
         self.tokens: list[torch.Tensor] = []  # one (B,) tensor per step
         self.log_probs: list[torch.Tensor] = []
-        self.last = self.rows  # the rows' tokens of the last step
+        self.last: torch.Tensor | None = None  # the rows' tokens of the last step (after ``sample``)
 
     def sample(self, logits: torch.Tensor, sampler: SeededGumbelSampler, step: int, stops) -> None:
         """Sample the next token of every row in the batch from its (rows, V) logits."""
