@@ -48,7 +48,7 @@ import torch
 def raw_write(path: str, nbytes: int, chunk: int = 64 << 20, paced: bool = False) -> float:
     """Seconds to write ``nbytes`` sequentially and fsync once. ``paced``: also ask the kernel to start
     writeback after every 64 MiB chunk (``sync_file_range``), as the snapshot's files do."""
-    from rlctl.checkpoint.writer import _SYNC_FILE_RANGE_WRITE, _sync_file_range
+    from rlctl.checkpoint.durable import _SYNC_FILE_RANGE_WRITE, _sync_file_range
 
     buf = os.urandom(chunk)
     t0 = time.perf_counter()

@@ -58,7 +58,7 @@ from rlctl.engine.trainer import Trainer
 from rlctl.metrics import JsonlLog
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.directory import snapshot_manager
+from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.storage import Storage
 
 TINY = ["trainer.prompts_per_step=8", "algorithm.group_size=4", "rollout.max_new_tokens=16"]

@@ -14,7 +14,7 @@ import click
 
 from rlctl import __version__
 from rlctl.errors import ExitCode, RlctlError
-from rlctl.ranks.signals import STOPS, Stopped
+from rlctl.ranks.stops import STOPS, Stopped
 
 # name -> (module, attribute, one-line help shown by `rlctl --help` without importing the module)
 COMMANDS: dict[str, tuple[str, str, str]] = {

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, checksum_problem, parse_step_spec
 from rlctl.errors import ConfigError, SnapshotError
-from rlctl.rundir.directory import load_run_config, snapshot_manager
+from rlctl.rundir.directory import load_run_config
+from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.storage import Storage
 
 

@@ -109,7 +109,8 @@ def status(view: RunView, lease_timeout: float | None = None) -> str:
 
 def snapshots(view: RunView) -> list[Any]:
     """The run's snapshots (needs the checkpoint storage, so it reads the validated config)."""
-    from rlctl.rundir.directory import snapshot_manager, validate_run_config
+    from rlctl.rundir.directory import validate_run_config
+    from rlctl.rundir.snapshots import snapshot_manager
 
     run = Storage(view.url)
     return snapshot_manager(run, validate_run_config(run, view.config)).scan()

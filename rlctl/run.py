@@ -25,7 +25,7 @@ from rlctl.metrics import EventLog, parse_rows, read_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
-from rlctl.ranks.signals import STOPS, Stopped
+from rlctl.ranks.stops import STOPS, Stopped
 from rlctl.ranks.worker import train_rank
 from rlctl.rundir.directory import (
     claim_run_dir,
@@ -33,12 +33,12 @@ from rlctl.rundir.directory import (
     load_run_config,
     refuse_used_run_dir,
     run_storage,
-    run_summary,
-    snapshot_manager,
 )
 from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
+from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 
 ENDED = {"completed", "preempted", "halted", "crashed", "interrupted"}

@@ -254,7 +254,7 @@ def save_reward_model(path, *, context=64, num_labels=1, head=None, padding_side
 
 
 def writer_pids(ancestor: int) -> list[int]:
-    """The snapshot writer processes (rlctl.checkpoint.process) below process ``ancestor``."""
+    """The snapshot writer processes (rlctl.checkpoint.writer) below process ``ancestor``."""
     parents, writers = {}, []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -263,7 +263,7 @@ def writer_pids(ancestor: int) -> list[int]:
             with open(f"/proc/{entry}/stat") as fh:
                 parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if b"rlctl.checkpoint.process" in fh.read():
+                if b"rlctl.checkpoint.writer" in fh.read():
                     writers.append(int(entry))
         except (OSError, IndexError, ValueError):
             continue

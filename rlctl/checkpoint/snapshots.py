@@ -1,7 +1,7 @@
 """Snapshots: scheduled, staged while training waits, written, uploaded and committed in the background.
 
 Training waits only while the Statefuls' state dicts are taken and handed to the writer: the snapshot
-writer process (``rlctl.checkpoint.process``; in a thread with ``writer="thread"``) serializes, hashes,
+writer process (``rlctl.checkpoint.writer``; in a thread with ``writer="thread"``) serializes, hashes,
 writes and uploads the files, and a thread of the manager writes the manifest once they are all on
 storage, right after the lease's check.
 
@@ -31,7 +31,7 @@ and sha256. Rank 0 commits: it waits for every rank's list, checks each listed f
 the listed size, and only then creates the manifest covering all of them.
 
 A commit either happens or the run hears about it: every failed snapshot is a ``snapshot_failed``
-event (``rlctl.checkpoint.failures``), ``max_failures`` in a row end the run with a StorageError, and
+event (``rlctl.checkpoint.failure_count``), ``max_failures`` in a row end the run with a StorageError, and
 ``wait()`` says whether the last snapshot was committed. Whatever the background commit raises, and
 what the ``fence`` raises right before a manifest would be written (a lost lease), reaches the training
 thread at its next ``save()`` or ``wait()``.
@@ -56,7 +56,9 @@ import orjson
 
 from rlctl import __version__, faults
 from rlctl.checkpoint.collectives import Collectives, Local
-from rlctl.checkpoint.failures import FailureCount, describe
+from rlctl.checkpoint.durable import no_space
+from rlctl.checkpoint.failure_count import FailureCount, describe
+from rlctl.checkpoint.job import WriteJob, Written, finish, rank_list
 from rlctl.checkpoint.manifest import (
     FORMAT,
     MANIFEST,
@@ -66,9 +68,7 @@ from rlctl.checkpoint.manifest import (
     stored_checksum_problem,
     val_problem,
 )
-from rlctl.checkpoint.process import NoSharedMemory, pickle_job, writer
-from rlctl.checkpoint.writer import no_space
-from rlctl.checkpoint.writing import WriteJob, Written, finish, rank_list
+from rlctl.checkpoint.writer import NoSharedMemory, pickle_job, writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
 from rlctl.storage import Storage
@@ -291,7 +291,7 @@ class SnapshotManager:
     ``max_failures``: failed snapshots in a row that end the run (StorageError); ``fence``: called right
     before any manifest is written, it raises when this process may no longer write (a lost lease);
     ``writer``: "process" writes snapshot files in this process's writer process
-    (``rlctl.checkpoint.process``), "thread" in the commit thread."""
+    (``rlctl.checkpoint.writer``), "thread" in the commit thread."""
 
     def __init__(
         self,

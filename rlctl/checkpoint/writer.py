@@ -1,139 +1,411 @@
-"""One pass over a snapshot file: write it, hash it, and get it onto the disk, all overlapped.
+"""The snapshot writer process: serialization, hashing, writing and upload outside the training
+process, so none of it holds the training process's GIL.
 
-``DurableFile`` is a binary file object for ``torch.save`` (or anything that calls ``write``):
+One writer process per training process, started at its first snapshot and kept (``writer()``). The
+training thread hands it a ``WriteJob`` pickled with torch's multiprocessing reductions: the tensors of
+the deferred state dicts are moved into shared memory the first time (their storage stays there, in
+place, for the rest of the run) and from then on only their handles are sent, a few KB. The writer
+maps them, and:
 
-- a large chunk is hashed by a second thread while this one writes it (sha256 and write both release
-  the GIL), so the pair costs the slower of the two, not their sum; the caller's buffer is read in
-  place, never copied, and ``write`` returns only when both are done with it;
-- every 64 MiB it asks the kernel to start writing back what is dirty (``sync_file_range``), so the
-  disk works while serialization goes on instead of all at the final fsync;
-- ``close()`` fsyncs and returns the size and sha256, so the commit never reads the file again.
+- ``stage_copy`` (asynchronous snapshots): copies them at once into staging buffers of its own (kept
+  from one snapshot to the next, so no page is faulted in twice) and says "staged": the training
+  process's next optimizer step, which waits for that, may go on while the writer serializes, hashes,
+  writes and uploads from its copy;
+- otherwise (a synchronous snapshot: training waits anyway) it serializes straight from the shared
+  state, and says "staged" when the files are written.
 
-``full=True`` makes every write fail as on a full disk (the ``enospc`` fault drill), where a real one
-would: in ``os.write``.
+Then it finishes the job (``writing.finish``) and sends back what rank 0 commits. A failure comes back as
+the exception it raised. The writer runs niced (training keeps its core) and dies with its parent
+(PR_SET_PDEATHSIG): it never outlives the run it writes for, and it never writes a manifest, so killing
+either process at any moment leaves no committed partial snapshot. When the writer dies mid-job, the
+job fails with ``WriterDied`` and the next job starts a new writer.
+
+On the training side this module costs the pickling of the job (the state dicts' structure) and a
+blocked read in the manager's commit thread; everything else runs in the writer.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import errno
-import hashlib
+import io
+import multiprocessing
+import multiprocessing.connection
 import os
-import queue
+import pickle
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
-_SYNC_FILE_RANGE_WRITE = 2
-_KICK_EVERY = 64 << 20
+from rlctl.checkpoint.job import WriteJob, Written, finish
+
+SHM_DIR = "/dev/shm"
+_SHM_MARGIN = 64 << 20  # free shared memory left over after moving a storage there
+_PR_SET_PDEATHSIG = 1
 
 
-def _load_sync_file_range():
+class WriterDied(RuntimeError):
+    """The writer process ended in the middle of a job."""
+
+
+class NoSharedMemory(RuntimeError):
+    """The state cannot be moved into shared memory (too little of it): the job is written in a thread."""
+
+
+# -- the training process's side -----------------------------------------------------------------------
+
+
+def _pickler_class():
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    staged: dict = {}  # device storage -> its host copy, for this job
+
+    def reduce(t: torch.Tensor):
+        data = t.detach() if t.device.type == "cpu" else on_host(t, staged)  # the writer never sees a device
+        storage = data.untyped_storage()
+        if not storage.is_shared() and storage.nbytes():
+            _check_room(storage.nbytes())
+        rebuild, args = reduce_tensor(data)  # (autograd does not cross processes: the data does)
+        state = torch._utils._get_obj_state(t)
+        if type(t) is torch.Tensor and not t.requires_grad and not state:
+            return rebuild, args
+        return _rebuild_like, (rebuild, args, type(t), t.requires_grad, state)
+
+    class JobPickler(ForkingPickler):
+        _extra_reducers = {
+            **ForkingPickler._extra_reducers,
+            **{cls: reduce for cls in ForkingPickler._extra_reducers if issubclass_safe(cls, torch.Tensor)},
+        }
+
+    return JobPickler
+
+
+def on_host(t, staged: dict):
+    """``t`` (on any device) as a view of a host copy of its storage in shared memory. Each storage is
+    copied once per ``staged`` cache, so views of one storage stay views of one copy (a ZeRO-3 restore
+    relies on that)."""
+    import torch
+
+    source = t.untyped_storage()
+    key = _storage_key(source) if source.nbytes() else None
+    host = staged.get(key) if key is not None else None  # (empty storages all have address 0: never shared)
+    if host is None:
+        _check_room(source.nbytes())
+        host = torch.UntypedStorage(source.nbytes()).share_memory_()
+        host.copy_(source)
+        if key is not None:
+            staged[key] = host
+    return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+
+
+def _rebuild_like(rebuild, args, cls, requires_grad: bool, state):
+    """A tensor as torch.save sees the one it stands for: its class, requires_grad and attributes (so
+    the writer's files are byte for byte those written in the training process)."""
+    import torch
+
+    t = rebuild(*args)
+    if cls is torch.nn.Parameter:
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    else:
+        t = t if cls is torch.Tensor else t.as_subclass(cls)
+        t.requires_grad_(requires_grad)
+    return torch._utils._set_obj_state(t, state) if state else t
+
+
+def issubclass_safe(cls: Any, base: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _storage_key(storage) -> tuple[str, int, int]:
+    """What tells one storage from another while a job is pickled: its device, address and size."""
+    return str(storage.device), storage.data_ptr(), storage.nbytes()
+
+
+def _to_share(obj: Any, found: dict) -> dict:
+    """The bytes of each storage of the tensors in ``obj`` (nested lists, tuples and dicts) that is not
+    in shared memory yet, by storage (``found``, filled)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if obj.device.type != "cpu" or not storage.is_shared():
+            found[_storage_key(storage)] = storage.nbytes()
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _to_share(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _to_share(value, found)
+    return found
+
+
+def _check_room(nbytes: int) -> None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        raise NoSharedMemory(f"{SHM_DIR} is not available ({exc.strerror})") from exc
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes + _SHM_MARGIN:
+        raise NoSharedMemory(f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the snapshot's state needs more")
 
 
-_sync_file_range = _load_sync_file_range()
+def pickle_job(job: WriteJob) -> bytes:
+    """The job as the writer receives it (call on the training thread: moving a tensor's storage into
+    shared memory swaps its memory under anything that computes with it). Raises NoSharedMemory: before
+    any storage moves when the state dicts' tensors would not fit together (each storage pickled is
+    registered for the writer to fetch, and stays so if pickling stops half-way)."""
+    _check_room(sum(_to_share(job.deferred, {}).values()))
+    buf = io.BytesIO()
+    _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
+    return buf.getvalue()
 
 
-class DurableFile:
-    PARALLEL_MIN = 1 << 20  # smaller chunks are hashed inline: a thread hand-off would cost more
+class WriterProcess:
+    """The parent's handle on one writer process: ``run`` one pickled job at a time."""
 
-    def __init__(self, path: str, full: bool = False):
-        self.path = path
-        self.full = full
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._size = 0
-        self._kicked = 0
-        self._hash = hashlib.sha256()
-        self._todo: queue.Queue = queue.Queue(maxsize=1)
-        self._done: queue.Queue = queue.Queue(maxsize=1)
-        self._hasher = threading.Thread(target=self._hash_loop, name="rlctl-sha256", daemon=True)
-        self._hasher.start()
-        self.closed = False
+    def __init__(self, on_start: Callable[[int], None] | None = None):
+        self._on_start = on_start
+        self._proc: subprocess.Popen | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
+        self._lock = threading.Lock()
 
-    def _hash_loop(self) -> None:
-        while (chunk := self._todo.get()) is not None:
-            self._hash.update(chunk)
-            self._done.put(True)
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
-    # -- the file-object surface torch.save uses ----------------------------------------------------
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        n = len(view)
-        parallel = n >= self.PARALLEL_MIN
-        if parallel:
-            self._todo.put(view)
-        else:
-            self._hash.update(view)
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """Start the writer unless it runs (call on a thread that lives as long as the run: the writer
+        dies with the thread that started it)."""
+        with self._lock:
+            if self.alive():
+                return
+            self._close_conn()
+            ours, theirs = socket.socketpair()
+            # the writer unpickles what this process pickles: it imports from where this process does
+            path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+            env = {**os.environ, "PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "rlctl.checkpoint.writer", str(theirs.fileno()), str(os.getpid())]
+            # its own session: a stop signal for the trainer's process group (Slurm, Ctrl-C) never reaches
+            # it, not even while it starts (it dies with its parent, PR_SET_PDEATHSIG)
+            self._proc = subprocess.Popen(
+                cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True
+            )
+            theirs.close()
+            self._conn = multiprocessing.connection.Connection(ours.detach())
+            self._conn.send_bytes(bytes(multiprocessing.current_process().authkey))
+            if self._on_start is not None:
+                self._on_start(self._proc.pid)
+
+    def run(self, payload: bytes, stage_copy: bool, staged: Callable[[], None], hold: float = 0.0) -> Written | None:
+        """Send one pickled job and wait for its outcome (on the manager's commit thread: waiting
+        releases the GIL). ``staged`` is called when the writer no longer reads the live state, also
+        when it fails. ``hold``: the write_delay drill, seconds the writer waits before it reads the
+        state. Raises what the job raised, or WriterDied."""
+        with self._lock:
+            try:
+                conn = self._conn
+                if conn is None or not self.alive():
+                    raise WriterDied("the snapshot writer process is not running")
+                self._send(conn, (stage_copy, hold, payload))
+                while True:
+                    kind, value = self._receive(conn)
+                    if kind == "staged":
+                        staged()
+                    elif kind == "done":
+                        return value
+                    else:
+                        raise value
+            finally:
+                staged()
+
+    def _send(self, conn, message) -> None:
         try:
-            rest = view
-            while rest:
-                rest = rest[self._write(rest) :]
+            conn.send(message)
+        except OSError as exc:  # it died since alive() said it ran
+            raise self._died() from exc
+
+    def _receive(self, conn) -> tuple[str, Any]:
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as exc:
+            raise self._died() from exc
+
+    def _died(self) -> WriterDied:
+        code = self._proc.wait() if self._proc is not None else None
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
+        return WriterDied(f"the snapshot writer process (pid {self.pid}) {how} in the middle of the snapshot")
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        """Stop the writer (it finishes nothing: call when no job runs)."""
+        with self._lock:
+            self._close_conn()  # EOF: the writer leaves its loop
+            if self._proc is not None:
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                self._proc = None
+
+
+_writer: WriterProcess | None = None
+_writer_lock = threading.Lock()
+
+
+def writer() -> WriterProcess:
+    """This process's writer (one per rank, shared by every snapshot manager of the process)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            _writer = WriterProcess()
+        return _writer
+
+
+# -- the writer process ------------------------------------------------------------------------------
+
+
+class _StagingBuffers:
+    """Buffers of the writer's own that shared storages are copied into, kept for the next snapshot."""
+
+    def __init__(self):
+        self._free: dict[int, list[Any]] = {}
+        self._used: list[Any] = []
+
+    def take(self, nbytes: int):
+        import torch
+
+        pool = self._free.get(nbytes)
+        buf = pool.pop() if pool else torch.UntypedStorage(nbytes)
+        self._used.append(buf)
+        return buf
+
+    def release(self) -> None:
+        for buf in self._used:
+            self._free.setdefault(buf.nbytes(), []).append(buf)
+        self._used = []
+
+
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a job in the writer. Each shared storage is mapped with its page tables filled at once
+    (one call, not a page fault per 4 KiB), and, given ``buffers``, copied into a staging buffer as it
+    is mapped (once per storage: views of one storage stay views of one copy)."""
+
+    def __init__(self, data: bytes, buffers: _StagingBuffers | None):
+        super().__init__(io.BytesIO(data))
+        self._buffers, self._copies = buffers, {}
+        self._mapped: list[Any] = []  # alive while unpickling: torch maps a storage sent twice once
+
+    def load(self):
+        try:
+            return super().load()
         finally:
-            if parallel:
-                self._done.get()  # the hash has finished reading the caller's buffer
-        self._size += n
-        if _sync_file_range is not None and self._size - self._kicked >= _KICK_EVERY:
-            _sync_file_range(self._fd, self._kicked, self._size - self._kicked, _SYNC_FILE_RANGE_WRITE)
-            self._kicked = self._size
-        return n
+            self._mapped = []
 
-    def _write(self, data: memoryview) -> int:
-        if self.full:
-            raise no_space(self.path)
-        return os.write(self._fd, data)
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name)
+        if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_storage"):
+            return self._mapping(found)
+        return found
 
-    def flush(self) -> None:
+    def _mapping(self, rebuild):
+        def rebuild_mapped(*args):
+            shared = rebuild(*args)
+            if not shared.nbytes():  # (empty: nothing to map or copy, and every empty storage its own)
+                return shared
+            key = (shared.data_ptr(), shared.nbytes())
+            if key not in self._copies:
+                _populate(shared.data_ptr(), shared.nbytes())
+                self._mapped.append(shared)
+                copy = self._buffers.take(shared.nbytes()).copy_(shared) if self._buffers is not None else shared
+                self._copies[key] = copy
+            return self._copies[key]
+
+        return rebuild_mapped
+
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+; elsewhere madvise fails and pages fault in as they are read
+_libc = None
+
+
+def _populate(address: int, length: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address - address % page
+    _libc.madvise(start, length + address - start, _MADV_POPULATE_READ)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
         pass
 
-    def tell(self) -> int:
-        return self._size
 
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> tuple[int, str]:
-        """fsync, finish the hash; (size, sha256 hex). The file is closed even when the fsync fails."""
-        if not self.closed:
-            self.closed = True
-            self._todo.put(None)
-            try:
-                os.fsync(self._fd)
-            finally:
-                os.close(self._fd)
-                self._hasher.join()
-        return self._size, self._hash.hexdigest()
-
-    def __enter__(self) -> DurableFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def _serve(conn) -> None:
+    buffers = _StagingBuffers()
+    while True:
+        try:
+            stage_copy, hold, payload = conn.recv()
+        except EOFError:
+            return
+        try:
+            time.sleep(hold)  # (the write_delay drill: before the live state is read)
+            job = _Unpickler(payload, buffers if stage_copy else None).load()
+            job.hold = 0.0
+            if stage_copy:
+                conn.send(("staged", None))
+                result = finish(job, staged=lambda: None)
+            else:
+                result = finish(job, staged=lambda: conn.send(("staged", None)))
+            conn.send(("done", result))
+        except Exception as exc:
+            conn.send(("error", _sendable(exc)))
+        finally:
+            job = None
+            buffers.release()
 
 
-def no_space(path: str) -> OSError:
-    """The error a write to ``path`` on a full disk raises."""
-    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-
-
-def save_object(obj, fh) -> None:
-    """``torch.save`` of a deferred object into ``fh``, without the zip format's CRC32: the manifest's
-    sha256 covers every byte already."""
-    import torch
-    from torch.utils.serialization import config as serialization_config
-
-    previous = serialization_config.save.compute_crc32
-    serialization_config.save.compute_crc32 = False
+def _sendable(exc: BaseException) -> BaseException:
     try:
-        torch.save(obj, fh)
-    finally:
-        serialization_config.save.compute_crc32 = previous
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def main(fd: int, parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before we could ask to die with it
+        return
+    # stop signals are the trainer's to honour (it finishes its step and its last snapshot, which needs
+    # this writer); group signals never come here (its own session), and these ignore one sent to every
+    # rlctl process by name; the writer ends at EOF or with its parent
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    os.nice(10)
+    conn = multiprocessing.connection.Connection(fd)
+    multiprocessing.current_process().authkey = conn.recv_bytes()  # torch's shared fds come through it
+    _serve(conn)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

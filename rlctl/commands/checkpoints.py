@@ -17,7 +17,8 @@ COLUMNS = ["step", "name", "time", "bytes", "committed", "good", "usable", "prob
 def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
     """List a run's snapshots: step, time, size, committed, good, the validation metric they record
     (checkpoint.keep_best's, else val/score/mean when a snapshot records it), and why one is not usable."""
-    from rlctl.rundir.directory import load_run_config, snapshot_manager
+    from rlctl.rundir.directory import load_run_config
+    from rlctl.rundir.snapshots import snapshot_manager
     from rlctl.storage import Storage
 
     run = Storage(run_dir)

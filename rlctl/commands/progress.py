@@ -70,7 +70,7 @@ class StepProgress:
 
 
 def summary_lines(s: dict[str, Any]) -> list[str]:
-    """The summary of a finished run (``rlctl.rundir.directory.run_summary``) as lines of text."""
+    """The summary of a finished run (``rlctl.rundir.summary.run_summary``) as lines of text."""
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None or math.isnan(x) else f"{x:.3f}"

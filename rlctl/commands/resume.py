@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from rlctl.commands.options import set_option, step_spec
-from rlctl.ranks.signals import stops_from_the_start
+from rlctl.ranks.stops import stops_from_the_start
 
 
 @click.command("resume")

@@ -7,7 +7,7 @@ import time
 import click
 
 from rlctl.commands.options import set_option
-from rlctl.ranks.signals import stops_from_the_start
+from rlctl.ranks.stops import stops_from_the_start
 
 
 @click.command("start")

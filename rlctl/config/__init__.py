@@ -1,8 +1,8 @@
 """The run config: the strict schema (``schema``, choices derived from the registries of
-``rlctl.engine.algos``), its knobs and their schedules (``knobs``), and its loading from YAML and
+``rlctl.algos``), its knobs and their schedules (``knobs``), and its loading from YAML and
 ``--set`` with located errors (``load``)."""
 
-from rlctl.config.knobs import ScheduleConfig, ScheduleEntry, adjust_knob, follow_schedules, get_knob, set_knob
+from rlctl.config.knob_values import ScheduleConfig, ScheduleEntry, adjust_knob, follow_schedules, get_knob, set_knob
 from rlctl.config.load import (
     BUILTIN_CONFIG,
     DEMO_CONFIG,

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rlctl.config.knobs import domain, get_knob, is_float_field, lift_schedules
+from rlctl.config.knob_values import domain, get_knob, is_float_field, lift_schedules
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.policies.loader import load_policies, resolve_policy_path

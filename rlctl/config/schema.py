@@ -3,7 +3,7 @@
 Every field carries a description (a test checks it), so ``rlctl start --help`` and the README can be
 generated from one place. The choices of the RL maths (advantage estimators, KL estimators, loss
 aggregation modes, importance-ratio levels, KL controllers) are the names of the registries in
-``rlctl.engine.algos.registry``, never a second list. Loading files and ``--set`` is ``load``'s job.
+``rlctl.algos.registry``, never a second list. Loading files and ``--set`` is ``load``'s job.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlctl.config.knobs import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
-from rlctl.engine.algos.registry import (
+from rlctl.algos.registry import (
     ADVANTAGES,
     AGG_MODES,
     GROUP_ESTIMATORS,
@@ -36,6 +35,7 @@ from rlctl.engine.algos.registry import (
     KL_ESTIMATORS,
     POLICY_LOSS_LEVELS,
 )
+from rlctl.config.knob_values import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
 from rlctl.errors import ConfigError
 from rlctl.faults import parse as parse_faults
 from rlctl.policies.schema import PolicySpec

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from rlctl import algos
 from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
-from rlctl.engine import algos, lora
+from rlctl.engine import lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch

@@ -2,7 +2,7 @@
 and a warm-up schedule (``DSModule``), what it is built from (``EngineSpec``, ``ds_config``), the
 checkpoint engine that hands serialization to the snapshot manager's background writer, and what a
 snapshot needs to know of DeepSpeed's files: which rank alone reads each one. (That their layout is
-the ZeRO stage's is a fact of the run's config: ``rlctl.rundir.directory.zero_topology``.)
+the ZeRO stage's is a fact of the run's config: ``rlctl.rundir.snapshots.zero_topology``.)
 """
 
 from __future__ import annotations

@@ -13,16 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from rlctl import faults
+from rlctl import algos, faults
 from rlctl.config import AlgorithmConfig, RunConfig
-from rlctl.engine import algos
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import PromptCursor, columns_of
+from rlctl.engine.degeneration import degeneration_metrics
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.reward.sources import recording
 from rlctl.engine.rollout import RolloutBackend
-from rlctl.engine.signals import degeneration_metrics
 from rlctl.errors import ConfigError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.

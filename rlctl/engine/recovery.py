@@ -29,7 +29,7 @@ import orjson
 
 from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
 from rlctl.config import RunConfig
-from rlctl.config.knobs import adjust_knob, apply_knob_settings, get_knob, knob_settings
+from rlctl.config.knob_values import adjust_knob, apply_knob_settings, get_knob, knob_settings
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
 from rlctl.errors import Halted, SnapshotError, StorageError
@@ -178,7 +178,7 @@ class Recovery:
         )
 
     def adjust(self, verdict) -> None:
-        """Change knobs as the verdict's adjustments say, in order (``rlctl.config.knobs.adjust_knob``: a
+        """Change knobs as the verdict's adjustments say, in order (``rlctl.config.knob_values.adjust_knob``: a
         scheduled knob's schedule composes them; a value outside the knob's legal domain is held at the
         nearest legal one, and the event says so). The run's config records them (they persist across
         rollbacks and resumes) and the engine follows them at once. An adaptive controller's KL

@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from rlctl import faults
+from rlctl import algos, faults
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
-from rlctl.config.knobs import follow_schedules, knob_settings, may_exceed
-from rlctl.engine import algos
+from rlctl.config.knob_values import follow_schedules, knob_settings, may_exceed
 from rlctl.engine.actor import METRICS as ACTOR_METRICS
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.batch import Sequences
+from rlctl.engine.counters import TrainerState
 from rlctl.engine.critic import METRICS as CRITIC_METRICS
 from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_prompts
@@ -36,7 +36,6 @@ from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
-from rlctl.engine.state import TrainerState
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed

@@ -114,7 +114,7 @@ class PolicyGuard:
         self.skipped_prompts: set[int] = set()
         self.adjustments: list[dict[str, Any]] = []
         # {knob key: {"value": v, and for a scheduled knob "scale", "offset", "min", "max"}} as of the
-        # state's step (``rlctl.config.knobs.knob_settings``); None: unknown (the config's stand)
+        # state's step (``rlctl.config.knob_values.knob_settings``); None: unknown (the config's stand)
         self.knobs: dict[str, dict[str, Any]] | None = None
 
     @property

@@ -23,7 +23,7 @@ import orjson
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode
 from rlctl.ranks.report import Reporter
-from rlctl.ranks.signals import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
+from rlctl.ranks.stops import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
 from rlctl.ranks.supervise import StopForwarder, supervise
 from rlctl.ranks.worker import free_port, rank_main, rank_spec
 from rlctl.storage import Storage

@@ -18,7 +18,7 @@ from typing import Any
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.ranks.report import Reporter
-from rlctl.ranks.signals import STOPS
+from rlctl.ranks.stops import STOPS
 from rlctl.ranks.supervise import StopForwarder, supervise
 from rlctl.ranks.worker import free_port, rank_main, rank_spec
 from rlctl.storage import Storage

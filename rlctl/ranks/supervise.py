@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from rlctl.errors import ExitCode, RankFailed
 from rlctl.metrics import parse_rows
 from rlctl.ranks.report import Reporter, report_event
-from rlctl.ranks.signals import STOPS, on_stop_signals
+from rlctl.ranks.stops import STOPS, on_stop_signals
 from rlctl.rundir.layout import EVENTS, METRICS
 from rlctl.storage import Storage
 

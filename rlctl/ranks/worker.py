@@ -27,11 +27,12 @@ from rlctl.metrics import EventLog, read_rows
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
-from rlctl.ranks.signals import STOPS, on_stop_signals
-from rlctl.rundir.directory import run_summary, snapshot_manager
+from rlctl.ranks.stops import STOPS, on_stop_signals
 from rlctl.rundir.history import turn_away_after, turn_tag
 from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.rundir.lease import owner_fence
+from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlctl.config import RunConfig, check_policies_fit, parse_set, validate_config
-from rlctl.config.knobs import get_knob
+from rlctl.config.knob_values import get_knob
 from rlctl.errors import ConfigError
 from rlctl.policies import load_policies
 from rlctl.policies.knobs import SAFE_ON_RESUME

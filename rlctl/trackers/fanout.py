@@ -17,9 +17,9 @@ from typing import Any
 
 from rlctl.errors import ConfigError
 from rlctl.trackers.base import History, Tracker, event_text, is_step, metric_values, walltime
-from rlctl.trackers.guard import fence_random, untouched
 from rlctl.trackers.install import PIP, REQUIRES
-from rlctl.trackers.state import TrackerIds
+from rlctl.trackers.isolation import fence_random, untouched
+from rlctl.trackers.run_ids import TrackerIds
 
 # events after which the run did not end well (a tracker run is closed as failed or killed)
 NOT_OK = frozenset({"halted", "crashed", "failed", "interrupted", "preempted"})

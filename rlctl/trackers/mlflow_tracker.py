@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from rlctl.trackers.base import History
-from rlctl.trackers.state import TrackerIds
+from rlctl.trackers.run_ids import TrackerIds
 
 KEY = "mlflow"
 BATCH = 1000  # MLflow's limit of metrics per log_batch

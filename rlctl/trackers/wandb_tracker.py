@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from rlctl.trackers.base import History
-from rlctl.trackers.state import TrackerIds
+from rlctl.trackers.run_ids import TrackerIds
 
 KEY = "wandb"
 QUIET = {

@@ -245,7 +245,7 @@ def test_choices_come_from_the_registries_and_load_no_torch():
     code = (
         "import sys, typing\n"
         "from rlctl.config import RunConfig\n"
-        "from rlctl.engine.algos import registry as r\n"
+        "from rlctl.algos import registry as r\n"
         "fields = RunConfig.model_fields['algorithm'].annotation.model_fields\n"
         "def choices(name):\n"
         "    ann = fields[name].annotation\n"

@@ -139,7 +139,7 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     import time
 
     from rlctl.checkpoint.snapshots import SnapshotManager
-    from rlctl.rundir.directory import zero_topology
+    from rlctl.rundir.snapshots import zero_topology
 
     monkeypatch.setenv("RLCTL_FAULTS", "write_delay=0.5")
     cfg = make_cfg(actor__zero_stage=2)
@@ -169,7 +169,7 @@ def test_the_writer_process_writes_the_bytes_the_thread_writes(runtime, model_di
     written from shared memory) are byte for byte the files the in-process thread writes of the same
     state, step after step (the state stays in shared memory once moved there), and restore exactly."""
     from rlctl.checkpoint.snapshots import SnapshotManager
-    from rlctl.rundir.directory import zero_topology
+    from rlctl.rundir.snapshots import zero_topology
 
     cfg = make_cfg(actor__zero_stage=stage)
     managers = {

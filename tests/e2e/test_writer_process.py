@@ -1,4 +1,4 @@
-"""The snapshot writer process (rlctl.checkpoint.process) killed in the middle of a snapshot, and the
+"""The snapshot writer process (rlctl.checkpoint.writer) killed in the middle of a snapshot, and the
 training process killed while its writer works: never a committed partial snapshot, never a lost run."""
 
 import json

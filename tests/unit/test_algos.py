@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rlctl.engine import algos, microbatch
+from rlctl import algos
+from rlctl.engine import microbatch
 from rlctl.engine.batch import Sequences
 
 

@@ -13,7 +13,7 @@ from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager, par
 from rlctl.cli import cli
 from rlctl.config import RunConfig
 from rlctl.errors import SnapshotError
-from rlctl.rundir.directory import snapshot_manager
+from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.storage import Storage
 
 from helpers import Counter

@@ -15,8 +15,8 @@ import pytest
 from rlctl.checkpoint.collectives import Local
 from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
 from rlctl.errors import LeaseError, SnapshotError, StorageError
-from rlctl.rundir.directory import zero_topology
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
+from rlctl.rundir.snapshots import zero_topology
 from rlctl.storage import Storage
 
 from helpers import Counter, small_tmpfs
@@ -267,7 +267,7 @@ def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_p
 
 
 def test_enospc_drill_fails_the_durable_writes_where_the_disk_would(tmp_path):
-    from rlctl.checkpoint.writer import DurableFile
+    from rlctl.checkpoint.durable import DurableFile
 
     with DurableFile(str(tmp_path / "f"), full=True) as fh, pytest.raises(OSError) as caught:
         fh.write(b"x" * (2 << 20))  # (a chunk big enough to be hashed on the other thread)
@@ -280,7 +280,7 @@ def test_torch_write_failure_on_a_full_disk_is_named_for_what_it_is(tmp_path):
     "unexpected pos"; the cause is said as "no space left on device"."""
     import torch
 
-    from rlctl.checkpoint.failures import describe
+    from rlctl.checkpoint.failure_count import describe
 
     with small_tmpfs(tmp_path / "small", size="1m") as disk:
         with pytest.raises(RuntimeError) as caught:
@@ -533,7 +533,7 @@ def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
     copy per storage (here on CPU, the code is the same for any device)."""
     import torch
 
-    from rlctl.checkpoint.process import on_host
+    from rlctl.checkpoint.writer import on_host
 
     flat = torch.arange(12, dtype=torch.float32)
     a, b = flat[2:6], flat.view(3, 4)[1:, ::2]
@@ -561,7 +561,7 @@ def test_the_writer_process_leaves_stop_signals_to_the_trainer(tmp_path):
     running, so the trainer's last snapshot can still be written by it."""
     import signal
 
-    from rlctl.checkpoint.process import writer
+    from rlctl.checkpoint.writer import writer
 
     m = SnapshotManager(Storage(str(tmp_path / "ckpt")))
     m.start_writer()
@@ -580,7 +580,7 @@ def test_the_writer_process_leaves_stop_signals_to_the_trainer(tmp_path):
 def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_said_once(tmp_path, monkeypatch):
     """Too small a /dev/shm (a real 64 KiB tmpfs stands for it) is found before any storage is moved
     there: the snapshot is written by the thread instead, commits, restores, and the run hears it once."""
-    import rlctl.checkpoint.process as process
+    import rlctl.checkpoint.writer as process
 
     with small_tmpfs(tmp_path / "shm") as shm:
         monkeypatch.setattr(process, "SHM_DIR", str(shm))

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from rlctl.config import RunConfig, check_policies_fit, load_config, validate_config
-from rlctl.config.knobs import (
+from rlctl.config.knob_values import (
     ScheduleConfig,
     adjust_knob,
     apply_knob_settings,

@@ -20,7 +20,7 @@ FLOORS = [
     ("rlctl.rundir",),
     ("rlctl.config",),
     ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
-    ("rlctl.engine.algos",),
+    ("rlctl.algos",),
     ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
     ("rlctl.errors", "rlctl"),
 ]
@@ -121,7 +121,7 @@ def test_no_import_cycle():
 
 def test_the_checks_catch_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert room_of("rlctl.engine.algos.core")[1] == "rlctl.engine.algos"
+    assert room_of("rlctl.algos.core")[1] == "rlctl.algos"
     assert room_of("rlctl.checkpoint.snapshots")[0] > room_of("rlctl.engine.trainer")[0]
 
 

@@ -11,7 +11,7 @@ from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.metrics import BadLines, EventLog, parse_rows, read_rows, split_after_step
 from rlctl.ranks.report import snapshot_failed_note
-from rlctl.ranks.signals import Stopped, StopRequests, on_stop_signals
+from rlctl.ranks.stops import Stopped, StopRequests, on_stop_signals
 from rlctl.rundir.directory import claim_run_dir, load_run_config, refuse_used_run_dir
 from rlctl.storage import Storage
 

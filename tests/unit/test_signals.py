@@ -12,11 +12,11 @@ from rlctl import faults
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, accumulate, sequence_log_probs
 from rlctl.engine.batch import Sequences
+from rlctl.engine.degeneration import degeneration_metrics, longest_equal_run, ngram_shares
 from rlctl.engine.dist import reduce_rows
 from rlctl.engine.experience import METRICS, Experience, repeated_token
 from rlctl.engine.model import build_char_tokenizer, load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
-from rlctl.engine.signals import degeneration_metrics, longest_equal_run, ngram_shares
 from rlctl.errors import ConfigError
 from rlctl.storage import Storage
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from rlctl.algos.kl import AdaptiveKLController, FixedKLController
 from rlctl.checkpoint.rng import RNGState
-from rlctl.engine.algos.kl import AdaptiveKLController, FixedKLController
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.trainer import TrainerState
 from rlctl.policies import load_policies

@@ -304,7 +304,7 @@ def test_trackers_refuse_an_unknown_name_and_a_remote_run_dir(tmp_path):
 
 
 def test_trackers_json_is_written_whole(tmp_path):
-    from rlctl.trackers.state import TrackerIds
+    from rlctl.trackers.run_ids import TrackerIds
 
     ids = TrackerIds(str(tmp_path))
     ids.put("wandb", {"run_id": "a", "branch": 1})

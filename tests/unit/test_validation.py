@@ -11,10 +11,10 @@ import torch
 
 from rlctl.config import DataConfig, load_config, validate_config
 from rlctl.engine.batch import Sequences
+from rlctl.engine.counters import TrainerState
 from rlctl.engine.data import load_rows, load_val_rows, read_prompt_file
 from rlctl.engine.dist import Dist
 from rlctl.engine.rollout.hf import SeededGumbelSampler
-from rlctl.engine.state import TrainerState
 from rlctl.engine.validation import VAL_STEP, Validator
 from rlctl.errors import ConfigError, InputError
 

@@ -30,7 +30,7 @@ from rlctl.errors import InputError, Stopped
 
 BACKOFF_MAX = 30.0  # seconds: the longest wait between two attempts of our own choosing
 RETRY_AFTER_MAX = 120.0  # seconds: the longest Retry-After honoured
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # (rlctl.ranks.signals's: engine/ cannot import ranks/)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # (rlctl.ranks.stops's: engine/ cannot import ranks/)
 
 
 class _Retryable(Exception):

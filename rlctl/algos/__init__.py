@@ -8,7 +8,7 @@ response tokens.
 ``ADVANTAGES`` (one signature, ``fn(AdvantageInputs) -> (advantages, returns)``), ``compute_policy_loss``
 and friends follow verl's ``core_algos``.
 
-The names below load on first use (PEP 562): ``rlctl.engine.algos.registry``, which the config schema
+The names below load on first use (PEP 562): ``rlctl.algos.registry``, which the config schema
 reads its choices from, imports without torch.
 """
 

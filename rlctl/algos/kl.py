@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.engine.algos.registry import KL_CONTROLLERS
+from rlctl.algos.registry import KL_CONTROLLERS
 from rlctl.stateful import check_version
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlctl.engine.algos.registry import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_LEVELS
+from rlctl.algos.registry import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_LEVELS
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from typing import Any
 
 import orjson
 
+from rlctl.checkpoint.durable import DurableFile, save_object
 from rlctl.checkpoint.manifest import MANIFEST, parse_rank_list, sha256_file
-from rlctl.checkpoint.writer import DurableFile, save_object
 from rlctl.storage import Storage, fsync_path
 
 RANKS_DIR = "ranks"

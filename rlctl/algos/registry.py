@@ -13,8 +13,8 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-_CORE = "rlctl.engine.algos.core"
-_KL = "rlctl.engine.algos.kl"
+_CORE = "rlctl.algos.core"
+_KL = "rlctl.algos.kl"
 
 
 class Registry:

@@ -1,0 +1,75 @@
+"""A run's snapshots: the checkpoint storage its config names, the topology its files are written for,
+and its snapshot manager with the run's cadence, retention and failure budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rlctl.metrics import EventSink
+from rlctl.rundir.layout import CHECKPOINTS
+from rlctl.storage import Storage
+
+if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run without them)
+    from rlctl.checkpoint.collectives import Collectives
+    from rlctl.checkpoint.snapshots import SnapshotManager, Topology
+    from rlctl.config import RunConfig
+
+
+def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
+    c = cfg.checkpoint
+    if c.dir is not None:
+        return Storage(c.dir, c.storage_options, retry_timeout=c.retry_timeout)
+    if c.storage_options:
+        return Storage(run.url_of(CHECKPOINTS), c.storage_options, retry_timeout=c.retry_timeout)
+    return run.child(CHECKPOINTS)
+
+
+def zero_topology(stage: int | None) -> Topology:
+    """The layout DeepSpeed's snapshot files have: the ZeRO stage they were partitioned for."""
+    from rlctl.checkpoint.snapshots import Topology
+
+    return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
+
+
+def snapshot_manager(
+    run: Storage,
+    cfg: RunConfig,
+    events: EventSink | None = None,
+    rank: int = 0,
+    *,
+    collectives: Collectives | None = None,
+    max_steps_back: int = 0,
+    rollback_best: Sequence[tuple[str, str]] = (),
+    fence=None,
+) -> SnapshotManager:
+    """The run's snapshot manager: on its checkpoint storage, with the run's cadence, retention (and
+    keep_best: what "best" means), topology and failure budget. A rank passes its collectives, how far
+    its policies may roll back (retention keeps a snapshot that far back), the (metric, mode) of each
+    policy that rolls back to the best snapshot (retention keeps that one) and its fence (called before
+    any commit: the lease's check); the driver, which only scans, passes none of them."""
+    from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager
+
+    c = cfg.checkpoint
+    best = KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.k) if c.keep_best is not None else None
+    return SnapshotManager(
+        checkpoint_storage(run, cfg),
+        world_size=cfg.world_size,
+        rank=rank,
+        collectives=collectives,
+        topology=[zero_topology(cfg.actor.zero_stage)],
+        every=c.every,
+        max_steps_back=max_steps_back,
+        retention=Retention(
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            best=best,
+            rollback_best=tuple(KeepBest(metric, mode, 1) for metric, mode in rollback_best),
+        ),
+        on_event=events.emit if events is not None else None,
+        staging_dir=c.staging_dir,
+        asynchronous=c.asynchronous,
+        max_failures=c.max_failures,
+        fence=fence,
+        writer=c.writer,
+    )
