@@ -81,12 +81,6 @@ def training(module: torch.nn.Module, on: bool = True):
         module.train(was)
 
 
-def is_peft(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def base_name(peft_name: str) -> str:
     """The base model's name of a parameter of the peft model: ``base_model.model.X.base_layer.weight``
     -> ``X.weight``."""
