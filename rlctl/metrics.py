@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from rlctl.errors import StorageError
+from rlctl.numbers import is_step
 
 if TYPE_CHECKING:
     from rlctl.storage import Storage
@@ -62,15 +63,11 @@ def parse_rows(data: bytes, on_bad_line=None, *, require_step: bool = False) -> 
             row = orjson.loads(line)
         except orjson.JSONDecodeError:
             row = None
-        if not isinstance(row, dict) or (require_step and not _is_step(row.get("step"))):
+        if not isinstance(row, dict) or (require_step and not is_step(row.get("step"))):
             if on_bad_line is not None:
                 on_bad_line(lineno, line)
             continue
         yield {k: _decode(v) for k, v in row.items()}
-
-
-def _is_step(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_rows(storage: Storage, rel: str, on_bad_line=None, *, require_step: bool = False) -> list[dict[str, Any]]:
@@ -116,7 +113,7 @@ def split_after_step(data: bytes, step: int) -> tuple[bytes, list[bytes]]:
             row_step = orjson.loads(line).get("step")
         except (orjson.JSONDecodeError, AttributeError):
             row_step = None
-        if _is_step(row_step) and row_step <= step:
+        if is_step(row_step) and row_step <= step:
             kept.append(line if line.endswith(b"\n") else line + b"\n")
         else:
             moved.append(line)

@@ -22,7 +22,7 @@ FLOORS = [
     ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
     ("rlctl.algos",),
     ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
-    ("rlctl.errors", "rlctl"),
+    ("rlctl.errors", "rlctl.events", "rlctl.numbers", "rlctl"),
 ]
 MAX_FUNCTION_LINES = 60
 

@@ -1,0 +1,38 @@
+"""The names of the events of ``events.jsonl``, in one place: what the code emits and what it reads.
+
+Each event is a JSON object ``{"time": ..., "event": NAME, ...}``; a name here is the ``event`` field's
+value. The names are part of rlctl's interface (cron scripts and trackers read them): never rename one.
+"""
+
+# how a run begins and continues
+START = "start"
+RESUME = "resume"
+LEASE_TAKEN_OVER = "lease_taken_over"
+UNCOMMITTED_REMOVED = "uncommitted_removed"
+PROMPTS_FILTERED = "prompts_filtered"
+
+# how a run ends
+COMPLETED = "completed"
+HALTED = "halted"
+PREEMPTED = "preempted"
+CRASHED = "crashed"
+INTERRUPTED = "interrupted"
+
+# the policies and what carrying out a verdict did
+POLICY = "policy"
+ROLLBACK = "rollback"
+ADJUST = "adjust"
+SKIP = "skip"
+POLICY_STATE_IGNORED = "policy_state_ignored"
+
+# snapshots
+SNAPSHOT_COMMITTED = "snapshot_committed"
+SNAPSHOT_FAILED = "snapshot_failed"
+SNAPSHOT_UNUSABLE = "snapshot_unusable"
+SNAPSHOT_QUARANTINED = "snapshot_quarantined"
+SNAPSHOT_WRITER_FALLBACK = "snapshot_writer_fallback"
+SNAPSHOTS_PURGED = "snapshots_purged"
+SNAPSHOTS_PURGE_FAILED = "snapshots_purge_failed"
+
+# the outcomes a run can end with: the last of them (after the last start or resume) is how it ended
+ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED})
