@@ -31,11 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlctl.errors import ConfigError, InputError
-from rlctl.metrics import BadLines, read_rows
-from rlctl.policies import PolicyEngine, Rule, validate_policy
-from rlctl.rundir.layout import CONFIG, METRICS
-from rlctl.storage import Storage
+from rlctl.errors import InputError
+from rlctl.numbers import is_number
+from rlctl.policies import Rule, validate_policy
+from rlctl.rundir.layout import METRICS
+from rlctl.rundir.record import HistoryRow, read_run
+from rlctl.rundir.replay import replay
 
 DIGITS = 3  # significant digits of a proposed number
 SPIKE_WINDOW = 128
@@ -193,11 +194,11 @@ def calibrate(rows: Sequence[dict[str, Any]], quantile_: float, margin: float, s
     steps = (rows[0]["step"], rows[-1]["step"])
     cal = Calibration(source, steps, len(rows), quantile_, margin, [], [])
     for signal in SIGNALS:
-        metric = next((m for m in signal.metrics if any(_finite(r.get(m)) for r in rows)), None)
+        metric = next((m for m in signal.metrics if any(is_number(r.get(m), finite=True) for r in rows)), None)
         if metric is None:
             cal.left_out.append((signal, f"this run never wrote {' or '.join(signal.metrics)}"))
             continue
-        points = [(r["step"], float(r[metric])) for r in rows if _finite(r.get(metric))]
+        points = [(r["step"], float(r[metric])) for r in rows if is_number(r.get(metric), finite=True)]
         made = _propose(signal, metric, points, quantile_, margin)
         if isinstance(made, str):
             cal.left_out.append((signal, made))
@@ -216,10 +217,6 @@ def calibrate(rows: Sequence[dict[str, Any]], quantile_: float, margin: float, s
             f"run {source} gives nothing to calibrate from its {_counted(len(rows), 'row')} (steps {steps[0]}-{steps[1]}): {why}"
         )
     return cal
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _nonfinite(value: Any) -> bool:
@@ -307,9 +304,8 @@ def as_rule(rule: dict[str, Any]) -> Rule:
 
 
 def count_firings(rule: dict[str, Any], rows: Sequence[dict[str, Any]]) -> int:
-    """How many times ``rule`` fires when ``rows`` are replayed through a PolicyEngine."""
-    engine = PolicyEngine([as_rule(rule)])
-    return sum(len(engine.evaluate(r["step"], r)) for r in rows)
+    """How many times ``rule`` fires when ``rows`` (kept rows, in step order) are replayed through it."""
+    return len(replay([HistoryRow(r) for r in rows], [as_rule(rule)]))
 
 
 # -- the policy file, as text -----------------------------------------------------------------------------
@@ -376,16 +372,13 @@ def summary_lines(cal: Calibration) -> list[str]:
 def run_rows(url: str, until: int | None, warn=None) -> list[dict[str, Any]]:
     """The rows of the run's metrics.jsonl (the history it kept; rows it turned away from are left
     out), up to step ``until``; a line that cannot be read is skipped and said through ``warn``."""
-    run = Storage(url)
-    if not run.exists(CONFIG) and not run.exists(METRICS):
-        raise ConfigError(f"{run.url} is not an rlctl run directory (it has no {CONFIG})")
-    bad = BadLines(run.url_of(METRICS))
-    rows = [r for r in read_rows(run, METRICS, bad, require_step=True) if until is None or r["step"] <= until]
-    if warn is not None and (text := bad.warning()) is not None:
+    record = read_run(url)
+    rows = [r for r in record.rows if until is None or r["step"] <= until]
+    for text in record.warnings() if warn is not None else ():
         warn(text)
     if not rows:
         upto = f" up to step {until}" if until is not None else ""
         raise InputError(
-            f"run {run.url} has no metric rows{upto} ({METRICS} is missing or empty): nothing to calibrate"
+            f"run {record.url} has no metric rows{upto} ({METRICS} is missing or empty): nothing to calibrate"
         )
     return rows

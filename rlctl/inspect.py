@@ -9,29 +9,17 @@ file, never fatal; a config.yaml that cannot be read is a sentence naming it.
 from __future__ import annotations
 
 import fnmatch
-import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.errors import ConfigError
-from rlctl.metrics import BadLines, parse_rows
-from rlctl.rundir.directory import read_config_data
-from rlctl.rundir.layout import ABANDONED, CONFIG, EVENTS, METRICS
-from rlctl.rundir.lease import lease_state, read_lease
+from rlctl.events import HALTED, POLICY, ROLLBACK, SNAPSHOT_COMMITTED, SNAPSHOT_FAILED
+from rlctl.numbers import is_number
+from rlctl.rundir.layout import CONFIG
+from rlctl.rundir.record import RunRecord, read_run
 from rlctl.storage import Storage
 
-KEY_METRICS = (
-    "critic/score/mean",
-    "val/score/mean",
-    "actor/ppo_kl",
-    "actor/kl_loss",
-    "actor/grad_norm",
-    "actor/entropy",
-    "response_length/mean",
-    "perf/throughput",
-)
 # what --plot draws unless told: the first four of these that the run has and that ever move
 PLOT_METRICS = (
     "critic/score/mean",
@@ -41,119 +29,14 @@ PLOT_METRICS = (
     "actor/entropy",
     "actor/kl_loss",
 )
-TERMINAL = ("start", "resume", "completed", "halted", "preempted", "crashed", "interrupted")
 
 
-@dataclass
-class RunView:
-    url: str
-    config: dict[str, Any]
-    rows: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    lease: dict[str, Any] | None
-    bad_lines: list[int] = field(default_factory=list)  # of metrics.jsonl
-    unreadable: list[BadLines] = field(default_factory=list)  # per file, for the warnings
-
-    @property
-    def total_steps(self) -> int:
-        value = self.setting("trainer", "total_steps")
-        return value if isinstance(value, int) else 0
-
-    def setting(self, section: str, key: str) -> Any:
-        """``config[section][key]`` as the file has it (None where the file lacks it or is odd)."""
-        part = self.config.get(section)
-        return part.get(key) if isinstance(part, dict) else None
-
-    def warnings(self) -> list[str]:
-        """One warning per file with lines that could not be read."""
-        return [w for bad in self.unreadable if (w := bad.warning()) is not None]
-
-    @property
-    def step(self) -> int:
-        return self.rows[-1]["step"] if self.rows else 0
-
-    def events_of(self, *kinds: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") in kinds]
-
-
-def open_run(url: str) -> RunView:
-    run = Storage(url)
-    config = read_config_data(run)
-    metrics, events = BadLines(run.url_of(METRICS)), BadLines(run.url_of(EVENTS))
-    rows = _read(run, METRICS, metrics, require_step=True)
-    view = RunView(url, config, rows, _read(run, EVENTS, events), read_lease(run), metrics.lines)
-    view.unreadable = [metrics, events]
-    return view
-
-
-def _read(run: Storage, rel: str, on_bad, require_step: bool = False) -> list[dict[str, Any]]:
-    try:
-        data = run.read_bytes(rel)
-    except FileNotFoundError:
-        return []
-    return list(parse_rows(data, on_bad, require_step=require_step))
-
-
-# -- status -----------------------------------------------------------------------------------------
-def status(view: RunView, lease_timeout: float | None = None) -> str:
-    """running (a live lease), completed, halted (by a policy), preempted (stopped by a signal: resume
-    it), interrupted (Ctrl-C: resume it), or crashed (no live lease and none of the above: killed, or
-    an error)."""
-    configured = view.setting("trainer", "lease_timeout")
-    timeout = lease_timeout or (float(configured) if isinstance(configured, (int, float)) else 120.0)
-    if lease_state(view.lease, timeout) == "live":
-        return "running"
-    last = next((e["event"] for e in reversed(view.events) if e.get("event") in TERMINAL), None)
-    return last if last in ("completed", "halted", "preempted", "interrupted") else "crashed"
-
-
-def snapshots(view: RunView) -> list[Any]:
-    """The run's snapshots (needs the checkpoint storage, so it reads the validated config)."""
-    from rlctl.rundir.directory import validate_run_config
-    from rlctl.rundir.snapshots import snapshot_manager
-
-    run = Storage(view.url)
-    return snapshot_manager(run, validate_run_config(run, view.config)).scan()
-
-
-def summary(view: RunView) -> dict[str, Any]:
-    snaps = [s for s in snapshots(view) if s.committed]
-    good = [s for s in snaps if s.good]
-    skips = view.events_of("skip")
-    return {
-        "run": view.url,
-        "status": status(view),
-        "step": view.step,
-        "total_steps": view.total_steps,
-        "last_snapshot": snaps[-1].step if snaps else None,
-        "last_good_snapshot": good[-1].step if good else None,
-        "rollbacks": len(view.events_of("rollback")),
-        "policy_firings": len(view.events_of("policy")),
-        "skipped_batches": sum(e["batches"] for e in skips if isinstance(e.get("batches"), int)),
-        "skipped_prompts": sum(len(e["prompts"]) for e in skips if isinstance(e.get("prompts"), list)),
-        "bad_lines": view.bad_lines,
-        "metrics": {
-            key: {"latest": series[-1], "trend": sparkline(series)}
-            for key in KEY_METRICS
-            if (series := [r[key] for r in view.rows if isinstance(r.get(key), (int, float))])
-        },
-    }
-
-
-SPARKS = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: Sequence[float], width: int = 24) -> str:
-    """The trend of ``values`` in ``width`` characters (bucket means); '!' marks a non-finite bucket."""
-    if not values:
-        return ""
-    n = min(width, len(values))
-    buckets = [values[i * len(values) // n : (i + 1) * len(values) // n] for i in range(n)]
-    means = [sum(b) / len(b) for b in buckets]
-    finite = [m for m in means if math.isfinite(m)]
-    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
-    span = hi - lo or 1.0
-    return "".join(SPARKS[round((m - lo) / span * 7)] if math.isfinite(m) else "!" for m in means)
+def open_run(url: str) -> RunRecord:
+    """The run as inspect shows it: its config, metric rows and events read at once (a config that
+    cannot be read is a sentence naming it; the lines that cannot be read are its ``warnings()``)."""
+    record = read_run(url)
+    _ = record.config, record.rows, record.events  # read now: a bad config fails first, warnings come first
+    return record
 
 
 # -- selections -------------------------------------------------------------------------------------
@@ -197,17 +80,17 @@ CHECK_CODES = {
 }
 
 
-def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=None, now=None) -> tuple[str, str]:
+def check(view: RunRecord, window: int = 100, stale_after: float = 1800.0, rules=None, now=None) -> tuple[str, str]:
     """(verdict, one line). halted, crashed, preempted and interrupted come from the run's state; stale
     is a run that claims to be running (live lease) but wrote no step for ``stale_after`` seconds;
     warning is a snapshot that failed with none committed since, or a policy that fired within the
-    last ``window`` steps, in the run or, with ``rules`` (a policy file), when the last ``window`` rows
-    are replayed through it."""
+    last ``window`` steps, in the run or, with ``rules`` (a policy file), when the run's history is
+    replayed through them (``replayed_events``: what `rlctl policy replay` lists)."""
     now = time.time() if now is None else now
-    state = status(view)
+    state = view.status()
     where = f"step {view.step}/{view.total_steps}"
     if state == "halted":
-        halt = view.events_of("halted")[-1]
+        halt = view.events_of(HALTED)[-1]
         return "halted", f"HALTED {view.url} at step {halt.get('step')} by policy rule '{halt.get('rule')}'"
     if state == "crashed":
         return "crashed", f"CRASHED {view.url} at {where}: no live writer and no clean end"
@@ -225,35 +108,36 @@ def check(view: RunView, window: int = 100, stale_after: float = 1800.0, rules=N
             f"WARNING {view.url} at {where}: snapshot of step {failed.get('step')} failed and none was "
             f"committed since: {failed.get('error')}"
         )
-    fired = [e for e in view.events_of("policy") if e.get("step", 0) > view.step - window]
+    fired = [e for e in view.events_of(POLICY) if e.get("step", 0) > view.step - window]
     if rules:
-        fired += _replay(view.rows[-window:], rules)
+        fired += [e for e in replayed_events(view, rules) if e["step"] > view.step - window]
     if fired:
         f = fired[-1]
         return "warning", f"WARNING {view.url} at {where}: rule '{f.get('rule')}' fired at step {f.get('step')}"
     return "healthy", f"OK {view.url} {state} at {where}"
 
 
-def failed_snapshot(view: RunView) -> dict[str, Any] | None:
+def failed_snapshot(view: RunRecord) -> dict[str, Any] | None:
     """The newest ``snapshot_failed`` event when no snapshot was committed after it, else None."""
     for event in reversed(view.events):
-        if event.get("event") == "snapshot_committed":
+        if event.get("event") == SNAPSHOT_COMMITTED:
             return None
-        if event.get("event") == "snapshot_failed":
+        if event.get("event") == SNAPSHOT_FAILED:
             return event
     return None
 
 
-def _last_progress(view: RunView) -> float | None:
+def _last_progress(view: RunRecord) -> float | None:
     stamp = view.rows[-1].get("timestamp") if view.rows else None
-    return float(stamp) if isinstance(stamp, (int, float)) else None
+    return float(stamp) if is_number(stamp) else None
 
 
-def _replay(rows: list[dict[str, Any]], rules) -> list[dict[str, Any]]:
-    from rlctl.policies import PolicyEngine
+def replayed_events(view: RunRecord, rules) -> list[dict[str, Any]]:
+    """The firings of ``rules`` over the run's whole history, as `rlctl policy replay` finds them
+    (rollbacks and resumes included), as events.jsonl would hold them, in the order written."""
+    from rlctl.rundir.replay import replay  # (the policies load only when a policy is named)
 
-    engine = PolicyEngine(rules)
-    return [f.as_event() for r in rows for f in engine.evaluate(r["step"], r)]
+    return [item.firing.as_event() for item in replay(view.history, rules)]
 
 
 def _ago(seconds: float) -> str:
@@ -293,7 +177,7 @@ def list_runs(root: str, warn=None) -> list[dict[str, Any]]:
         out.append(
             {
                 "run": view.url,
-                "status": status(view),
+                "status": view.status(),
                 "step": view.step,
                 "total_steps": view.total_steps,
                 "updated": _last_progress(view),
@@ -303,7 +187,7 @@ def list_runs(root: str, warn=None) -> list[dict[str, Any]]:
 
 
 # -- plot ---------------------------------------------------------------------------------------------
-def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
+def plot(view: RunRecord, metrics: Sequence[str], path: str) -> list[str]:
     """Draw metrics over steps, rollbacks and snapshots marked, the abandoned rows of rolled-back
     steps in grey so a spike and its recovery show at a glance. Returns the metrics drawn."""
     import matplotlib
@@ -311,24 +195,23 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    abandoned = _read(Storage(view.url), ABANDONED, None, require_step=True)
-    keys = [k for k in (metrics or PLOT_METRICS) if any(_numbers(r.get(k)) for r in view.rows)]
+    keys = [k for k in (metrics or PLOT_METRICS) if any(is_number(r.get(k)) for r in view.rows)]
     if not metrics:  # the defaults that move, else those the run has
-        moving = [k for k in keys if len({r[k] for r in view.rows if _numbers(r.get(k))}) > 1]
+        moving = [k for k in keys if len({r[k] for r in view.rows if is_number(r.get(k))}) > 1]
         keys = (moving or keys)[:4]
     if not keys:
         raise ConfigError(f"none of the metrics {', '.join(metrics or PLOT_METRICS)} is in {view.url}")
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True, squeeze=False)
-    commits = [e["step"] for e in view.events_of("snapshot_committed") if isinstance(e.get("step"), int)]
+    commits = [e["step"] for e in view.events_of(SNAPSHOT_COMMITTED) if isinstance(e.get("step"), int)]
     for ax, key in zip(axes[:, 0], keys):
-        steps = [r["step"] for r in view.rows if isinstance(r.get(key), (int, float))]
-        values = [r[key] for r in view.rows if isinstance(r.get(key), (int, float))]
+        steps = [r["step"] for r in view.rows if is_number(r.get(key))]
+        values = [r[key] for r in view.rows if is_number(r.get(key))]
         sparse = len(steps) < len(view.rows) / 2  # validation: every val_every steps, each point shown
         ax.plot(steps, values, lw=1.2, label=key, marker="o" if sparse else None, ms=3)
-        gone = [r for r in abandoned if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        gone = [r for r in view.abandoned if is_number(r.get(key), finite=True)]
         if gone:
             ax.scatter([r["step"] for r in gone], [r[key] for r in gone], s=10, c="0.6", label="rolled back")
-        for e in (e for e in view.events_of("rollback") if _numbers(e.get("to_step"), e.get("from_step"))):
+        for e in (e for e in view.events_of(ROLLBACK) if is_number(e.get("to_step")) and is_number(e.get("from_step"))):
             ax.axvspan(e["to_step"], e["from_step"], color="tab:red", alpha=0.12)
             ax.axvline(e["from_step"], color="tab:red", lw=0.8)
         for s in commits:
@@ -341,7 +224,3 @@ def plot(view: RunView, metrics: Sequence[str], path: str) -> list[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return keys
-
-
-def _numbers(*values: Any) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)

@@ -84,7 +84,9 @@ def inspect(
         columns, rows = lib.select(view.rows, globs, last=last, since=since, until=until, every=every)
         emit(columns, rows, fmt)
         return
-    summary = lib.summary(view)
+    from rlctl.rundir.summary import state_summary
+
+    summary = state_summary(view)
     if fmt == "table":
         print_summary(summary)
     elif fmt in ("json", "jsonl"):
@@ -155,6 +157,6 @@ def follow_rows(run_dir: str, globs: list[str], fmt: str, interval: float = 1.0)
             emit(columns, rows, "jsonl" if fmt == "json" else fmt, header=header)
             header = False
             printed = fresh[-1]["step"]
-        elif lib.status(view) != "running":
+        elif view.status() != "running":
             return
         time.sleep(interval)

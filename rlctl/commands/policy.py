@@ -81,7 +81,7 @@ def _warn_unknown_metrics(loaded, run_url: str | None) -> int:
 
     keys = None
     if run_url is not None:
-        from rlctl.replay import metric_keys, read_history
+        from rlctl.rundir.replay import metric_keys, read_history
 
         keys = metric_keys(read_history(run_url, warn=lambda text: click.echo(text, err=True)))
     count = 0
@@ -119,8 +119,8 @@ def replay(run_url: str, files: tuple[str, ...], fmt: str) -> None:
     """Replay RUN's whole metric history (abandoned rows included, in the order they were written)
     through the policies, acting on nothing, and list where each rule would have fired and what it
     would have done. Replaying a run with the policy it ran under lists the firings of its events."""
-    from rlctl import replay as lib
     from rlctl.commands.render import emit
+    from rlctl.rundir import replay as lib
 
     rules = lib.policy_rules(run_url, files)
     history = lib.read_history(run_url, warn=lambda text: click.echo(text, err=True))
@@ -135,12 +135,32 @@ def replay(run_url: str, files: tuple[str, ...], fmt: str) -> None:
         emit([], [r.record() for r in replayed], fmt)
         return
     columns = ["step", "rule", "trigger", "metric", "value", "limit", "actions", "count", "turned_away"]
-    rows = [{**r.record(), "actions": lib.actions_text(r.firing)} for r in replayed]
+    rows = [{**r.record(), "actions": _actions(r.firing)} for r in replayed]
     emit(columns, rows, fmt)
     if fmt == "table":
         click.echo()
-        for line in lib.footer(lib.firing_counts(replayed, rules)):
+        for line in _footer(lib.firing_counts(replayed, rules)):
             click.echo(line)
+
+
+def _actions(firing) -> str:
+    """What a firing would have done, short: ``rollback+adjust`` or ``halt (escalated)``."""
+    text = "+".join(a.type for a in firing.actions)
+    return f"{text} (escalated)" if firing.escalated else text
+
+
+def _footer(steps: dict[str, list[int]]) -> list[str]:
+    """Lines under the table: how often each rule fired and where, then the rules that never did."""
+    lines = [
+        f"{name}: fired {len(at)} time{'s' if len(at) > 1 else ''}, at step{'s' if len(at) > 1 else ''} "
+        + ", ".join(map(str, at))
+        for name, at in steps.items()
+        if at
+    ]
+    never = [name for name, at in steps.items() if not at]
+    if never:
+        lines.append(f"never fired: {', '.join(never)}")
+    return lines
 
 
 @policy.command("calibrate")

@@ -12,6 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rlctl.numbers import is_number
+
 
 class StepProgress:
     """A ``rlctl.ranks.report.Reporter`` that draws on stderr."""
@@ -97,4 +99,4 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
 
 def _num(value: Any, spec: str) -> str:
     """A metric for the progress line; '-' when the row lacks it (or it is not a number)."""
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
+    return format(value, spec) if is_number(value) else "-"

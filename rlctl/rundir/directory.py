@@ -11,7 +11,7 @@ import yaml
 
 from rlctl.errors import ConfigError, RlctlError
 from rlctl.metrics import read_rows
-from rlctl.rundir.layout import CONFIG, METRICS, MODEL
+from rlctl.rundir.layout import CONFIG, METRICS, MODEL, not_a_run
 from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.storage import Storage
 
@@ -74,7 +74,7 @@ def read_config_data(run: Storage) -> dict[str, Any]:
     try:
         raw = run.read_bytes(CONFIG)
     except FileNotFoundError:
-        raise ConfigError(f"{run.url} is not an rlctl run directory (it has no {CONFIG})") from None
+        raise not_a_run(run.url) from None
     except IsADirectoryError:
         raise ConfigError(f"{where} is a directory, not a run's config") from None
     try:

@@ -1,4 +1,7 @@
-"""Names of the files in a run directory, in one place (see rlctl/rundir/__init__.py for what each holds)."""
+"""Names of the files in a run directory, in one place (see rlctl/rundir/__init__.py for what each holds),
+and the error of a directory that holds no run."""
+
+from rlctl.errors import ConfigError
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -7,3 +10,8 @@ EVENTS = "events.jsonl"
 POLICY_STATE = "policy_state.json"
 MODEL = "model"
 CHECKPOINTS = "checkpoints"
+
+
+def not_a_run(url: str) -> ConfigError:
+    """The error of a directory that holds no run (no config.yaml, or not even metric rows)."""
+    return ConfigError(f"{url} is not an rlctl run directory (it has no {CONFIG})")

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from rlctl.cli import cli
 from rlctl.config import RunConfig
-from rlctl.inspect import CHECK_CODES, sparkline
+from rlctl.inspect import CHECK_CODES
+from rlctl.rundir.summary import sparkline
 from rlctl.storage import Storage
 
 from helpers import SMALL, metrics_of, run_cli, spawn, wait_for

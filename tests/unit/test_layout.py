@@ -14,7 +14,7 @@ FLOORS = [
     ("rlctl.__main__",),
     ("rlctl.cli",),
     ("rlctl.commands",),
-    ("rlctl.run", "rlctl.inspect", "rlctl.export", "rlctl.replay", "rlctl.calibrate"),
+    ("rlctl.run", "rlctl.inspect", "rlctl.export", "rlctl.calibrate"),
     ("rlctl.ranks",),
     ("rlctl.engine",),
     ("rlctl.rundir",),

@@ -13,7 +13,8 @@ from rlctl import calibrate as cal
 from rlctl.commands.policy import policy
 from rlctl.errors import ConfigError, InputError
 from rlctl.policies import PolicyEngine, validate_policy
-from rlctl.replay import Turns, metric_keys, order_history, read_history, replay
+from rlctl.rundir.record import order_history
+from rlctl.rundir.replay import Turns, metric_keys, read_history, replay
 
 KL_RULE = {
     "name": "kl",

@@ -3,7 +3,7 @@ acts on nothing, and where each rule would have fired.
 
 The history is what the live run saw: the rows of metrics.jsonl and the abandoned ones
 (metrics.abandoned.jsonl, each tagged by the rollback or resume that turned away from it), in the order
-they were written (``order_history``). Where the history goes back to an earlier step (a turn), the
+they were written (``rlctl.rundir.record``). Where the history goes back to an earlier step (a turn), the
 engine is set as the live run's was: after a rollback, rewound to the step before (its trigger counts
 kept); after a resume, the snapshot's state or the one policy_state.json carried, or a fresh state when
 the resume found no snapshot and started over (``Turns``). So replaying a run with the policy it ran
@@ -12,33 +12,20 @@ under lists the firings of its events.jsonl.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlctl.errors import ConfigError, InputError
-from rlctl.metrics import BadLines, read_rows
+from rlctl.events import RESUME
 from rlctl.policies import Firing, PolicyEngine, Rule, load_policies
 from rlctl.rundir.directory import read_config_data
-from rlctl.rundir.layout import ABANDONED, CONFIG, METRICS
+from rlctl.rundir.layout import METRICS
+from rlctl.rundir.record import HistoryRow, read_run
 from rlctl.storage import Storage
 
 Warn = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class HistoryRow:
-    """One metric row as the live run wrote it; ``turned``: the tag of the rollback or resume that
-    turned the run away from it (None for a row of metrics.jsonl)."""
-
-    row: dict[str, Any]
-    turned: dict[str, Any] | None = None
-
-    @property
-    def step(self) -> int:
-        return self.row["step"]
 
 
 @dataclass(frozen=True)
@@ -59,46 +46,13 @@ def read_history(url: str, warn: Warn | None = None) -> list[HistoryRow]:
     """The run's metric rows, kept and abandoned, in the order they were written. A line that cannot
     be read is skipped and said once per file (through ``warn``); a run without any row is an
     InputError, a directory that is no run a ConfigError."""
-    run = Storage(url)
-    if not run.exists(CONFIG) and not run.exists(METRICS):
-        raise ConfigError(f"{run.url} is not an rlctl run directory (it has no {CONFIG})")
-    kept_bad, gone_bad = BadLines(run.url_of(METRICS)), BadLines(run.url_of(ABANDONED))
-    kept = read_rows(run, METRICS, kept_bad, require_step=True)
-    gone = read_rows(run, ABANDONED, gone_bad, require_step=True)
-    for bad in (kept_bad, gone_bad):
-        if warn is not None and (text := bad.warning()) is not None:
-            warn(text)
-    if not kept and not gone:
-        raise InputError(f"run {run.url} has no metric rows ({METRICS} is missing or empty): nothing to replay")
-    return order_history(kept, gone)
-
-
-def order_history(kept: Sequence[dict[str, Any]], abandoned: Sequence[dict[str, Any]]) -> list[HistoryRow]:
-    """Rows of metrics.jsonl and of metrics.abandoned.jsonl merged in the order they were written: by
-    ``timestamp`` (a row without a finite number there takes its file predecessor's; the first rows of a
-    file without one come first), then step; on a tie of both, an abandoned row before a kept one (a
-    kept row of a step was written after every abandoned row of that step: after the turn that
-    abandoned them), then file order."""
-    history = [HistoryRow(r) for r in kept]
-    history += [HistoryRow({k: v for k, v in r.items() if k != "abandoned"}, _tag(r)) for r in abandoned]
-    stamps = _stamps(kept) + _stamps(abandoned)
-    order = sorted(range(len(history)), key=lambda i: (stamps[i], history[i].step, history[i].turned is None, i))
-    return [history[i] for i in order]
-
-
-def _tag(row: dict[str, Any]) -> dict[str, Any]:
-    tag = row.get("abandoned")
-    return tag if isinstance(tag, dict) else {"event": "unknown"}
-
-
-def _stamps(rows: Sequence[dict[str, Any]]) -> list[float]:
-    out, last = [], float("-inf")
-    for r in rows:
-        stamp = r.get("timestamp")
-        if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) and math.isfinite(stamp):
-            last = float(stamp)
-        out.append(last)
-    return out
+    record = read_run(url)
+    history = record.history
+    for text in record.warnings() if warn is not None else ():
+        warn(text)
+    if not history:
+        raise InputError(f"run {record.url} has no metric rows ({METRICS} is missing or empty): nothing to replay")
+    return history
 
 
 # -- the policies -------------------------------------------------------------------------------------
@@ -124,7 +78,7 @@ def replay(history: Iterable[HistoryRow], rules: Sequence[Rule]) -> list[Replaye
     previous: HistoryRow | None = None
     for item in history:
         if previous is not None and item.step <= previous.step:
-            turns.turn(item.step - 1, resumed=(previous.turned or {}).get("event") == "resume")
+            turns.turn(item.step - 1, resumed=(previous.turned or {}).get("event") == RESUME)
         firings = engine.evaluate(item.step, item.row)
         turns.evaluated(item.step, halted=any(a.type == "halt" for f in firings for a in f.actions))
         out += [Replayed(f, item.turned) for f in firings]
@@ -174,26 +128,6 @@ def firing_counts(replayed: Sequence[Replayed], rules: Sequence[Rule]) -> dict[s
     for item in replayed:
         steps[item.firing.rule].append(item.firing.step)
     return steps
-
-
-def actions_text(firing: Firing) -> str:
-    """What a firing would have done, short: ``rollback+adjust`` or ``halt (escalated)``."""
-    text = "+".join(a.type for a in firing.actions)
-    return f"{text} (escalated)" if firing.escalated else text
-
-
-def footer(steps: dict[str, list[int]]) -> list[str]:
-    """Lines under the table: how often each rule fired and where, then the rules that never did."""
-    lines = [
-        f"{name}: fired {len(at)} time{'s' if len(at) > 1 else ''}, at step{'s' if len(at) > 1 else ''} "
-        + ", ".join(map(str, at))
-        for name, at in steps.items()
-        if at
-    ]
-    never = [name for name, at in steps.items() if not at]
-    if never:
-        lines.append(f"never fired: {', '.join(never)}")
-    return lines
 
 
 NOT_METRICS = frozenset({"step", "timestamp"})
