@@ -16,7 +16,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, checksum_problem, parse_step_spec
+from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
+from rlctl.checkpoint.manifest import checksum_problem
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.errors import ConfigError, SnapshotError
 from rlctl.rundir.directory import load_run_config
 from rlctl.rundir.snapshots import snapshot_manager

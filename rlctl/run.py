@@ -18,7 +18,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager, parse_step_spec
+from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows

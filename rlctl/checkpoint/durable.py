@@ -8,9 +8,6 @@
 - every 64 MiB it asks the kernel to start writing back what is dirty (``sync_file_range``), so the
   disk works while serialization goes on instead of all at the final fsync;
 - ``close()`` fsyncs and returns the size and sha256, so the commit never reads the file again.
-
-``full=True`` makes every write fail as on a full disk (the ``enospc`` fault drill), where a real one
-would: in ``os.write``.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ _sync_file_range = _load_sync_file_range()
 class DurableFile:
     PARALLEL_MIN = 1 << 20  # smaller chunks are hashed inline: a thread hand-off would cost more
 
-    def __init__(self, path: str, full: bool = False):
+    def __init__(self, path: str):
         self.path = path
-        self.full = full
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._kicked = 0
@@ -74,7 +70,7 @@ class DurableFile:
         try:
             rest = view
             while rest:
-                rest = rest[self._write(rest) :]
+                rest = rest[os.write(self._fd, rest) :]
         finally:
             if parallel:
                 self._done.get()  # the hash has finished reading the caller's buffer
@@ -83,11 +79,6 @@ class DurableFile:
             _sync_file_range(self._fd, self._kicked, self._size - self._kicked, _SYNC_FILE_RANGE_WRITE)
             self._kicked = self._size
         return n
-
-    def _write(self, data: memoryview) -> int:
-        if self.full:
-            raise no_space(self.path)
-        return os.write(self._fd, data)
 
     def flush(self) -> None:
         pass

@@ -11,7 +11,7 @@ live state), and then:
   listed size, hashes its own files that no DurableFile wrote, uploads the staged directory (object
   storage), and returns the files the manifest will list. Writing the manifest (the commit) is the
   caller's: it checks the run's lease right before;
-- every other rank: uploads its files, then lists them with size and sha256 in ``ranks/rank-N.json``.
+- every other rank: uploads its files, then lists them with size and sha256 (``layout.rank_list``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,11 @@ from typing import Any
 import orjson
 
 from rlctl.checkpoint.durable import DurableFile, save_object
-from rlctl.checkpoint.manifest import MANIFEST, parse_rank_list, sha256_file
+from rlctl.checkpoint.layout import MANIFEST, rank_list
+from rlctl.checkpoint.manifest import parse_rank_list, sha256_file
 from rlctl.storage import Storage, fsync_path
 
-RANKS_DIR = "ranks"
-
 Files = dict[str, dict[str, Any]]
-
-
-def rank_list(rank: int) -> str:
-    return f"{RANKS_DIR}/rank-{rank}.json"
 
 
 @dataclass

@@ -16,9 +16,10 @@ from typing import Any
 
 import orjson
 
+from rlctl.checkpoint.layout import MANIFEST
+from rlctl.numbers import is_number
 from rlctl.storage import Storage
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 CHUNK = 8 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -30,10 +31,6 @@ class UnreadableManifest(ValueError):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def file_problem(rel: Any, meta: Any) -> str | None:
@@ -101,7 +98,7 @@ def val_problem(val: Any) -> str | None:
     if not isinstance(metrics, dict):
         return f"its val metrics are a {type(metrics).__name__}, not an object"
     for name, value in metrics.items():
-        if value is not None and not _is_number(value):
+        if value is not None and not is_number(value):
             return f"its val metric {name} is {reprlib.repr(value)}, not a number"
     return None
 

@@ -1,34 +1,21 @@
-"""Snapshots: scheduled, staged while training waits, written, uploaded and committed in the background.
+"""Taking and restoring snapshots: scheduled, staged while training waits, written, uploaded and
+committed in the background; retention after each commit; restore.
+
+The manager has a ``Catalog`` (``rlctl.checkpoint.catalog``, the read side: scan, candidates, best,
+quarantine) for everything it needs to find, and the names of a snapshot come from
+``rlctl.checkpoint.layout``; which snapshots to keep are ``rlctl.checkpoint.retention``'s rules.
 
 Training waits only while the Statefuls' state dicts are taken and handed to the writer: the snapshot
 writer process (``rlctl.checkpoint.writer``; in a thread with ``writer="thread"``) serializes, hashes,
 writes and uploads the files, and a thread of the manager writes the manifest once they are all on
-storage, right after the lease's check.
-
-Layout under the checkpoint directory (RUN_DIR/checkpoints unless ``checkpoint.dir`` says otherwise)::
-
-    step-000500/
-      <name>/...          each directory-Stateful in its own format (the engines: weights, optimizer ...)
-      state.pt            every other Stateful's state_dict (trainer, data cursor, RNG, KL controller ...)
-      <extra files>       the resolved config, the model's HF config and tokenizer
-      manifest.json       written last, created exclusively: the only proof the snapshot exists
-    abandoned/<time>/step-000700/   snapshots of a branch a resume turned away from (never deleted)
-    quarantine/step-000600.<time>/  a snapshot whose manifest could not be read (never deleted)
-
-The manifest lists every file with its size and sha256, the rlctl version, the world size and the
-run's other topology facts (each a ``Topology`` its caller names, such as the engine's partitioning).
-It also records the run's last validation when there was one (``val``: the step validated and its
-metrics): "best" (``candidates``, ``best``) and retention's ``keep_best`` rank snapshots by it.
-A directory without a manifest file is not a snapshot but this protocol's own unfinished temporary:
-discovery ignores it and start-up removes it. A directory whose manifest exists but cannot be read
-(garbage, truncated, fields of the wrong shape) is not chosen either, and the run's writer moves it to
-``quarantine/`` and says so: rlctl deletes only what it can prove is its own. "latest" is found by
-listing, never from a pointer file.
+storage, right after the lease's check. The manifest lists every file with its size and sha256, the
+rlctl version, the world size and the run's other topology facts (each a ``Topology`` its caller
+names, such as the engine's partitioning), and the run's last validation when there was one.
 
 With several ranks every rank writes its own files into the same step directory (its engine shards
-and ``state.rank-N.pt``, its own RNG and counters), then ``ranks/rank-N.json`` listing them with size
-and sha256. Rank 0 commits: it waits for every rank's list, checks each listed file is on storage with
-the listed size, and only then creates the manifest covering all of them.
+and its state file, its own RNG and counters), then its list of them with size and sha256. Rank 0
+commits: it waits for every rank's list, checks each listed file is on storage with the listed size,
+and only then creates the manifest covering all of them.
 
 A commit either happens or the run hears about it: every failed snapshot is a ``snapshot_failed``
 event (``rlctl.checkpoint.failure_count``), ``max_failures`` in a row end the run with a StorageError, and
@@ -40,230 +27,40 @@ thread at its next ``save()`` or ``wait()``.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
-import re
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
-from rlctl import __version__, faults
+from rlctl import __version__, events, faults
+from rlctl.checkpoint.catalog import BestRule, Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
 from rlctl.checkpoint.failure_count import FailureCount, describe
-from rlctl.checkpoint.job import WriteJob, Written, finish, rank_list
-from rlctl.checkpoint.manifest import (
-    FORMAT,
+from rlctl.checkpoint.job import WriteJob, Written, finish
+from rlctl.checkpoint.layout import (
     MANIFEST,
-    UnreadableManifest,
-    checksum_problem,
-    parse_manifest,
-    stored_checksum_problem,
-    val_problem,
+    abandoned_name,
+    files_of_rank,
+    rank_list,
+    stage_prefix,
+    state_file,
+    step_name,
 )
+from rlctl.checkpoint.manifest import FORMAT, checksum_problem, val_problem
+from rlctl.checkpoint.retention import Retention, RollbackReach
+from rlctl.checkpoint.staging import DirStateful, dir_file_rank, stage_files
 from rlctl.checkpoint.writer import NoSharedMemory, pickle_job, writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
 from rlctl.storage import Storage
-
-QUARANTINE = "quarantine"
-STATE_FILE = "state.pt"
-
-
-def state_file(rank: int) -> str:
-    return STATE_FILE if rank == 0 else f"state.rank-{rank}.pt"
-
-
-_OWN_RANK_FILE = re.compile(r"^(?:state\.rank-(\d+)\.pt|ranks/rank-(\d+)\.json)$")  # the manager's own
-
-FileRank = Callable[[str], "int | None"]
-
-
-def files_of_rank(files, rank: int, file_rank: FileRank | None = None) -> list[str]:
-    """The files of a snapshot that rank ``rank`` reads to restore: everything except the other ranks'
-    own files. The manager's own per-rank files (``state.pt`` is rank 0's) it tells apart itself; any
-    other file is owned by the rank ``file_rank(path)`` names, or shared when it names none. In a world
-    of one, every file."""
-    out = []
-    for rel in files:
-        if rel == STATE_FILE:
-            owner = 0
-        elif m := _OWN_RANK_FILE.match(rel):
-            owner = int(next(g for g in m.groups() if g is not None))
-        else:
-            owner = file_rank(rel) if file_rank is not None else None
-        if owner is None or owner == rank:
-            out.append(rel)
-    return out
-
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-EventFn = Callable[[dict[str, Any]], None]
-
-
-Defer = Callable[[str, Any], None]
-
-
-class DirStateful(Protocol):
-    """State too big or too structured for a state_dict: saved into, and loaded from, a directory.
-
-    ``save_to_dir`` may write files at once, or hand an object to ``defer(path, obj)``: the snapshot
-    writer then serializes it into ``path`` with ``torch.save`` (in its own process, or in the manager's
-    background thread). Whoever defers promises that the tensors ``obj`` holds do not change until
-    ``SnapshotManager.wait_staged()`` returns (the actor waits there before its next optimizer step)."""
-
-    def save_to_dir(self, path: str, defer: Defer | None = None) -> None: ...
-
-    def load_from_dir(self, path: str) -> None: ...
-
-    # Optional: the rank that alone reads a file of the directory (path relative to it), None when
-    # every rank reads it. Without it, every rank fetches and checks every file of the directory.
-    # def file_rank(self, rel: str) -> int | None: ...
-
-
-@dataclass(frozen=True)
-class Topology:
-    """One fact besides the world size that a snapshot's files are laid out for (a directory-Stateful's
-    topology, e.g. how an engine partitions its state): recorded in the manifest under ``key``; a
-    snapshot that recorded another value is not usable, and ``mismatch`` (formatted with ``recorded``
-    and ``value``) says why."""
-
-    key: str
-    value: Any
-    mismatch: str
-
-    def problem(self, manifest: dict[str, Any]) -> str | None:
-        recorded = manifest.get(self.key)
-        return None if recorded == self.value else self.mismatch.format(recorded=recorded, value=self.value)
-
-
-def dir_file_rank(dirs: dict[str, DirStateful]) -> FileRank:
-    """``file_rank`` over a snapshot's paths, asking the directory-Stateful each path lies under."""
-
-    def file_rank(rel: str) -> int | None:
-        key, _, inner = rel.partition("/")
-        ask = getattr(dirs.get(key), "file_rank", None)
-        return ask(inner) if ask is not None and inner else None
-
-    return file_rank
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def parse_step_spec(spec: str) -> int | str:
-    """'latest' | 'last-good' | 'best' | 'step-500' | '500' -> 'latest' | 'last-good' | 'best' | 500."""
-    if spec in ("latest", "last-good", "best"):
-        return spec
-    m = re.fullmatch(r"(?:step-)?0*(\d+)", spec)
-    if not m:
-        raise SnapshotError(f"--from expects latest, last-good, best, step-N or N; got {spec!r}")
-    return int(m.group(1))
-
-
-@dataclass
-class SnapshotInfo:
-    step: int
-    name: str
-    manifest: dict[str, Any] | None = None
-    problem: str | None = None  # why the snapshot is not usable
-    unreadable: bool = False  # its manifest exists but cannot be read: quarantined, never deleted
-
-    @property
-    def committed(self) -> bool:
-        return self.manifest is not None
-
-    @property
-    def usable(self) -> bool:
-        return self.committed and self.problem is None
-
-    @property
-    def good(self) -> bool:
-        return bool(self.manifest) and self.manifest.get("good") is True
-
-    @property
-    def _val(self) -> dict[str, Any]:
-        """The manifest's last validation (checked in a manifest of this format; ignored in another)."""
-        m = self.manifest or {}
-        return (m.get("val") or {}) if m.get("format") == FORMAT else {}
-
-    @property
-    def val_step(self) -> int | None:
-        """The step of the run's last validation when the snapshot was taken (None: none yet)."""
-        return self._val.get("step")
-
-    def val_metric(self, name: str) -> float | None:
-        """The value of validation metric ``name`` the manifest records (None when it records none)."""
-        value = self._val.get("metrics", {}).get(name)
-        return None if value is None else float(value)
-
-    def as_row(self, metric: str | None = None) -> dict[str, Any]:
-        """The snapshot as a row of ``rlctl checkpoints``; with ``metric``, also its recorded value of
-        that validation metric (a key of its name) and ``val_step``."""
-        m = self.manifest or {}
-        created, size = m.get("created"), m.get("total_bytes")  # (a manifest of another format: any shape)
-        return {
-            "step": self.step,
-            "name": self.name,
-            "time": created if isinstance(created, str) else None,
-            "bytes": size if isinstance(size, int) and not isinstance(size, bool) else None,
-            "committed": self.committed,
-            "good": self.good,
-            "usable": self.usable,
-            "problem": self.problem,
-            **({metric: self.val_metric(metric), "val_step": self.val_step} if metric is not None else {}),
-        }
-
-
-VAL_METRIC = "val/score/mean"  # what "best" ranks by unless checkpoint.keep_best names another (its default)
-
-
-@dataclass(frozen=True)
-class KeepBest:
-    """Which snapshots are the best: by the validation ``metric`` their manifest records, higher
-    (``mode`` "max") or lower ("min") first; retention keeps the ``k`` best."""
-
-    metric: str = VAL_METRIC
-    mode: str = "max"
-    k: int = 1
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("max", "min") or self.k < 1:
-            raise ValueError(f"KeepBest needs mode max or min and k >= 1; got mode {self.mode!r}, k {self.k}")
-
-    def rank(self, infos: Sequence[SnapshotInfo]) -> list[SnapshotInfo]:
-        """Those of ``infos`` taken at a validated step that record the metric, best first (of equal
-        values, the earlier step). A snapshot taken between validations carries the last one's value,
-        which its own weights never scored: it never ranks."""
-        sign = -1.0 if self.mode == "max" else 1.0
-        scored = [
-            (value, i) for i in infos if i.step == i.val_step and (value := i.val_metric(self.metric)) is not None
-        ]
-        scored.sort(key=lambda vi: (sign * vi[0], vi[1].step))
-        return [i for _, i in scored]
-
-
-@dataclass
-class Retention:
-    keep_last: int | None = None  # None: keep every snapshot
-    keep_every: int = 0  # also keep steps that are multiples of this (0: none)
-    protected: set[int] = field(default_factory=set)  # steps a pending rollback needs
-    best: KeepBest | None = None  # also keep the k best good snapshots by a validation metric
-    rollback_best: tuple[KeepBest, ...] = ()  # and the best by each metric a policy may roll back to
-
-    @property
-    def best_rules(self) -> list[KeepBest]:
-        """Every rule of "best" whose snapshots retention keeps."""
-        return [*([self.best] if self.best is not None else []), *self.rollback_best]
 
 
 @dataclass
@@ -284,10 +81,12 @@ class _Job:
 
 
 class SnapshotManager:
-    """One run's snapshots: when to take them (``should_save``), writing and committing them, which to
+    """One run's snapshots as they are taken: when (``should_save``), writing and committing them, which to
     keep (``Retention``, and ``protect``: never the one a rollback of ``max_steps_back`` steps needs),
-    discovery and restore. ``collectives`` are the ranks' (``Local()`` for one process); ``topology`` the
-    facts besides the world size a snapshot must have been written for to be usable here.
+    turning away from later ones (``abandon_after``) and restore. Finding them is its ``catalog``'s,
+    built from the same storage, world size, topology, retention's keep_best and ``on_event``.
+    ``collectives`` are the ranks' (``Local()`` for one process); ``topology`` the facts besides the
+    world size a snapshot must have been written for to be usable here.
     ``max_failures``: failed snapshots in a row that end the run (StorageError); ``fence``: called right
     before any manifest is written, it raises when this process may no longer write (a lost lease);
     ``writer``: "process" writes snapshot files in this process's writer process
@@ -322,6 +121,8 @@ class SnapshotManager:
         self.rank_timeout = rank_timeout  # how long rank 0 waits for the other ranks' files
         self.retention = retention or Retention()
         self.on_event = on_event or (lambda event: None)
+        best = self.retention.best.rule if self.retention.best is not None else None
+        self.catalog = Catalog(storage, world_size=world_size, topology=topology, keep_best=best, on_event=on_event)
         self.staging_dir = staging_dir
         self.asynchronous = asynchronous
         self.fence = fence
@@ -340,8 +141,6 @@ class SnapshotManager:
         self._outcome: bool | None = None  # of the last snapshot taken: committed or not
         self._fenced: BaseException | None = None  # what the fence raised: raised again at every wait
         self.last_committed: int | None = None  # the newest step committed or restored by this manager
-        self.quarantined: list[SnapshotInfo] = []  # moved aside by remove_uncommitted, with the reason
-        self.commit_delay = 0.0  # fault drills: seconds to wait before committing
 
     # -- cadence and protection ----------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -351,126 +150,25 @@ class SnapshotManager:
     def protect(self, step: int) -> None:
         """Before saving ``step``: retention keeps the newest good snapshot a rollback of
         ``max_steps_back`` steps from here would need (nothing to do when no policy steps back)."""
-        if not self.max_steps_back:
-            return
-        horizon = step - self.max_steps_back
-        needed = [i.step for i in self.scan() if i.good and i.step <= horizon]
-        self.retention.protected = set(needed[-1:])
+        if self.max_steps_back:
+            self.retention.protected = RollbackReach(step, self.max_steps_back).keep(self.catalog.scan())
 
-    # -- discovery ---------------------------------------------------------------------------------
+    # -- discovery: the catalog's ------------------------------------------------------------------
     def scan(self, deep: bool = False, files: bool = True) -> list[SnapshotInfo]:
-        """Every step directory, committed or not, oldest first. ``files``: also check that every file
-        its manifest lists is there with its size (False: the manifest alone, for a caller that restores
-        the snapshot it picks, which verifies every file it reads); ``deep`` also checks every sha256 (on
-        any storage, streamed)."""
-        infos = [SnapshotInfo(step, name) for step, name in self._step_dirs()]
-        for info in infos:
-            self._inspect(info, deep, files)
-        return infos
-
-    def _step_dirs(self) -> list[tuple[int, str]]:
-        """(step, directory name) of every step directory, oldest first."""
-        found = [(int(m.group(1)), name) for name in self.storage.listdir() if (m := _STEP_DIR.match(name))]
-        return sorted(found)
-
-    def _inspect(self, info: SnapshotInfo, deep: bool, files: bool = True) -> None:
-        try:
-            raw = self.storage.read_bytes(info.name, MANIFEST)
-        except FileNotFoundError:
-            info.problem = "no manifest: never committed (interrupted or in progress)"
-            return
-        try:
-            info.manifest = parse_manifest(raw)
-        except UnreadableManifest as exc:
-            info.problem, info.unreadable = str(exc), True
-            return
-        info.problem = self._problem(info, deep, files)
-
-    def _problem(self, info: SnapshotInfo, deep: bool, files: bool = True) -> str | None:
-        m = info.manifest or {}
-        if m["format"] != FORMAT:
-            return f"manifest format {m['format']!r}; this rlctl reads format {FORMAT}"
-        if m["step"] != info.step:
-            return f"its manifest is of step {m['step']}, not of step {info.step}"
-        if m["world_size"] != self.world_size:
-            return f"written by {m['world_size']} rank(s); this run has {self.world_size}"
-        for fact in self.topology:
-            if (problem := fact.problem(m)) is not None:
-                return problem
-        if not (files or deep):
-            return None
-        sizes = self.storage.file_sizes(info.name)
-        for rel, meta in m["files"].items():
-            if rel not in sizes:
-                return f"file {rel} is missing"
-            if (size := sizes[rel]) != meta["size"]:
-                return f"file {rel} has {size} bytes; the manifest says {meta['size']}"
-        return stored_checksum_problem(self.storage, info.name, m) if deep else None
-
-    def remove_uncommitted(self) -> list[int]:
-        """Tidy up before choosing a snapshot (call only as the run's writer): delete the step
-        directories without a manifest file, this protocol's own unfinished temporaries, and move those
-        whose manifest cannot be read to quarantine/ (never deleted; each is reported and listed in
-        ``quarantined``, with the reason and where it went in its ``problem``). Returns the steps
-        deleted."""
-        removed = []
-        for info in self.scan():
-            if info.unreadable:
-                self._quarantine(info)
-            elif not info.committed:
-                self.storage.rm(info.name, recursive=True)
-                removed.append(info.step)
-        return removed
-
-    def _quarantine(self, info: SnapshotInfo) -> None:
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest, n = f"{QUARANTINE}/{info.name}.{stamp}", 1
-        while self.storage.exists(dest):
-            dest, n = f"{QUARANTINE}/{info.name}.{stamp}-{n}", n + 1
-        self.storage.move_dir(info.name, dest)
-        reason, location = info.problem, self.storage.url_of(dest)
-        info.problem = f"{reason}; moved to {location}"
-        self.quarantined.append(info)
-        self.on_event({"event": "snapshot_quarantined", "step": info.step, "reason": reason, "location": location})
-
-    @property
-    def best_rule(self) -> KeepBest:
-        """What "best" means for this run: retention's keep_best, else the highest val/score/mean."""
-        return self.retention.best or KeepBest()
-
-    def best(self, metric: str, mode: str, files: bool = True) -> list[SnapshotInfo]:
-        """The usable good snapshots of validated steps that record validation ``metric``, best first
-        (``mode`` "max": highest first; "min": lowest; of equal values the earlier step). ``files``: as
-        for ``scan``."""
-        return KeepBest(metric, mode).rank([i for i in self.scan(files=files) if i.usable and i.good])
+        return self.catalog.scan(deep, files)
 
     def candidates(self, spec: int | str) -> list[SnapshotInfo]:
-        """Snapshots to try for ``spec``, best first. An explicit step gives that one only; "best" the
-        good committed snapshots that record ``best_rule``'s metric, best value first (raises when none
-        does). Those that cannot be read (in place, or quarantined by this manager) come with their
-        ``problem`` and are never usable: the caller says why it skips them."""
-        infos = self.scan()
-        if spec == "best":
-            return self._best_candidates(infos)
-        if isinstance(spec, int):
-            match = [i for i in infos if i.step == spec] or [i for i in self.quarantined if i.step == spec][-1:]
-            if not match:
-                steps = ", ".join(str(i.step) for i in infos if i.usable) or "none"
-                raise SnapshotError(f"no snapshot of step {spec} in {self.storage.url} (usable steps: {steps})")
-            return match
-        found = [i for i in infos if i.committed or i.unreadable] + self.quarantined
-        ordered = sorted(found, key=lambda i: i.step, reverse=True)
-        return [i for i in ordered if i.good] if spec == "last-good" else ordered
+        return self.catalog.candidates(spec)
 
-    def _best_candidates(self, infos: list[SnapshotInfo]) -> list[SnapshotInfo]:
-        rule = self.best_rule
-        ranked = rule.rank([i for i in infos if i.committed and i.good])
-        if not ranked:
-            raise SnapshotError(
-                f"no good snapshot in {self.storage.url} records the validation metric {rule.metric} (a "
-                "snapshot records it once the run has validated: trainer.val_every)"
-            )
-        return ranked
+    def best(self, metric: str, mode: str, files: bool = True) -> list[SnapshotInfo]:
+        return self.catalog.best(metric, mode, files)
+
+    @property
+    def best_rule(self) -> BestRule:
+        return self.catalog.best_rule
+
+    def remove_uncommitted(self) -> list[int]:
+        return self.catalog.remove_uncommitted()
 
     # -- saving ------------------------------------------------------------------------------------
     def save(
@@ -496,7 +194,7 @@ class SnapshotManager:
             stage = self._stage_dir(step, name)
             if full:  # (the enospc drill: a full disk fails the first files, which DeepSpeed writes here)
                 raise no_space(os.path.join(stage, state_file(self.rank)))
-            deferred, blobs = self._stage_files(stage, states, dirs, extra_files)
+            deferred, blobs = stage_files(stage, self.rank, states, dirs, extra_files)
             work = WriteJob(name, stage, self.storage, self.rank, self.world_size, self.rank_timeout, deferred, blobs)
             work.hold = float(faults.value("write_delay", step) or 0)
             payload = self._hand_over(work)
@@ -546,24 +244,9 @@ class SnapshotManager:
         if self.storage.is_local:
             stage = self.storage.path(name)  # stage in place: the manifest still commits it
         else:
-            stage = tempfile.mkdtemp(prefix=f"rlctl-{name}-", dir=self.staging_dir)
+            stage = tempfile.mkdtemp(prefix=stage_prefix(name), dir=self.staging_dir)
         os.makedirs(stage, exist_ok=True)
         return stage
-
-    def _stage_files(self, stage, states, dirs, extra_files):
-        """Every directory-Stateful saved (its files deferred), this rank's states serialized and (rank
-        0) the extra files: the deferred (path, object) pairs and the blobs, for the writer to write."""
-        import torch
-
-        deferred: list[tuple[str, Any]] = []
-        for key, obj in dirs.items():
-            obj.save_to_dir(os.path.join(stage, key), lambda path, state: deferred.append((path, state)))
-        buf = io.BytesIO()
-        torch.save({key: obj.state_dict() for key, obj in states.items()}, buf)
-        blobs = {state_file(self.rank): buf.getvalue()}
-        if self.rank == 0:
-            blobs.update(extra_files or {})
-        return deferred, blobs
 
     def start_writer(self) -> None:
         """Start this process's snapshot writer now rather than at the first snapshot (call on a thread
@@ -583,7 +266,7 @@ class SnapshotManager:
         except NoSharedMemory as exc:
             if not self._fell_back:
                 self._fell_back = True
-                self.on_event({"event": "snapshot_writer_fallback", "reason": str(exc), "writer": "thread"})
+                self.on_event({"event": events.SNAPSHOT_WRITER_FALLBACK, "reason": str(exc), "writer": "thread"})
             return None
         self.start_writer()
         return payload
@@ -629,7 +312,7 @@ class SnapshotManager:
             manifest["upload_s"], manifest["upload_bytes"] = written.upload_s, written.upload_bytes
         manifest["files"] = written.files
         manifest["total_bytes"] = sum(f["size"] for f in written.files.values())
-        delay = self.commit_delay or float(faults.value("commit_delay", job.step) or 0)
+        delay = float(faults.value("commit_delay", job.step) or 0)
         if delay:
             time.sleep(delay)
         return orjson.dumps(manifest, option=orjson.OPT_INDENT_2)
@@ -643,7 +326,7 @@ class SnapshotManager:
             upload = {"upload_mb_s": round(m["upload_bytes"] / 1e6 / m["upload_s"], 1)}
         self.on_event(
             {
-                "event": "snapshot_committed",
+                "event": events.SNAPSHOT_COMMITTED,
                 "step": job.step,
                 "good": m["good"],
                 "bytes": m["total_bytes"],
@@ -656,7 +339,7 @@ class SnapshotManager:
         try:
             self.purge()
         except Exception as exc:  # the snapshot stands; retention tries again after the next commit
-            self.on_event({"event": "snapshots_purge_failed", "step": job.step, "error": describe(exc)})
+            self.on_event({"event": events.SNAPSHOTS_PURGE_FAILED, "step": job.step, "error": describe(exc)})
 
     def _failed(self, step: int, exc: BaseException, stage: str | None) -> None:
         """A snapshot of ``step`` failed: rank 0 counts and reports it, and removes what it wrote (never
@@ -749,41 +432,25 @@ class SnapshotManager:
 
     # -- retention ---------------------------------------------------------------------------------
     def purge(self) -> list[int]:
-        """Apply keep_last / keep_every to the usable snapshots. Never removes the newest snapshot, the
-        newest good one, the k best good ones by keep_best's metric (and the best by each metric a
-        policy rolls back to), a protected step, nor any snapshot
-        that is not usable (unreadable, damaged or of another format: what cannot be read is never
-        deleted). Runs only after a commit."""
-        r = self.retention
-        usable = [i for i in self.scan() if i.usable]
-        if r.keep_last is None or not usable:
-            return []
-        keep = {i.step for i in usable[-r.keep_last :]} | set(r.protected) | {usable[-1].step}
-        good = [i for i in usable if i.good]
-        if good:
-            keep.add(good[-1].step)
-        if r.keep_every:
-            keep |= {i.step for i in usable if i.step % r.keep_every == 0}
-        for rule in r.best_rules:
-            keep |= {i.step for i in rule.rank(good)[: rule.k]}
+        """Remove the snapshots no rule of retention keeps (``Retention.purgeable``: never the newest, the
+        newest good, the best, a protected one nor any that is not usable). Runs only after a commit."""
         removed = []
-        for info in usable:
-            if info.step not in keep:
-                # un-commit first (the manifest goes), so a crash mid-delete leaves no broken snapshot
-                self.storage.rm(info.name, MANIFEST)
-                self.storage.rm(info.name, recursive=True)
-                removed.append(info.step)
+        for info in self.retention.purgeable(self.catalog.scan()):
+            # un-commit first (the manifest goes), so a crash mid-delete leaves no broken snapshot
+            self.storage.rm(info.name, MANIFEST)
+            self.storage.rm(info.name, recursive=True)
+            removed.append(info.step)
         if removed:
-            self.on_event({"event": "snapshots_purged", "steps": removed})
+            self.on_event({"event": events.SNAPSHOTS_PURGED, "steps": removed})
         return removed
 
     def abandon_after(self, step: int, tag: str) -> list[int]:
         """Move committed snapshots later than ``step`` to abandoned/<tag>/ (a resume turned away from
         them; they are kept, not deleted)."""
         moved = []
-        for at, name in self._step_dirs():
+        for at, name in self.catalog.step_dirs():
             if at > step:
-                self.storage.move_dir(name, f"abandoned/{tag}/{name}")
+                self.storage.move_dir(name, abandoned_name(tag, name))
                 moved.append(at)
         return moved
 

@@ -14,7 +14,7 @@ maps them, and:
 - otherwise (a synchronous snapshot: training waits anyway) it serializes straight from the shared
   state, and says "staged" when the files are written.
 
-Then it finishes the job (``writing.finish``) and sends back what rank 0 commits. A failure comes back as
+Then it finishes the job (``job.finish``) and sends back what rank 0 commits. A failure comes back as
 the exception it raised. The writer runs niced (training keeps its core) and dies with its parent
 (PR_SET_PDEATHSIG): it never outlives the run it writes for, and it never writes a manifest, so killing
 either process at any moment leaves no committed partial snapshot. When the writer dies mid-job, the

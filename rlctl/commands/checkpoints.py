@@ -18,14 +18,14 @@ def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
     """List a run's snapshots: step, time, size, committed, good, the validation metric they record
     (checkpoint.keep_best's, else val/score/mean when a snapshot records it), and why one is not usable."""
     from rlctl.rundir.directory import load_run_config
-    from rlctl.rundir.snapshots import snapshot_manager
+    from rlctl.rundir.snapshots import snapshot_catalog
     from rlctl.storage import Storage
 
     run = Storage(run_dir)
-    manager = snapshot_manager(run, load_run_config(run))
-    infos = manager.scan(deep=verify)
-    metric = manager.best_rule.metric
-    if manager.retention.best is None and all(i.val_metric(metric) is None for i in infos):
+    catalog = snapshot_catalog(run, load_run_config(run))
+    infos = catalog.scan(deep=verify)
+    metric = catalog.best_rule.metric
+    if catalog.keep_best is None and all(i.val_metric(metric) is None for i in infos):
         metric = None  # no column for a metric nobody asked for and no snapshot records
     rows = [i.as_row(metric) for i in infos]
     if fmt != "table":

@@ -27,7 +27,7 @@ format_option = click.option(
 def step_spec(_ctx, _param, value: str) -> str:
     """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
     best, step-N or N."""
-    from rlctl.checkpoint.snapshots import parse_step_spec
+    from rlctl.checkpoint.catalog import parse_step_spec
     from rlctl.errors import SnapshotError
 
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rlctl.checkpoint.collectives import Collectives, Local
-from rlctl.checkpoint.snapshots import files_of_rank as snapshot_files_of_rank
+from rlctl.checkpoint.layout import files_of_rank as snapshot_files_of_rank
 from rlctl.config import RunConfig
 from rlctl.engine import microbatch
 from rlctl.engine.batch import Sequences

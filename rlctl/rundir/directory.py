@@ -12,7 +12,7 @@ import yaml
 from rlctl.errors import ConfigError, RlctlError
 from rlctl.metrics import read_rows
 from rlctl.rundir.layout import CONFIG, METRICS, MODEL, not_a_run
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run without them)
@@ -47,7 +47,7 @@ def refuse_used_run_dir(run: Storage) -> bool:
         old = load_run_config(run)
     except ConfigError as exc:
         raise ConfigError(f"{used} whose config cannot be read ({exc.message}); {hint}") from None
-    committed = [i.name for i in snapshot_manager(run, old).scan() if i.committed or i.unreadable]
+    committed = [i.name for i in snapshot_catalog(run, old).scan() if i.committed or i.unreadable]
     if committed:  # (a manifest that cannot be read may be a damaged commit: never started over either)
         raise ConfigError(f"{used} with a committed snapshot ({committed[-1]}); {hint}")
     return True

@@ -1,5 +1,6 @@
 """A run's snapshots: the checkpoint storage its config names, the topology its files are written for,
-and its snapshot manager with the run's cadence, retention and failure budget."""
+its catalog (the read side: listing, choosing, checking) and its snapshot manager with the run's
+cadence, retention and failure budget (the write side, for the ranks that train)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from rlctl.rundir.layout import CHECKPOINTS
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run without them)
+    from rlctl.checkpoint.catalog import Catalog, Topology
     from rlctl.checkpoint.collectives import Collectives
-    from rlctl.checkpoint.snapshots import SnapshotManager, Topology
+    from rlctl.checkpoint.snapshots import SnapshotManager
     from rlctl.config import RunConfig
 
 
@@ -27,9 +29,25 @@ def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
 
 def zero_topology(stage: int | None) -> Topology:
     """The layout DeepSpeed's snapshot files have: the ZeRO stage they were partitioned for."""
-    from rlctl.checkpoint.snapshots import Topology
+    from rlctl.checkpoint.catalog import Topology
 
     return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
+
+
+def snapshot_catalog(run: Storage, cfg: RunConfig, events: EventSink | None = None) -> Catalog:
+    """The run's snapshots as they lie on its checkpoint storage, for listing, choosing and checking:
+    usable when written for the run's world size and ZeRO stage, "best" by checkpoint.keep_best.
+    ``events`` hear of what ``remove_uncommitted`` quarantines (the run's writer alone tidies)."""
+    from rlctl.checkpoint.catalog import BestRule, Catalog
+
+    best = cfg.checkpoint.keep_best
+    return Catalog(
+        checkpoint_storage(run, cfg),
+        world_size=cfg.world_size,
+        topology=[zero_topology(cfg.actor.zero_stage)],
+        keep_best=BestRule(best.metric, best.mode) if best is not None else None,
+        on_event=events.emit if events is not None else None,
+    )
 
 
 def snapshot_manager(
@@ -47,8 +65,9 @@ def snapshot_manager(
     keep_best: what "best" means), topology and failure budget. A rank passes its collectives, how far
     its policies may roll back (retention keeps a snapshot that far back), the (metric, mode) of each
     policy that rolls back to the best snapshot (retention keeps that one) and its fence (called before
-    any commit: the lease's check); the driver, which only scans, passes none of them."""
-    from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager
+    any commit: the lease's check)."""
+    from rlctl.checkpoint.retention import KeepBest, Retention
+    from rlctl.checkpoint.snapshots import SnapshotManager
 
     c = cfg.checkpoint
     best = KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.k) if c.keep_best is not None else None

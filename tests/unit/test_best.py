@@ -9,11 +9,13 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from rlctl.checkpoint.snapshots import KeepBest, Retention, SnapshotManager, parse_step_spec
+from rlctl.checkpoint.catalog import BestRule, parse_step_spec
+from rlctl.checkpoint.retention import KeepBest, Retention
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.cli import cli
 from rlctl.config import RunConfig
 from rlctl.errors import SnapshotError
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.snapshots import snapshot_catalog, snapshot_manager
 from rlctl.storage import Storage
 
 from helpers import Counter
@@ -47,7 +49,7 @@ def test_a_manifest_records_the_last_validation_and_it_reads_back(storage):
     save(m, 1)
     save(m, 2, 0.25, val_step=2, val__response_length__mean=7)
     save(m, 3, None, val_step=2, val__openai__gsm8k__score__mean=None)  # NaN reaches JSON as null
-    plain, scored, nan = m.scan()
+    plain, scored, nan = m.catalog.scan()
     assert (plain.val_step, plain.val_metric(SCORE)) == (None, None) and "val" not in plain.manifest
     assert (scored.val_step, scored.val_metric(SCORE), scored.val_metric(LENGTH)) == (2, 0.25, 7.0)
     assert isinstance(scored.val_metric(LENGTH), float) and scored.val_metric("val/other") is None
@@ -66,10 +68,10 @@ def test_retention_keeps_the_k_best_while_keep_last_evicts_the_others(storage):
     save(m, 7, 0.95, good=False)
     save(m, 8, good=False)  # validated nowhere: only keep_last keeps it
     # best two good: 2 (0.9), 4 (0.7); newest good: 5; newest: 8
-    assert steps(m.scan()) == [2, 4, 5, 8]
+    assert steps(m.catalog.scan()) == [2, 4, 5, 8]
     low = SnapshotManager(storage, retention=Retention(keep_last=1, best=KeepBest(SCORE, "min", 1)))
     save(low, 9, 0.5)
-    assert steps(low.scan()) == [5, 9]  # 5 (0.2) is the lowest; 2, 4 and 8 go
+    assert steps(low.catalog.scan()) == [5, 9]  # 5 (0.2) is the lowest; 2, 4 and 8 go
 
 
 def test_only_validated_steps_rank_and_ties_go_to_the_earlier_step(storage):
@@ -79,11 +81,11 @@ def test_only_validated_steps_rank_and_ties_go_to_the_earlier_step(storage):
     save(m, 3, 0.9, val_step=2)  # carried: 3's weights were never validated
     save(m, 5, 0.5)
     save(m, 6, 0.1, val_step=6)
-    assert steps(m.best(SCORE, "max")) == [2, 5, 6]
-    assert steps(m.best(SCORE, "min")) == [6, 2, 5]
+    assert steps(m.catalog.best(SCORE, "max")) == [2, 5, 6]
+    assert steps(m.catalog.best(SCORE, "min")) == [6, 2, 5]
     kept = SnapshotManager(storage, retention=Retention(keep_last=1, best=KeepBest(SCORE, "max", 1)))
     save(kept, 7, 0.2)
-    assert steps(kept.scan()) == [2, 7]
+    assert steps(kept.catalog.scan()) == [2, 7]
 
 
 def test_best_is_the_usable_good_snapshots_that_record_the_metric(storage):
@@ -95,12 +97,12 @@ def test_best_is_the_usable_good_snapshots_that_record_the_metric(storage):
     save(m, 5, 0.99)  # damaged below
     save(m, 6)
     storage.rm("step-000005/state.pt")
-    assert steps(m.best(SCORE, "max")) == [2, 4, 1]
-    assert steps(m.best(SCORE, "min")) == [1, 4, 2]
-    assert steps(m.best(LENGTH, "min")) == [2, 4, 1]
-    assert m.best("val/nothing", "max") == []
+    assert steps(m.catalog.best(SCORE, "max")) == [2, 4, 1]
+    assert steps(m.catalog.best(SCORE, "min")) == [1, 4, 2]
+    assert steps(m.catalog.best(LENGTH, "min")) == [2, 4, 1]
+    assert m.catalog.best("val/nothing", "max") == []
     with pytest.raises(ValueError, match="mode max or min"):
-        m.best(SCORE, "highest")
+        m.catalog.best(SCORE, "highest")
 
 
 def test_the_spec_best_ranks_by_keep_best_else_the_highest_val_score(storage):
@@ -111,11 +113,11 @@ def test_the_spec_best_ranks_by_keep_best_else_the_highest_val_score(storage):
     save(m, 3, 0.9)  # the best, but damaged below: it stays first, with the reason, for the caller to say
     save(m, 4, 0.5, val__response_length__mean=30)
     storage.write_bytes("step-000003/state.pt", b"")
-    best = m.candidates("best")
+    best = m.catalog.candidates("best")
     assert [(i.step, i.usable) for i in best] == [(3, False), (2, True), (4, True), (1, True)]
-    assert "state.pt has 0 bytes" in best[0].problem and m.best_rule == KeepBest(SCORE, "max", 1)
+    assert "state.pt has 0 bytes" in best[0].problem and m.catalog.best_rule == BestRule(SCORE, "max")
     shortest = SnapshotManager(storage, retention=Retention(best=KeepBest(LENGTH, "min", 1)))
-    assert steps(shortest.candidates("best")) == [2, 4, 1]
+    assert steps(shortest.catalog.candidates("best")) == [2, 4, 1]
 
 
 def test_best_when_no_snapshot_records_the_metric_is_one_sentence(storage):
@@ -123,10 +125,10 @@ def test_best_when_no_snapshot_records_the_metric_is_one_sentence(storage):
     save(m, 1, 0.5)
     save(m, 2, good=False, val__gsm8k__score__mean=0.9)  # only a bad snapshot records it
     with pytest.raises(SnapshotError) as caught:
-        m.candidates("best")
+        m.catalog.candidates("best")
     message = caught.value.message
     assert "val/gsm8k/score/mean" in message and storage.url in message and message.count(". ") == 0
-    assert steps(SnapshotManager(storage).candidates("best")) == [1]  # the default metric: recorded
+    assert steps(SnapshotManager(storage).catalog.candidates("best")) == [1]  # the default metric: recorded
 
 
 BAD_VAL = {
@@ -149,10 +151,10 @@ def test_a_malformed_val_makes_the_manifest_unreadable_and_quarantined(storage, 
     save(m, 2, 0.9)
     manifest = orjson.loads(storage.read_bytes("step-000002", "manifest.json"))
     storage.write_bytes("step-000002/manifest.json", orjson.dumps({**manifest, "val": bad}))
-    info = m.scan()[1]
+    info = m.catalog.scan()[1]
     assert info.unreadable and not info.usable and info.problem == f"manifest.json is damaged: {reason}"
-    assert steps(m.best(SCORE, "max")) == [1] and steps(m.candidates("best")) == [1]
-    m.remove_uncommitted()
+    assert steps(m.catalog.best(SCORE, "max")) == [1] and steps(m.catalog.candidates("best")) == [1]
+    m.catalog.remove_uncommitted()
     (moved,) = storage.listdir("quarantine")
     assert moved.startswith("step-000002.") and [e["event"] for e in events][-1] == "snapshot_quarantined"
 
@@ -161,7 +163,7 @@ def test_saving_a_malformed_val_is_refused_before_anything_is_written(storage):
     m = SnapshotManager(storage)
     with pytest.raises(ValueError, match="cannot record this validation: its val step is '3'"):
         m.save(3, {"counter": Counter(3)}, {}, good=True, meta={"val": {"step": "3", "metrics": {}}})
-    assert m.scan() == []
+    assert m.catalog.scan() == []
 
 
 def test_the_run_config_keep_best_reaches_retention(tmp_path):
@@ -170,8 +172,11 @@ def test_the_run_config_keep_best_reaches_retention(tmp_path):
         {"trainer": {"val_every": 1}, "checkpoint": {"keep_last": 1, "keep_best": {"metric": LENGTH, "mode": "min"}}}
     )
     m = snapshot_manager(run, cfg)
-    assert m.retention.best == KeepBest(LENGTH, "min", 1) == m.best_rule and m.retention.keep_last == 1
+    assert m.retention.best == KeepBest(LENGTH, "min", 1) and m.retention.keep_last == 1
+    assert m.catalog.best_rule == BestRule(LENGTH, "min") == snapshot_catalog(run, cfg).best_rule
     assert snapshot_manager(run, RunConfig()).retention.best is None
+    assert snapshot_catalog(run, RunConfig()).keep_best is None
+    assert snapshot_catalog(run, RunConfig()).best_rule == BestRule(SCORE, "max")  # the default
 
 
 class Notes:
@@ -201,7 +206,7 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
     save(m, 3, 0.5)
     save(m, 4, 0.99, good=False)
     save(m, 5)
-    assert steps(m.scan()) == [1, 2, 3, 5]  # the three best and the newest; keep_last 1 evicted 4
+    assert steps(m.catalog.scan()) == [1, 2, 3, 5]  # the three best and the newest; keep_last 1 evicted 4
     run.write_bytes("checkpoints/step-000002/state.pt", b"")
     restore = _choose(run, cfg, m, "best", {}, notes)
     assert restore == {"names": ["step-000003"], "wanted": "best", "changes": {}}  # never 1 after it
@@ -211,7 +216,7 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
         run.write_bytes(f"checkpoints/{name}/state.pt", b"")
     with pytest.raises(SnapshotError, match=r"records val/score/mean is usable \(the best, step-000002: file state"):
         _choose(run, cfg, m, "best", {}, notes)
-    m.retention.best = KeepBest(LENGTH, "min", 1)
+    m.catalog.keep_best = BestRule(LENGTH, "min")
     with pytest.raises(SnapshotError, match=f"records the validation metric {LENGTH}"):
         _choose(run, cfg, m, "best", {}, notes)
 
@@ -264,6 +269,16 @@ def test_checkpoints_names_keep_bests_metric_and_shows_none_when_nothing_asks(tm
         "problem",
     ]
     assert "val_step" not in json.loads(invoke("checkpoints", url, "--format", "json"))[0]
+
+
+def test_listing_snapshots_builds_no_writing_manager(tmp_path, monkeypatch):
+    url = make_run(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a read-only command built the snapshot manager")
+
+    monkeypatch.setattr(SnapshotManager, "__init__", refuse)
+    assert [r["step"] for r in json.loads(invoke("checkpoints", url, "--verify", "--format", "json"))] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("command", [["resume", "RUN", "--from", "bogus"], ["export", "RUN", "OUT", "--step", "bogus"]])

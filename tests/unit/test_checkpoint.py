@@ -12,8 +12,11 @@ import uuid
 import orjson
 import pytest
 
+from rlctl.checkpoint.catalog import Catalog, parse_step_spec
 from rlctl.checkpoint.collectives import Local
-from rlctl.checkpoint.snapshots import MANIFEST, Retention, SnapshotManager, parse_step_spec, step_name
+from rlctl.checkpoint.layout import MANIFEST, step_name
+from rlctl.checkpoint.retention import Retention
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.errors import LeaseError, SnapshotError, StorageError
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
 from rlctl.rundir.snapshots import zero_topology
@@ -54,7 +57,7 @@ def test_commit_then_restore(storage):
     events = []
     m = SnapshotManager(storage, on_event=events.append)
     save(m, 5, 7)
-    (info,) = m.scan()
+    (info,) = m.catalog.scan()
     assert info.committed and info.usable and info.step == 5 and info.name == "step-000005"
     manifest = info.manifest
     assert set(manifest["files"]) == {"blob/blob.bin", "state.pt"}
@@ -69,10 +72,10 @@ def test_uncommitted_directory_is_invisible_and_removed(storage):
     m = SnapshotManager(storage)
     save(m, 1, 1)
     storage.write_bytes("step-000002/state.pt", b"half written")
-    infos = m.scan()
+    infos = m.catalog.scan()
     assert [(i.step, i.committed) for i in infos] == [(1, True), (2, False)]
-    assert [i.step for i in m.candidates("latest")] == [1]
-    assert m.remove_uncommitted() == [2]
+    assert [i.step for i in m.catalog.candidates("latest")] == [1]
+    assert m.catalog.remove_uncommitted() == [2]
     assert not storage.exists("step-000002")
 
 
@@ -82,10 +85,10 @@ def test_corrupt_file_is_caught_by_checksum_and_latest_falls_back(storage):
     save(m, 2, 2)
     path = "step-000002/blob/blob.bin"
     storage.write_bytes(path, b"X" * 1000)  # same size, other bytes
-    newest = m.candidates("latest")[0]
+    newest = m.catalog.candidates("latest")[0]
     with pytest.raises(SnapshotError, match="blob/blob.bin does not match its sha256"):
         m.restore(newest, {"counter": Counter()}, {"blob": Blob()})
-    older = m.candidates("latest")[1]
+    older = m.catalog.candidates("latest")[1]
     counter = Counter()
     m.restore(older, {"counter": counter}, {"blob": Blob()})
     assert counter.value == 1
@@ -98,20 +101,20 @@ def test_missing_file_wrong_size_and_wrong_topology(storage):
     save(m, 3, 3)
     storage.rm("step-000001/state.pt")
     storage.write_bytes("step-000002/blob/blob.bin", b"short")
-    problems = {i.step: i.problem for i in m.scan()}
+    problems = {i.step: i.problem for i in m.catalog.scan()}
     assert problems[1] == "file state.pt is missing"
     assert problems[2] == "file blob/blob.bin has 5 bytes; the manifest says 1000"
     assert problems[3] is None
     # a rollback picks its target by the manifests alone: the restore verifies every file it reads
-    picked = m.scan(files=False)
+    picked = m.catalog.scan(files=False)
     assert [i.problem for i in picked] == [None, None, None]
     with pytest.raises(SnapshotError, match="file state.pt is missing"):
         m.restore(picked[0], {"counter": Counter()}, {"blob": Blob()})
     with pytest.raises(SnapshotError, match="blob/blob.bin does not match its sha256"):
         m.restore(picked[1], {"counter": Counter()}, {"blob": Blob()})
-    two_ranks = SnapshotManager(storage, world_size=2)
+    two_ranks = Catalog(storage, world_size=2)  # (the read side alone)
     assert two_ranks.scan()[2].problem == "written by 1 rank(s); this run has 2"
-    stage3 = SnapshotManager(storage, topology=[zero_topology(3)])
+    stage3 = Catalog(storage, topology=[zero_topology(3)])
     assert "ZeRO stage None; this run uses stage 3" in stage3.scan()[2].problem
 
 
@@ -124,10 +127,10 @@ def test_manifest_is_created_exclusively(storage):
         storage.write_bytes(f"{step_name(4)}/{MANIFEST}", b"{}", exclusive=True)
 
 
-def test_async_save_returns_before_commit_and_never_overlaps(storage):
+def test_async_save_returns_before_commit_and_never_overlaps(storage, monkeypatch):
+    monkeypatch.setenv("RLCTL_FAULTS", "commit_delay=0.5")  # every manifest waits 0.5 s
     events = []
     m = SnapshotManager(storage, on_event=events.append)
-    m.commit_delay = 0.5
     t0 = time.perf_counter()
     m.save(1, {"counter": Counter(1)}, {}, good=True)
     assert time.perf_counter() - t0 < 0.4  # training went on while the commit waited
@@ -148,11 +151,11 @@ def test_retention_keeps_last_every_and_newest_good(storage):
     save(m, 35, 1, good=False)
     save(m, 36, 1, good=False)
     # keep_last: 35, 36; keep_every 10: 10, 20, 30; newest good: 25; 15 goes
-    assert [i.step for i in m.scan()] == [10, 20, 25, 30, 35, 36]
+    assert [i.step for i in m.catalog.scan()] == [10, 20, 25, 30, 35, 36]
     m.retention.protected.add(10)
     m.retention.keep_every = 0
     save(m, 37, 1, good=False)
-    assert [i.step for i in m.scan()] == [10, 25, 36, 37]
+    assert [i.step for i in m.catalog.scan()] == [10, 25, 36, 37]
 
 
 def test_failed_upload_is_reported_and_never_half_visible(tmp_path):
@@ -170,7 +173,7 @@ def test_failed_upload_is_reported_and_never_half_visible(tmp_path):
     assert failed["event"] == "snapshot_failed" and failed["step"] == 3
     assert (failed["consecutive"], failed["max_failures"]) == (1, 3)
     assert failed["error"] == f"the snapshot of step 3 was not committed to {storage.url}: input/output error (partial)"
-    assert m.scan() == [] and not storage.exists("step-000003")
+    assert m.catalog.scan() == [] and not storage.exists("step-000003")
 
 
 def test_parse_step_spec():
@@ -184,7 +187,7 @@ def test_explicit_step_that_does_not_exist(storage):
     m = SnapshotManager(storage)
     save(m, 2, 2)
     with pytest.raises(SnapshotError, match=r"no snapshot of step 3 .*usable steps: 2"):
-        m.candidates(3)
+        m.catalog.candidates(3)
 
 
 # -- failed snapshots: reported, counted, and the end of the run at max_failures -------------------
@@ -228,7 +231,7 @@ def test_enospc_drill_fails_every_snapshot_from_its_step_and_max_failures_ends_t
     failed = [e for e in events if e["event"] == "snapshot_failed"]
     assert [(e["step"], e["consecutive"], e["max_failures"]) for e in failed] == [(2, 1, 3), (3, 2, 3)]
     assert all("no space left on device" in e["error"] for e in failed)
-    assert [i.step for i in m.scan()] == [1]  # nothing half-visible, no litter
+    assert [i.step for i in m.catalog.scan()] == [1]  # nothing half-visible, no litter
     with pytest.raises(StorageError) as caught:
         m.save(4, {"counter": Counter(4)}, {}, good=True)
     message = caught.value.message
@@ -263,16 +266,19 @@ def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_p
     assert failed[1]["error"].endswith(f"disk quota exceeded ({storage.path('step-000003', 'blob', 'blob.bin')})")
     assert m.outcome(3).startswith("the snapshot of step 3 was not committed (disk quota exceeded")
     assert m.outcome(3).endswith("the last committed snapshot is step 2")
-    assert [i.step for i in m.scan()] == [2]
+    assert [i.step for i in m.catalog.scan()] == [2]
 
 
-def test_enospc_drill_fails_the_durable_writes_where_the_disk_would(tmp_path):
+def test_a_durable_write_to_a_full_disk_fails_with_enospc_and_stops_its_hasher(tmp_path):
+    """On a real full filesystem (a 1 MiB tmpfs; needs root) the write fails where the disk says so,
+    in ``os.write``, and the file's hashing thread ends with it."""
     from rlctl.checkpoint.durable import DurableFile
 
-    with DurableFile(str(tmp_path / "f"), full=True) as fh, pytest.raises(OSError) as caught:
-        fh.write(b"x" * (2 << 20))  # (a chunk big enough to be hashed on the other thread)
-    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "f")
-    assert not fh._hasher.is_alive()
+    with small_tmpfs(tmp_path / "small", size="1m") as disk:
+        with DurableFile(str(disk / "f")) as fh, pytest.raises(OSError) as caught:
+            fh.write(b"x" * (2 << 20))  # (a chunk big enough to be hashed on the other thread)
+        assert caught.value.errno == errno.ENOSPC
+        assert not fh._hasher.is_alive()
 
 
 def test_torch_write_failure_on_a_full_disk_is_named_for_what_it_is(tmp_path):
@@ -349,12 +355,12 @@ def test_unreadable_manifest_is_quarantined_never_deleted_nor_chosen(storage, ra
     save(m, 2, 2)
     storage.write_bytes("step-000002/manifest.json", raw)
     storage.write_bytes("step-000003/state.pt", b"half written")  # the protocol's own temporary
-    bad = m.scan()[1]
+    bad = m.catalog.scan()[1]
     assert (bad.step, bad.committed, bad.usable, bad.unreadable) == (2, False, False, True)
     assert GARBAGE[raw] in bad.problem and "manifest.json" in bad.problem
-    assert [(i.step, i.usable) for i in m.candidates("latest")] == [(2, False), (1, True)]
+    assert [(i.step, i.usable) for i in m.catalog.candidates("latest")] == [(2, False), (1, True)]
 
-    assert m.remove_uncommitted() == [3]
+    assert m.catalog.remove_uncommitted() == [3]
     assert not storage.exists("step-000003") and not storage.exists("step-000002")
     (moved,) = storage.listdir("quarantine")
     assert moved.startswith("step-000002.")
@@ -364,11 +370,11 @@ def test_unreadable_manifest_is_quarantined_never_deleted_nor_chosen(storage, ra
     assert event["step"] == 2 and GARBAGE[raw] in event["reason"]
     assert event["location"] == storage.url_of("quarantine", moved)
 
-    latest = m.candidates("latest")  # the reason can still be named when latest falls back
+    latest = m.catalog.candidates("latest")  # the reason can still be named when latest falls back
     assert [(i.step, i.usable) for i in latest] == [(2, False), (1, True)]
     assert latest[0].problem == f"{event['reason']}; moved to {event['location']}"
-    assert m.candidates(2)[0].problem == latest[0].problem
-    assert m.candidates("last-good") == [latest[1]]
+    assert m.catalog.candidates(2)[0].problem == latest[0].problem
+    assert m.catalog.candidates("last-good") == [latest[1]]
 
 
 def test_retention_never_deletes_an_unreadable_or_damaged_snapshot(storage):
@@ -379,7 +385,7 @@ def test_retention_never_deletes_an_unreadable_or_damaged_snapshot(storage):
     storage.rm("step-000002/state.pt")  # damaged: a file is missing
     save(m, 3, 3)
     save(m, 4, 4)
-    assert [(i.step, i.usable) for i in m.scan()] == [(1, False), (2, False), (4, True)]
+    assert [(i.step, i.usable) for i in m.catalog.scan()] == [(1, False), (2, False), (4, True)]
 
 
 def test_world_size_and_topology_are_read_from_a_checked_manifest(storage):
@@ -387,12 +393,14 @@ def test_world_size_and_topology_are_read_from_a_checked_manifest(storage):
     save(m, 1, 1)
     manifest = orjson.loads(storage.read_bytes("step-000001/manifest.json"))
     storage.write_bytes("step-000001/manifest.json", orjson.dumps({**manifest, "step": 7}))
-    (info,) = m.scan()
+    (info,) = m.catalog.scan()
     assert info.problem == "its manifest is of step 7, not of step 1" and not info.unreadable
     storage.write_bytes("step-000001/manifest.json", orjson.dumps({**manifest, "format": 2}))
-    (info,) = m.scan()
+    (info,) = m.catalog.scan()
     assert info.problem == "manifest format 2; this rlctl reads format 1" and not info.unreadable
-    assert m.remove_uncommitted() == [] and storage.exists("step-000001", MANIFEST)  # a newer rlctl's: left alone
+    assert m.catalog.remove_uncommitted() == [] and storage.exists(
+        "step-000001", MANIFEST
+    )  # a newer rlctl's: left alone
 
 
 # -- verify: every sha256, on every storage --------------------------------------------------------------
@@ -406,8 +414,11 @@ def test_verify_finds_a_flipped_byte_on_s3(s3_env):
     data = bytearray(storage.fs.cat_file(path))
     data[500] ^= 0x01
     storage.fs.pipe_file(path, bytes(data))  # same size, one bit off
-    assert [i.problem for i in m.scan()] == [None, None]  # sizes agree: only the sha256 can tell
-    assert [i.problem for i in m.scan(deep=True)] == [None, "file blob/blob.bin does not match its sha256 (corrupt)"]
+    assert [i.problem for i in m.catalog.scan()] == [None, None]  # sizes agree: only the sha256 can tell
+    assert [i.problem for i in m.catalog.scan(deep=True)] == [
+        None,
+        "file blob/blob.bin does not match its sha256 (corrupt)",
+    ]
 
 
 # -- lease ------------------------------------------------------------------------------------------
@@ -500,7 +511,7 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
         t.start()
     for t in threads:
         t.join()
-    info = managers[0].scan()[0]
+    info = managers[0].catalog.scan()[0]
     files = sorted(info.manifest["files"])
     assert {"state.pt", "state.rank-1.pt", "ranks/rank-1.json"} <= set(files)
     assert files_of_rank(files, 0) == [f for f in files if f not in ("state.rank-1.pt", "ranks/rank-1.json")]
@@ -519,13 +530,15 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
     counters = [Counter(), Counter()]
     managers[0].restore(info, {"counter": counters[0]}, {"blob": Blob()})
     assert sorted(fetched) == files_of_rank(files, 0)
-    managers[1].restore(managers[1].scan()[0], {"counter": counters[1]}, {"blob": Blob()})
+    managers[1].restore(managers[1].catalog.scan()[0], {"counter": counters[1]}, {"blob": Blob()})
     assert [c.value for c in counters] == [10, 11]
 
     storage.write_bytes("step-000001/state.rank-1.pt", b"X" * info.manifest["files"]["state.rank-1.pt"]["size"])
-    managers[0].restore(managers[0].scan()[0], {"counter": Counter()}, {"blob": Blob()})  # rank 0 never reads it
+    managers[0].restore(
+        managers[0].catalog.scan()[0], {"counter": Counter()}, {"blob": Blob()}
+    )  # rank 0 never reads it
     with pytest.raises(SnapshotError, match="state.rank-1.pt does not match its sha256"):
-        managers[1].restore(managers[1].scan()[0], {"counter": Counter()}, {"blob": Blob()})
+        managers[1].restore(managers[1].catalog.scan()[0], {"counter": Counter()}, {"blob": Blob()})
 
 
 def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
@@ -593,5 +606,5 @@ def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_s
         fallbacks = [e for e in events if e["event"] == "snapshot_writer_fallback"]
         assert len(fallbacks) == 1 and f"{shm} has 0 MiB free" in fallbacks[0]["reason"]
         restored = DeferredBlob()
-        m.restore(m.scan()[-1], {"counter": Counter()}, {"blob": restored})
+        m.restore(m.catalog.scan()[-1], {"counter": Counter()}, {"blob": restored})
         assert restored.data == bytes([2]) * (256 << 10)
