@@ -223,24 +223,6 @@ def test_help_does_not_import_heavy_libraries():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_readme_documents_every_config_key():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    missing = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-            elif f"`{prefix}{name}`" not in readme:
-                missing.append(prefix + name)
-
-    walk(RunConfig, "")
-    assert missing == []
-
-
 def test_choices_come_from_the_registries_and_load_no_torch():
     code = (
         "import sys, typing\n"

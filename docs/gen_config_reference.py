@@ -1,0 +1,212 @@
+"""Write docs/config-reference.md from the run config's schema: every key, its type, default and the
+description the schema gives it, one section per config section.
+
+    .venv/bin/python docs/gen_config_reference.py           # rewrite the page
+    .venv/bin/python docs/gen_config_reference.py --check   # exit 1 if the page differs from the schema
+
+The page is never edited by hand: change a field's description in the schema and run this again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from rlctl.config import RunConfig
+
+PAGE = Path(__file__).resolve().parent / "config-reference.md"
+
+HEADER = """\
+# Config reference
+
+Every key of a run config, generated from the schema's own field descriptions by
+[`gen_config_reference.py`](gen_config_reference.py) (`.venv/bin/python docs/gen_config_reference.py`
+rewrites this page; a test fails when it differs from the schema). Do not edit it by hand.
+
+A config file holds only what differs from these defaults. `rlctl start --set KEY=VALUE` and
+`rlctl resume --set KEY=VALUE` take the same dotted keys ([which ones a resume may change](knobs-and-schedules.md#rlctl-resume---set)).
+"Empty" is YAML's `null` (or leaving the key out). In a key, `[i]` is any entry of a list and `<knob>` any
+[knob](knobs-and-schedules.md).
+"""
+
+Row = tuple[str, str, str, str]
+
+
+def _args(ann: Any) -> tuple[Any, ...]:
+    return typing.get_args(ann)
+
+
+def _is_union(ann: Any) -> bool:
+    return typing.get_origin(ann) in (typing.Union, types.UnionType)
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def _strip_none(ann: Any) -> tuple[Any, bool]:
+    """The annotation without ``None``, and whether ``None`` was allowed."""
+    if _is_union(ann):
+        rest = [a for a in _args(ann) if a is not type(None)]
+        if len(rest) < len(_args(ann)):
+            return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True  # noqa: UP007
+    return ann, False
+
+
+def type_name(ann: Any) -> str:
+    """A type in words a YAML writer reads: ``int``, ``one of: a, b``, ``list of str``, ``mapping``."""
+    ann, optional = _strip_none(ann)
+    origin = typing.get_origin(ann)
+    if ann is Any:
+        text = "any"
+    elif _is_model(ann):
+        text = "mapping"
+    elif origin is Literal:
+        text = "one of: " + ", ".join(str(a) for a in _args(ann))
+    elif _is_union(ann):
+        text = " or ".join(type_name(a) for a in _args(ann))
+    elif origin in (list, tuple):
+        inner = _args(ann)
+        if origin is tuple and inner and inner[-1] is not Ellipsis:
+            text = "[" + ", ".join(type_name(a) for a in inner) + "]"
+        else:
+            text = "list of " + (type_name(inner[0]) + ("s" if _is_model(inner[0]) else "") if inner else "any")
+    elif origin is dict:
+        key, value = _args(ann)
+        key_text = "knob" if typing.get_origin(key) is Literal and len(_args(key)) > 6 else type_name(key)
+        text = f"mapping of {key_text} to {type_name(value)}"
+    else:
+        text = getattr(ann, "__name__", str(ann))
+    return text + (", or empty" if optional else "")
+
+
+def limits(field: FieldInfo) -> str:
+    """The field's numeric bounds and minimum length, as ``>= 1`` or ``> 0 and < 1``."""
+    words = []
+    for meta in field.metadata:
+        for kind, attr, sign in (
+            (annotated_types.Gt, "gt", ">"),
+            (annotated_types.Ge, "ge", ">="),
+            (annotated_types.Lt, "lt", "<"),
+            (annotated_types.Le, "le", "<="),
+        ):
+            if isinstance(meta, kind):
+                words.append(f"{sign} {getattr(meta, attr)}")
+        if isinstance(meta, annotated_types.MinLen):
+            words.append("not empty" if meta.min_length == 1 else f"at least {meta.min_length} long")
+    return " and ".join(words)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def default_text(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "empty"
+    if isinstance(value, BaseModel):
+        return "its keys' defaults"
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, (list, tuple, dict)):
+        return "`" + json.dumps(_plain(value)) + "`"
+    return f"`{value}`"
+
+
+def cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def row(key: str, field: FieldInfo) -> Row:
+    kind = type_name(field.annotation)
+    if bound := limits(field):
+        kind += f", {bound}"
+    return f"`{key}`", cell(kind), cell(default_text(field)), cell(field.description or "")
+
+
+def nested(ann: Any) -> tuple[type[BaseModel], str] | None:
+    """The model a field's keys continue into, and the key segment that leads there: ``""`` for a
+    section, ``[i]`` for a list of them, ``.<knob>`` for a mapping to them."""
+    ann, _ = _strip_none(ann)
+    if _is_model(ann):
+        return ann, ""
+    origin = typing.get_origin(ann)
+    if origin is list and _is_model(_args(ann)[0]):
+        return _args(ann)[0], "[i]"
+    if origin is dict and _is_model(_args(ann)[1]):
+        key = _args(ann)[0]
+        return _args(ann)[1], ".<knob>" if typing.get_origin(key) is Literal else ".<key>"
+    return None
+
+
+def rows(model: type[BaseModel], prefix: str) -> list[Row]:
+    """One row per key of ``model`` and, depth first, of the models its fields hold."""
+    out: list[Row] = []
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        out.append(row(key, field))
+        if inner := nested(field.annotation):
+            sub, segment = inner
+            out += rows(sub, f"{key}{segment}.")
+    return out
+
+
+def table(body: list[Row]) -> list[str]:
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    return lines + [f"| {' | '.join(r)} |" for r in body]
+
+
+def render() -> str:
+    top: list[Row] = []
+    sections: list[str] = []
+    for name, field in RunConfig.model_fields.items():
+        inner = nested(field.annotation)
+        if inner is None:
+            top.append(row(name, field))
+            continue
+        sub, segment = inner
+        body = [row(name, field)] if segment else []
+        body += rows(sub, f"{name}{segment}.")
+        sections += ["", f"## `{name}`", "", cell(field.description or ""), "", *table(body)]
+    head = ["", "## Top level", "", "Keys at the top of the file.", "", *table(top)]
+    return HEADER + "\n".join(head + sections) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the schema")
+    args = parser.parse_args(argv)
+    text = render()
+    if not args.check:
+        PAGE.write_text(text)
+        return 0
+    current = PAGE.read_text() if PAGE.exists() else ""
+    if current == text:
+        return 0
+    diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), str(PAGE), "the schema")
+    sys.stderr.writelines(diff)
+    sys.stderr.write(f"{PAGE.name} differs from the schema: run .venv/bin/python docs/gen_config_reference.py\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The README is a short front door and docs/ holds the manual: the config reference is generated from
+the schema and never drifts from it, every relative link leads somewhere, and the README's exit-code
+table is the codes rlctl exits with."""
+
+import importlib.util
+import re
+
+from pydantic import BaseModel
+
+from rlctl.config import RunConfig
+from rlctl.errors import ExitCode
+from rlctl.inspect import CHECK_CODES
+
+from helpers import REPO
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("gen_config_reference", DOCS / "gen_config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_config_reference_is_what_the_generator_writes():
+    committed = (DOCS / "config-reference.md").read_text()
+    assert generator().render() == committed, "run .venv/bin/python docs/gen_config_reference.py"
+
+
+def test_the_generator_check_fails_on_drift(tmp_path, monkeypatch, capsys):
+    gen = generator()
+    page = tmp_path / "config-reference.md"
+    monkeypatch.setattr(gen, "PAGE", page)
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+    page.write_text(page.read_text().replace("Number of RL steps", "Number of steps"))
+    assert gen.main(["--check"]) == 1
+    assert "-| `trainer.total_steps` | int, >= 1 | `200` | Number of steps" in capsys.readouterr().err
+
+
+def test_every_config_key_is_in_the_reference():
+    """Walked apart from the generator: a key it skipped would be missing here."""
+    reference = (DOCS / "config-reference.md").read_text()
+    missing = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            if f"`{prefix}{name}` |" not in reference and f"## `{prefix}{name}`" not in reference:
+                missing.append(prefix + name)
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    assert missing == []
+    assert "| `reward.sources[i].weight` |" in reference and "| `checkpoint.keep_best.k` |" in reference
+    assert "| `schedules.<knob>.mode` |" in reference
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {slug(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def links(page) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    broken = []
+    for page in PAGES:
+        for target in links(page):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_readme_is_a_front_door_and_the_package_description():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    assert "make test" in text  # the test command CI runs
+    assert "rlctl start" in text and "rlctl resume" in text and "make demo" in text
+    pages = {target.partition("#")[0] for target in links(README) if target.startswith("docs/")}
+    assert {f"docs/{p.name}" for p in DOCS.glob("*.md")} <= pages, "a docs page the README does not link"
+    assert re.search(r'^readme = "README.md"$', (REPO / "pyproject.toml").read_text(), flags=re.M)
+
+
+def exit_code_rows(page) -> dict[int, str]:
+    """The rows ``| N | meaning |`` of the page's tables whose first column is a bare number."""
+    return {int(m[0]): m[1] for m in re.findall(r"^\| (\d+) \| (.+) \|$", page.read_text(), flags=re.M)}
+
+
+def test_one_exit_code_table_and_it_lists_every_code():
+    rows = exit_code_rows(README)
+    assert set(rows) == {int(c) for c in ExitCode} | set(CHECK_CODES.values())
+    for outcome, code in CHECK_CODES.items():
+        assert "inspect --check" in rows[code] or code == 0, (outcome, code)
+    elsewhere = {page.name: sorted(exit_code_rows(page)) for page in PAGES[1:] if exit_code_rows(page)}
+    assert elsewhere == {}, "exit codes are listed once, in the README"
