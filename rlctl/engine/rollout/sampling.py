@@ -4,7 +4,7 @@ Filters act on temperature-scaled logits in vLLM's order (``vllm/v1/sample/sampl
 then min_p, then top_k, then top_p; a filtered-out token gets -inf, so Gumbel-max over the result samples
 the truncated distribution renormalised. With every filter off nothing is touched (bit-identical
 sampling). Log-probs never see the filters: the rollout's and the actor's both refer to the untruncated
-softmax(logits / T) (see README, "Sampling").
+softmax(logits / T) (see docs/sampling.md).
 
 Stop strings are found on decoded text, a sliding window of each completion's last tokens: the
 completion ends at the first token after which the window's text holds a stop string. The rule is one
