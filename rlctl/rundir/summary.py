@@ -17,7 +17,7 @@ from rlctl.events import POLICY, ROLLBACK, SKIP, SNAPSHOT_COMMITTED
 from rlctl.numbers import is_number
 from rlctl.rundir.directory import validate_run_config
 from rlctl.rundir.record import RunRecord
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ def series(record: RunRecord, metric: str) -> list[float]:
 def state_summary(record: RunRecord) -> dict[str, Any]:
     """The run's state now: status, step, its last (and last good) committed snapshot, rollbacks, policy
     firings and skips, unreadable metric lines, and the latest value and trend of each KEY_METRICS."""
-    run = Storage(record.url)
-    snaps = [s for s in snapshot_manager(run, validate_run_config(run, record.config)).scan() if s.committed]
+    run = record.run
+    snaps = [s for s in snapshot_catalog(run, validate_run_config(run, record.config)).scan() if s.committed]
     good = [s for s in snaps if s.good]
     skips = record.events_of(SKIP)
     return {
@@ -96,10 +96,10 @@ def run_summary(run: Storage, cfg: RunConfig | None = None, window: int = 10) ->
 
 def _best_snapshot(run: Storage, cfg: RunConfig) -> dict[str, Any] | None:
     """{"step", "metric", "value"} of the run's best snapshot by its validation metric, or None."""
-    manager = snapshot_manager(run, cfg)
-    rule = manager.best_rule
+    catalog = snapshot_catalog(run, cfg)
+    rule = catalog.best_rule
     try:
-        best = manager.best(rule.metric, rule.mode)
+        best = catalog.best(rule.metric, rule.mode)
     except RlctlError:  # the storage is failing: the summary does without
         return None
     return {"step": best[0].step, "metric": rule.metric, "value": best[0].val_metric(rule.metric)} if best else None
