@@ -1,4 +1,5 @@
-"""Reading a run without touching it: status, summary, metric selections, health checks, plots.
+"""What `rlctl inspect` and `rlctl runs` do with a run read back (``rlctl.rundir.record``; its summary:
+``rlctl.rundir.summary``): metric selections, health checks for cron, the runs under a root, plots.
 
 Everything here reads files through fsspec (local, s3://, memory://) and never imports torch: cron and
 Slurm scripts call it every few minutes. Every file read back may be malformed: a line of metrics.jsonl

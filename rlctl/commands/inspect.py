@@ -41,7 +41,8 @@ from rlctl.errors import ConfigError
     "--policy",
     "policy_file",
     type=click.Path(dir_okay=False),
-    help="--check: also replay the last --window rows through this policy file.",
+    help="--check: also replay the run through this policy file, as `rlctl policy replay` does; "
+    "a firing within --window steps is a warning.",
 )
 def inspect(
     run_dir,
