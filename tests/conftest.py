@@ -22,7 +22,16 @@ def _has_cuda() -> bool:
         return False
 
 
+E2E = Path(__file__).parent / "e2e"
+
+
 def pytest_collection_modifyitems(config, items):
+    """The slow lane is a folder: every test under tests/e2e is marked ``slow`` (`make test-fast` runs
+    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). GPU tests are skipped
+    without a GPU."""
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.slow)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -39,6 +48,17 @@ def runtime():
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)
     return rt
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The built-in tiny model and its tokenizer, written as `rlctl start` writes them into RUN_DIR/model
+    (the same function): a Hugging Face directory that a config can name as model.path. Read only."""
+    from rlctl.config import RunConfig
+    from rlctl.engine.model import prepare_model_dir
+    from rlctl.storage import Storage
+
+    return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("tiny-model"))))
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,49 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None)
     )
 
 
+def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
+    """The entry point (``rlctl.cli:main``: exit codes, one-sentence errors) run in this process: what
+    ``run_cli`` gives, without the start of a new interpreter, for commands that train nothing."""
+    from click.testing import CliRunner
+
+    from rlctl.cli import main
+
+    with CliRunner().isolation(env=env) as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["rlctl", *args], code, out.getvalue().decode(), err.getvalue().decode())
+
+
+def start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, faults="", **kw):
+    """``rlctl start [CONFIG] --run-dir RUN_DIR ARGS`` to its end, in a subprocess: ``config`` a path or a
+    dict (written as JSON beside the run directory); ``steps``, ``every``: trainer.total_steps and
+    checkpoint.every; ``faults``: RLCTL_FAULTS; ``kw`` as for run_cli (env, cwd, timeout)."""
+    env = {**(kw.pop("env", None) or {}), **({"RLCTL_FAULTS": faults} if faults else {})}
+    return run_cli("start", *_start_args(run_dir, config, steps, every), *args, env=env, **kw)
+
+
+def spawn_start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, **kw):
+    """``start`` left running (a Popen): ``kw`` as for spawn (faults, env)."""
+    return spawn("start", *_start_args(run_dir, config, steps, every), *args, **kw)
+
+
+def _start_args(run_dir, config, steps, every) -> list[str]:
+    if isinstance(config, dict):
+        path = Path(run_dir).with_name(Path(run_dir).name + ".yaml")
+        path.write_text(json.dumps(config))
+        config = path
+    out = [str(config)] if config is not None else []
+    out += ["--run-dir", str(run_dir)]
+    if steps is not None:
+        out += ["--set", f"trainer.total_steps={steps}"]
+    if every is not None:
+        out += ["--set", f"checkpoint.every={every}"]
+    return out
+
+
 def metrics_of(run_dir, rel: str = "metrics.jsonl") -> list[dict]:
     from rlctl.metrics import read_rows
     from rlctl.storage import Storage
@@ -46,8 +89,15 @@ def stable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE) and k != "abandoned"} for r in rows]
 
 
-def events_of(run_dir):
-    return metrics_of(run_dir, "events.jsonl")
+def events_of(run_dir, kind: str | None = None) -> list[dict]:
+    """The run's events, oldest first; only those named ``kind`` if given."""
+    events = metrics_of(run_dir, "events.jsonl")
+    return events if kind is None else [e for e in events if e["event"] == kind]
+
+
+def kinds(run_dir) -> list[str]:
+    """The names of the run's events, oldest first ([] before events.jsonl exists)."""
+    return [e["event"] for e in events_of(run_dir)]
 
 
 def completed_hash(run_dir):

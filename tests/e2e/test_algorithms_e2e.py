@@ -5,9 +5,7 @@ import math
 
 import pytest
 
-from helpers import metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import metrics_of, run_cli, start
 
 # GRPO, the default, is test_e2e.py's test_demo_learns: the same command and the same assertions
 VARIANTS = {
@@ -57,7 +55,7 @@ VARIANTS = {
 def test_variant_learns(tmp_path, name):
     steps = 80
     sets = [f"trainer.total_steps={steps}", *VARIANTS[name]]
-    r = run_cli("start", "--run-dir", str(tmp_path / name), *[a for s in sets for a in ("--set", s)])
+    r = start(tmp_path / name, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / name)
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
@@ -93,7 +91,7 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
         "actor.zero_stage=3",
     ]
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)])
+    r = start(run, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     first = metrics_of(run)
     r = run_cli("resume", str(run), "--from", "step-3")
@@ -118,7 +116,7 @@ def test_dynamic_sampling_short_batch_is_topped_up(tmp_path):
         "algorithm.dynamic_sampling.max_gen_batches=1",
         "actor.micro_batch_size=32",
     ]
-    r = run_cli("start", "--run-dir", str(tmp_path / "r"), *[a for s in sets for a in ("--set", s)])
+    r = start(tmp_path / "r", *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / "r")
     assert any(row["dynamic_sampling/kept_groups"] < 16 for row in rows)  # the short case happened

@@ -4,11 +4,7 @@ lowers the learning rate, and the run completes healthy (the installed `rlctl`, 
 
 import json
 
-import pytest
-
-from helpers import events_of, metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import events_of, metrics_of, start
 
 
 def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp_path):
@@ -26,7 +22,7 @@ def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp
         )
     )
     run = tmp_path / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), env={"RLCTL_FAULTS": "degenerate@4"})
+    r = start(run, config=cfg, faults="degenerate@4")
     assert r.returncode == 0, r.stderr
     events = events_of(run)
     (fired,) = [e for e in events if e["event"] == "policy"]

@@ -4,14 +4,11 @@ import math
 import textwrap
 
 import orjson
-import pytest
 import yaml
 
 from rlctl.errors import ExitCode
 
-from helpers import metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, metrics_of, start
 
 REQUIRED = [
     "step",
@@ -42,7 +39,7 @@ def test_demo_learns(tmp_path):
     also test_algorithms_e2e.py's GRPO variant, which would be the same command)."""
     run_dir = tmp_path / "demo"
     steps = 80
-    r = run_cli("start", "--run-dir", str(run_dir), "--set", f"trainer.total_steps={steps}")
+    r = start(run_dir, steps=steps)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run_dir}\n"  # stdout is data only
     assert "reward" in r.stderr and "done" in r.stderr
@@ -65,29 +62,8 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
     """Reference model + k3 KL under ZeRO-3, two PPO epochs over two mini-batches (old log-probs from a
     separate pass): every metric finite, the policy drifts from the reference and the ratio from 1."""
     run_dir = tmp_path / "kl"
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "trainer.total_steps=6",
-        "--set",
-        "trainer.prompts_per_step=4",
-        "--set",
-        "algorithm.group_size=4",
-        "--set",
-        "algorithm.kl_coef=0.1",
-        "--set",
-        "algorithm.kl_estimator=k3",
-        "--set",
-        "actor.zero_stage=3",
-        "--set",
-        "algorithm.ppo_epochs=2",
-        "--set",
-        "actor.mini_batch_size=8",
-        "--set",
-        "rollout.max_new_tokens=6",
-    )
+    sets = ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "actor.zero_stage=3", "algorithm.ppo_epochs=2"]
+    r = start(run_dir, *SMALL, *[a for s in [*sets, "actor.mini_batch_size=8"] for a in ("--set", s)], steps=6)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 6
@@ -98,10 +74,9 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
     assert any(row["actor/ppo_kl"] != 0 for row in rows)  # later mini-batches are off-policy
 
 
-def test_user_model_data_and_reward(tmp_path):
-    """model.path, data.path (JSONL with extra columns) and a module:function reward, as for a real model."""
-    first = tmp_path / "first"
-    assert run_cli("start", "--run-dir", str(first), "--set", "trainer.total_steps=1").returncode == 0
+def test_user_model_data_and_reward(tmp_path, tiny_model_dir):
+    """model.path (the built-in model as a run writes it into RUN_DIR/model), data.path (JSONL with extra
+    columns) and a module:function reward, as for a real model."""
     data = tmp_path / "math.jsonl"
     data.write_bytes(
         b"".join(orjson.dumps({"question": f"{i}+{i}=", "answer": f"#### {2 * i}"}) + b"\n" for i in range(10))
@@ -110,7 +85,7 @@ def test_user_model_data_and_reward(tmp_path):
     cfg.write_text(
         textwrap.dedent(f"""
         name: math
-        model: {{path: {first / "model"}}}
+        model: {{path: {tiny_model_dir}}}
         data: {{path: {data}, prompt_key: question}}
         reward: {{function: "rlctl.engine.reward.gsm8k:exact_match", kwargs: {{format_score: 0.1}}}}
         trainer: {{total_steps: 3, prompts_per_step: 2}}
@@ -119,7 +94,7 @@ def test_user_model_data_and_reward(tmp_path):
     """)
     )
     run_dir = tmp_path / "math"
-    r = run_cli("start", str(cfg), "--run-dir", str(run_dir))
+    r = start(run_dir, config=cfg)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 3 and all(0 <= row["critic/score/mean"] <= 1 for row in rows)
@@ -132,16 +107,7 @@ def test_reward_errors_are_sentences(tmp_path):
     test_user_code.py.)"""
     mod = tmp_path / "badreward.py"
     mod.write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(tmp_path / "x"),
-        "--set",
-        "reward.function=badreward:f",
-        "--set",
-        "trainer.total_steps=1",
-        cwd=tmp_path,
-    )
+    r = start(tmp_path / "x", "--set", "reward.function=badreward:f", steps=1, cwd=tmp_path)
     assert r.returncode == ExitCode.INPUT, r.stderr
     assert "reward function 'badreward:f' returned 1 scores for 128 completions" in r.stderr
     assert "Traceback" not in r.stderr

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from helpers import metrics_of, run_cli
+from helpers import metrics_of, run_cli, start
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 
 
 def test_half_billion_model_with_vllm_and_zero2_snapshots_and_resumes(tmp_path):
@@ -39,7 +39,7 @@ def test_half_billion_model_with_vllm_and_zero2_snapshots_and_resumes(tmp_path):
         "--set",
         "rollout.gpu_memory_utilization=0.3",
     ]
-    r = run_cli("start", "--run-dir", str(run), *args, env={"DS_ACCELERATOR": "cuda"})
+    r = start(run, *args, env={"DS_ACCELERATOR": "cuda"})
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]

@@ -9,13 +9,7 @@ import signal
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn, stable, wait_for
-
-pytestmark = pytest.mark.slow
-
-
-def kinds(run_dir, kind):
-    return [e for e in events_of(run_dir) if e["event"] == kind]
+from helpers import SMALL, events_of, metrics_of, run_cli, spawn_start, stable, start, wait_for
 
 
 def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
@@ -36,7 +30,7 @@ def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
         )
     )
     run = tmp_path / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL)
+    r = start(run, *SMALL, config=cfg)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["actor/kl_coef"] for row in rows] == [0.0] * 4 + [0.001] * 6  # 0 for the first 40%
@@ -67,17 +61,19 @@ def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_pat
     # step 5 fails the rule, so no drill runs after it (nor a snapshot); step 6 is snapshotted, but its
     # commit is held while the run sleeps: the kill comes with step 4 the newest committed snapshot
     drills = "metric@2=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:5.0,commit_delay@6=120,sleep@6=120"
-    proc = spawn("start", str(cfg), "--run-dir", str(run), *SMALL, faults=drills)
+    proc = spawn_start(run, *SMALL, config=cfg, faults=drills)
 
     def after_step_6_with_snapshot_4():
         rows = (run / "metrics.jsonl").exists() and metrics_of(run)
-        return bool(rows) and rows[-1]["step"] == 6 and any(e["step"] == 4 for e in kinds(run, "snapshot_committed"))
+        return (
+            bool(rows) and rows[-1]["step"] == 6 and any(e["step"] == 4 for e in events_of(run, "snapshot_committed"))
+        )
 
     wait_for(after_step_6_with_snapshot_4, proc)
     proc.send_signal(signal.SIGKILL)  # after the firing of step 5, which the newest committed snapshot predates
     proc.wait()
     fired_at_5 = (5, {"algorithm.kl_coef": {"from": 0.01, "to": 0.015}})  # 0.02, held at the action's max
-    adjusts = [(e["step"], e["changes"]) for e in kinds(run, "adjust")]
+    adjusts = [(e["step"], e["changes"]) for e in events_of(run, "adjust")]
     assert adjusts == [(2, {"algorithm.kl_coef": {"from": 0.0, "to": 0.01}}), fired_at_5]
     assert yaml.safe_load((run / "config.yaml").read_text())["algorithm"]["kl_coef"] == 0.015
     before_kill = stable(metrics_of(run))
@@ -91,8 +87,8 @@ def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_pat
     assert stable(rows)[:6] == before_kill  # steps 5-6 re-run from the snapshot of step 4: bit for bit
     abandoned = metrics_of(run, "metrics.abandoned.jsonl")
     assert [a["step"] for a in abandoned] == [5, 6] and stable(abandoned) == before_kill[4:]
-    assert [f["step"] for f in kinds(run, "policy")] == [2, 5, 5]  # the drills' steps, step 5 once per run
-    assert [(e["step"], e["changes"]) for e in kinds(run, "adjust")] == [*adjusts, fired_at_5]  # not from 0.015
+    assert [f["step"] for f in events_of(run, "policy")] == [2, 5, 5]  # the drills' steps, step 5 once per run
+    assert [(e["step"], e["changes"]) for e in events_of(run, "adjust")] == [*adjusts, fired_at_5]  # not from 0.015
     assert yaml.safe_load((run / "config.yaml").read_text())["algorithm"]["kl_coef"] == 0.015
 
 
@@ -118,13 +114,13 @@ def test_an_adjustment_of_an_adaptive_kl_coefficient_survives_the_rollback_of_th
         )
     )
     run = tmp_path / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": "metric@5=actor/ppo_kl:5.0"})
+    r = start(run, *SMALL, config=cfg, faults="metric@5=actor/ppo_kl:5.0")
     assert r.returncode == 0, r.stderr
-    (rollback,) = kinds(run, "rollback")
+    (rollback,) = events_of(run, "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (5, 4)
     (abandoned,) = [a for a in metrics_of(run, "metrics.abandoned.jsonl") if a["step"] == 5]
     snapshot_4 = abandoned["actor/kl_coef"]  # step 5 ran with the controller's value after step 4
-    (adjust,) = kinds(run, "adjust")
+    (adjust,) = events_of(run, "adjust")
     assert adjust["changes"] == {"algorithm.kl_coef": {"from": snapshot_4, "to": snapshot_4 * 0.5}}
     rows = {row["step"]: row for row in metrics_of(run)}
     assert rows[5]["actor/kl_coef"] == snapshot_4 * 0.5  # the re-run step 5 uses the adjusted coefficient

@@ -16,15 +16,7 @@ import yaml
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn, wait_for
-
-pytestmark = pytest.mark.slow
-
-STEPS = ["--set", "trainer.total_steps=2"]
-
-
-def kinds(run_dir):
-    return [e["event"] for e in events_of(run_dir)]
+from helpers import SMALL, events_of, kinds, metrics_of, run_cli, spawn_start, start, wait_for
 
 
 def last_event(run_dir):
@@ -61,7 +53,7 @@ def wait_caught(proc, sig, timeout=60):
 
 def test_sigterm_in_the_first_instant_is_exit_75_and_leaves_nothing(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    proc = spawn_start(run, *SMALL, steps=2)
     wait_caught(proc, signal.SIGTERM)  # the handler is in; imports and checks are under way, no run directory yet
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -74,7 +66,7 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tm
     """The run directory exists (the trainer is being built): exit 75, a `preempted` event, --check
     says preempted; resume starts the run over (it never trained) and completes."""
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS, faults="build_delay=60")  # a window to stop it
+    proc = spawn_start(run, *SMALL, faults="build_delay=60", steps=2)  # a window to stop it
     code, err = stop_when(proc, lambda: "start" in kinds(run))  # (config.yaml comes just before the event)
     assert code == 75, err
     assert "stopped by SIGTERM before training began; no snapshot yet; resume will start over" in err
@@ -95,15 +87,15 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tm
 def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(tmp_path):
     run = tmp_path / "run"
     # a mistake found before any work: nothing is created, so the fixed command just runs
-    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS, "--set", "reward.function=no_such_module:fn")
+    r = start(run, *SMALL, "--set", "reward.function=no_such_module:fn", steps=2)
     assert r.returncode == ExitCode.CONFIG and not run.exists(), r.stderr
     assert "cannot import module 'no_such_module'" in r.stderr and "Traceback" not in r.stderr
 
     # preempted while starting: the directory exists, with no step and no snapshot
-    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS)
+    proc = spawn_start(run, *SMALL, steps=2)
     code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
     assert code == 75, err
-    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS, "--set", "seed=7")
+    r = start(run, *SMALL, "--set", "seed=7", steps=2)
     assert r.returncode == 0, r.stderr
     assert f"reusing {run}: its earlier start never trained a step" in r.stderr
     assert kinds(run) == ["start", "preempted", "start", "completed"] and events_of(run)[2]["reused"] is True
@@ -112,14 +104,14 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(tmp_path
 
     # a directory whose run trained is never started over (nor written to)
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "events.jsonl")}
-    r = run_cli("start", "--run-dir", str(run), *SMALL, *STEPS)
+    r = start(run, *SMALL, steps=2)
     assert r.returncode == ExitCode.CONFIG and "already holds a run that trained 2 step(s)" in r.stderr
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
 def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, *STEPS, "--nproc", "2")
+    proc = spawn_start(run, *SMALL, "--nproc", "2", steps=2)
     code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
     assert code == 75, err
     assert "resume will start over" in err and "Traceback" not in err
@@ -135,7 +127,7 @@ def test_from_banana_is_a_usage_error(tmp_path):
 
 def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retrained(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=4", faults="sleep@2=120")
+    proc = spawn_start(run, *SMALL, steps=4, faults="sleep@2=120")
     code, err = stop_when(proc, lambda: len(metrics_of(run)) >= 2, sig=signal.SIGINT)
     assert code == ExitCode.INTERRUPTED == 130, err
     assert err.strip().endswith("Interrupted.") and "Traceback" not in err
@@ -152,18 +144,8 @@ def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retraine
 
 def test_a_failed_snapshot_is_said_at_once_and_check_warns(tmp_path):
     run = tmp_path / "run"
-    proc = spawn(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=4",
-        "--set",
-        "checkpoint.every=1",
-        "--set",
-        "checkpoint.max_failures=5",
-        faults="enospc@2,sleep@2=120",
+    proc = spawn_start(
+        run, *SMALL, "--set", "checkpoint.max_failures=5", steps=4, every=1, faults="enospc@2,sleep@2=120"
     )
     wait_for(lambda: (run / "events.jsonl").exists() and "snapshot_failed" in kinds(run), proc)
     code, line = check(run)
@@ -188,20 +170,8 @@ def test_a_writer_that_lost_its_lease_stops_before_its_next_write(tmp_path, npro
     """The lease is taken over while the run trains: the heartbeat sees it, the run stops with exit 10
     before committing another snapshot or writing another event, and leaves the new owner's lease."""
     run = tmp_path / "run"
-    proc = spawn(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--nproc",
-        str(nproc),
-        "--set",
-        "trainer.total_steps=6",
-        "--set",
-        "checkpoint.every=1",
-        "--set",
-        "trainer.lease_heartbeat=0.2",
-        faults="sleep@2=4",
+    proc = spawn_start(
+        run, *SMALL, "--nproc", str(nproc), "--set", "trainer.lease_heartbeat=0.2", steps=6, every=1, faults="sleep@2=4"
     )
     wait_for(lambda: {"event": "snapshot_committed", "step": 2}.items() <= last_event(run).items(), proc)
     thief = steal_lease(run)

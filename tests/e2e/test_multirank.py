@@ -13,9 +13,18 @@ import pytest
 
 from rlctl.errors import ExitCode
 
-from helpers import completed_hash, events_of, has_step, metrics_of, run_cli, spawn, stable, wait_for
-
-pytestmark = pytest.mark.slow
+from helpers import (
+    completed_hash,
+    events_of,
+    has_step,
+    metrics_of,
+    run_cli,
+    spawn,
+    spawn_start,
+    stable,
+    start,
+    wait_for,
+)
 
 BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=12"]
 # validation too: 5 held-out prompts over 2 ranks, so one rank's share is padded (ZeRO-3 gathers together)
@@ -66,7 +75,7 @@ def one_rank(tmp_path_factory):
     out = {}
     for stage in (2, 3):
         run = tmp_path_factory.mktemp("one") / f"z{stage}"
-        r = run_cli("start", "--run-dir", str(run), *COMMON, "--set", f"actor.zero_stage={stage}")
+        r = start(run, *COMMON, "--set", f"actor.zero_stage={stage}")
         assert r.returncode == 0, r.stderr
         out[stage] = run
     return out
@@ -80,7 +89,7 @@ def two_local(tmp_path_factory):
     def get(stage: int):
         if stage not in runs:
             run = tmp_path_factory.mktemp("two") / f"z{stage}"
-            r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, "--set", f"actor.zero_stage={stage}")
+            r = start(run, "--nproc", "2", *COMMON, "--set", f"actor.zero_stage={stage}")
             assert r.returncode == 0, r.stderr
             assert r.stdout == f"{run}\n"  # data only: the ranks' chatter stays on stderr
             runs[stage] = run
@@ -156,7 +165,7 @@ def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(tmp_
     cut) and stays close to it."""
     run = tmp_path / "budget"
     budget = ["--set", "actor.max_tokens_per_micro_batch=40", "--set", "actor.zero_stage=3"]
-    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, *budget)
+    r = start(run, "--nproc", "2", *COMMON, *budget)
     assert r.returncode == 0, r.stderr
     close_to_one_rank(metrics_of(run), metrics_of(one_rank[3]))
 
@@ -171,7 +180,7 @@ def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank
     common = [*COMMON, *RAY, "--set", f"actor.zero_stage={stage}"]
     ref = two_local(stage)
     run = tmp_path / "preempted"
-    proc = spawn("start", "--run-dir", str(run), *common, faults="sleep@3=120")
+    proc = spawn_start(run, *common, faults="sleep@3=120")
     wait_for(has_step(run, 3), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
@@ -191,7 +200,7 @@ def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
     """Rank 1 dies after step 3: rank 0 would wait in a collective forever, so the driver stops it,
     records the crash and exits 1 with rank 1's error; nothing is left running; inspect says crashed."""
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), "--nproc", "2", *COMMON, env={"RLCTL_FAULTS": "crash@3=1"})
+    r = start(run, "--nproc", "2", *COMMON, faults="crash@3=1")
     assert r.returncode == ExitCode.INTERNAL, r.stderr
     assert "rank 1 crashed after step 3" in r.stderr
     assert r.stdout == ""
@@ -205,17 +214,7 @@ def test_a_nan_on_one_rank_is_rolled_back_by_every_rank(tmp_path):
     """Only rank 1's batch gets a NaN log-prob: the ranks agree to drop the update (backward and step
     are collectives), the reduced row shows the NaN to both, and default.yaml rolls both back."""
     run = tmp_path / "run"
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run),
-        "--nproc",
-        "2",
-        *COMMON,
-        "--set",
-        "policies=[policies/default.yaml]",
-        env={"RLCTL_FAULTS": "nan_log_prob@3=1"},
-    )
+    r = start(run, "--nproc", "2", *COMMON, "--set", "policies=[policies/default.yaml]", faults="nan_log_prob@3=1")
     assert r.returncode == 0, r.stderr
     rollbacks = [e for e in events_of(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["from_step"] == 3 and rollbacks[0]["to_step"] == 2

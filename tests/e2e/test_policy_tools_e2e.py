@@ -11,9 +11,7 @@ from rlctl.errors import ExitCode
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import known_metric
 
-from helpers import SMALL, events_of, metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, events_of, metrics_of, run_cli, start
 
 # two update passes per step (mini-batch 8 of 16 responses), so actor/ppo_kl is not always 0
 SHAPE = [*SMALL, "--set", "actor.mini_batch_size=8"]
@@ -28,12 +26,9 @@ RULES = [
 ]
 
 
-def start(tmp_path_factory, name, config, faults=""):
-    base = tmp_path_factory.mktemp(name)
-    cfg = base / "run.yaml"
-    cfg.write_text(json.dumps(config))
-    run = base / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SHAPE, env={"RLCTL_FAULTS": faults})
+def finished_run(tmp_path_factory, name, config, faults=""):
+    run = tmp_path_factory.mktemp(name) / "run"
+    r = start(run, *SHAPE, config=config, faults=faults)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -42,12 +37,12 @@ def start(tmp_path_factory, name, config, faults=""):
 def drilled(tmp_path_factory):
     """KL drilled to 5.0 at steps 3 and 6; each is rolled back (a snapshot every step)."""
     config = {"trainer": {"total_steps": 8}, "checkpoint": {"every": 1}, "policies": [{"rules": RULES}]}
-    return start(tmp_path_factory, "drilled", config, "metric@3=actor/ppo_kl:5.0,metric@6=actor/ppo_kl:5.0")
+    return finished_run(tmp_path_factory, "drilled", config, "metric@3=actor/ppo_kl:5.0,metric@6=actor/ppo_kl:5.0")
 
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
-    return start(tmp_path_factory, "healthy", {"trainer": {"total_steps": 10}})
+    return finished_run(tmp_path_factory, "healthy", {"trainer": {"total_steps": 10}})
 
 
 def live_firings(run):

@@ -5,7 +5,6 @@ import json
 import signal
 
 import orjson
-import pytest
 
 from rlctl.errors import ExitCode
 
@@ -19,11 +18,11 @@ from helpers import (
     metrics_of,
     run_cli,
     spawn,
+    spawn_start,
     stable,
+    start,
     wait_for,
 )
-
-pytestmark = pytest.mark.slow
 
 
 def test_sigkill_and_resume_is_exact(tmp_path):
@@ -41,7 +40,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
         "actor.zero_stage=3",
     ]
     ref = tmp_path / "ref"
-    assert run_cli("start", "--run-dir", str(ref), *common).returncode == 0
+    assert start(ref, *common).returncode == 0
 
     run = tmp_path / "killed"
     r = kill_and_resume(run, common, 7)
@@ -64,17 +63,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
 
 def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
     run = tmp_path / "run"
-    proc = spawn(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=9",
-        "--set",
-        "checkpoint.every=3",
-        faults="commit_delay@6=120",
-    )
+    proc = spawn_start(run, *SMALL, steps=9, every=3, faults="commit_delay@6=120")
     step6 = run / "checkpoints" / "step-000006"
     wait_for(lambda: (step6 / "state.pt").exists(), proc)
     proc.send_signal(signal.SIGKILL)
@@ -98,7 +87,7 @@ def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
 
 def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=8", faults="sleep@4=120")
+    proc = spawn_start(run, *SMALL, steps=8, faults="sleep@4=120")
     wait_for(has_step(run, 4), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -120,17 +109,7 @@ def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
 
 def test_lease_refuses_second_writer_and_dead_owner_is_taken_over(tmp_path):
     run = tmp_path / "run"
-    proc = spawn(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=4",
-        "--set",
-        "checkpoint.every=2",
-        faults="sleep@2=120",
-    )
+    proc = spawn_start(run, *SMALL, steps=4, every=2, faults="sleep@2=120")
     wait_for(lambda: (run / "checkpoints" / "step-000002" / "manifest.json").exists(), proc)
     r = run_cli("resume", str(run))
     assert r.returncode == ExitCode.LEASE_HELD == 10
@@ -146,7 +125,7 @@ def test_lease_refuses_second_writer_and_dead_owner_is_taken_over(tmp_path):
 
 def test_corrupt_and_missing_snapshots(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2")
+    r = start(run, *SMALL, steps=6, every=2)
     assert r.returncode == 0, r.stderr
     blob = run / "checkpoints" / "step-000006" / "state.pt"
     data = bytearray(blob.read_bytes())
@@ -179,7 +158,7 @@ def test_corrupt_and_missing_snapshots(tmp_path):
 
 def test_resume_set_only_safe_keys_and_lr_change_is_applied(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=2", "--set", "checkpoint.every=2")
+    r = start(run, *SMALL, steps=2, every=2)
     assert r.returncode == 0
     r = run_cli("resume", str(run), "--set", "model.builtin.num_layers=4")
     assert r.returncode == ExitCode.CONFIG and "'model.builtin.num_layers' cannot change on resume" in r.stderr
@@ -204,9 +183,7 @@ def test_resume_of_something_that_is_not_a_run(tmp_path):
 def test_run_and_snapshots_on_s3(tmp_path, s3_env):
     env, opts = s3_env
     url = "s3://rlctl-runs/exp/run1"
-    proc = spawn(
-        "start", "--run-dir", url, *SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", env=env
-    )
+    proc = spawn_start(url, *SMALL, steps=6, every=2, env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     listed = run_cli("checkpoints", url, "--format", "json", env=env)

@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, run_cli, save_reward_model, stable
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, save_reward_model, stable, start
 
 
 def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
@@ -29,7 +27,7 @@ def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
     args = [str(path), *SMALL]
 
     ref = tmp_path / "ref"
-    done = run_cli("start", str(path), "--run-dir", str(ref), *SMALL)
+    done = start(ref, *SMALL, config=path)
     assert done.returncode == 0, done.stderr
     rows = metrics_of(ref)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

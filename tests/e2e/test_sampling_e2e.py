@@ -2,11 +2,7 @@
 snapshot and resumed ends bit-identical to an uninterrupted one (the truncated sampler regenerates the
 same rollouts), and the rollout's log-probs still equal the actor's (both untruncated)."""
 
-import pytest
-
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, run_cli, stable
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, stable, start
 
 
 def test_truncated_sampling_resumes_exactly(tmp_path):
@@ -24,7 +20,7 @@ def test_truncated_sampling_resumes_exactly(tmp_path):
         'rollout.stop=["e", "a"]',
     ]
     ref = tmp_path / "ref"
-    r = run_cli("start", "--run-dir", str(ref), *common)
+    r = start(ref, *common)
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "killed"

@@ -8,18 +8,11 @@ of the step it restores."""
 import json
 import signal
 
-import pytest
 import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, run_cli, small_tmpfs, spawn, wait_for
-
-pytestmark = pytest.mark.slow
-
-
-def kinds(run_dir, kind):
-    return [e for e in events_of(run_dir) if e["event"] == kind]
+from helpers import SMALL, events_of, metrics_of, run_cli, small_tmpfs, spawn_start, start, wait_for
 
 
 def listed(run_dir):
@@ -29,33 +22,24 @@ def listed(run_dir):
 def test_full_disk_fails_the_run_with_exit_12_and_resume_completes_it(tmp_path):
     run = tmp_path / "run"
     every = ["--set", "checkpoint.every=1"]
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=3",
-        *every,
-        env={"RLCTL_FAULTS": "enospc@2"},
-    )
+    r = start(run, *SMALL, *every, steps=3, faults="enospc@2")
     assert r.returncode == ExitCode.STORAGE == 12, r.stderr
     assert "Traceback" not in r.stderr
     assert "the run is not complete: the snapshot of step 3 was not committed (no space left on device" in r.stderr
     assert f"the last committed snapshot is step 1. Resume with: rlctl resume {run}" in r.stderr
-    failed = kinds(run, "snapshot_failed")
+    failed = events_of(run, "snapshot_failed")
     assert [(e["step"], e["consecutive"], e["max_failures"]) for e in failed] == [(2, 1, 3), (3, 2, 3)]
     assert all("no space left on device" in e["error"] and str(run) in e["error"] for e in failed)
-    assert [e["step"] for e in kinds(run, "snapshot_committed")] == [1]
-    assert not kinds(run, "completed")
+    assert [e["step"] for e in events_of(run, "snapshot_committed")] == [1]
+    assert not events_of(run, "completed")
     assert [c["step"] for c in listed(run)] == [1]  # nothing half-written is left to be taken for whole
 
     r = run_cli("resume", str(run))  # the disk has room again
     assert r.returncode == 0, r.stderr
     assert "continuing from step 1" in r.stderr
     assert [row["step"] for row in metrics_of(run)] == [1, 2, 3]
-    assert [e["step"] for e in kinds(run, "snapshot_committed")] == [1, 2, 3]
-    assert kinds(run, "completed")[-1]["step"] == 3
+    assert [e["step"] for e in events_of(run, "snapshot_committed")] == [1, 2, 3]
+    assert events_of(run, "completed")[-1]["step"] == 3
 
 
 def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
@@ -64,12 +48,12 @@ def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
     run = tmp_path / "run"
     with small_tmpfs(tmp_path / "disk", size="256k") as disk:
         args = ["--set", f"checkpoint.dir={disk}", "--set", "checkpoint.every=1", "--set", "trainer.total_steps=2"]
-        r = run_cli("start", "--run-dir", str(run), *SMALL, *args)
+        r = start(run, *SMALL, *args)
         assert r.returncode == ExitCode.STORAGE == 12, r.stderr
         assert "Traceback" not in r.stderr and "done:" not in r.stderr
         assert "no space left on device" in r.stderr and "the run is not complete" in r.stderr
-        assert [e["step"] for e in kinds(run, "snapshot_failed")] == [1, 2]
-        assert not kinds(run, "completed") and not any(disk.glob("step-*"))  # nothing half-written left
+        assert [e["step"] for e in events_of(run, "snapshot_failed")] == [1, 2]
+        assert not events_of(run, "completed") and not any(disk.glob("step-*"))  # nothing half-written left
         r = run_cli("resume", str(run))  # trained steps, no snapshot: never "nothing to do", never step 0 again
         assert r.returncode == ExitCode.SNAPSHOT == 11, r.stderr
         assert [row["step"] for row in metrics_of(run)] == [1, 2]
@@ -77,53 +61,31 @@ def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
 
 def test_max_failures_in_a_row_stop_the_run_at_once(tmp_path):
     run = tmp_path / "run"
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=6",
-        "--set",
-        "checkpoint.every=1",
-        "--set",
-        "checkpoint.max_failures=2",
-        env={"RLCTL_FAULTS": "enospc@2"},
-    )
+    r = start(run, *SMALL, "--set", "checkpoint.max_failures=2", steps=6, every=1, faults="enospc@2")
     assert r.returncode == ExitCode.STORAGE, r.stderr
     assert "2 snapshots in a row failed (checkpoint.max_failures: 2); the last, of step 3" in r.stderr
     assert "no space left on device" in r.stderr and "the last committed snapshot is step 1" in r.stderr
     assert "Traceback" not in r.stderr
     assert [row["step"] for row in metrics_of(run)] == [1, 2, 3]  # no step trained past the limit
-    assert [e["step"] for e in kinds(run, "snapshot_failed")] == [2, 3]
-    assert not kinds(run, "completed")
+    assert [e["step"] for e in events_of(run, "snapshot_failed")] == [2, 3]
+    assert not events_of(run, "completed")
 
 
 def test_a_stop_whose_snapshot_failed_says_so_and_exits_resume_me(tmp_path):
     run = tmp_path / "run"
-    proc = spawn(
-        "start",
-        "--run-dir",
-        str(run),
-        *SMALL,
-        "--set",
-        "trainer.total_steps=6",
-        "--set",
-        "checkpoint.every=1",
-        faults="enospc@2,sleep@2=120",
-    )
-    wait_for(lambda: kinds(run, "snapshot_failed") if (run / "events.jsonl").exists() else False, proc)
+    proc = spawn_start(run, *SMALL, steps=6, every=1, faults="enospc@2,sleep@2=120")
+    wait_for(lambda: events_of(run, "snapshot_failed") if (run / "events.jsonl").exists() else False, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.PREEMPTED, err
     assert "stopped by SIGTERM after step 2; the snapshot of step 2 was not committed (no space left on device" in err
     assert f"the last committed snapshot is step 1. Resume with: rlctl resume {run} --from latest" in err
-    assert kinds(run, "preempted")[-1]["snapshot"] == 1
+    assert events_of(run, "preempted")[-1]["snapshot"] == 1
 
 
 def test_garbage_manifest_is_quarantined_and_resume_falls_back_saying_why(tmp_path):
     run = tmp_path / "run"
-    r = run_cli("start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2")
+    r = start(run, *SMALL, steps=4, every=2)
     assert r.returncode == 0, r.stderr
     newest = run / "checkpoints" / "step-000004"
     files = sorted(p.relative_to(newest) for p in newest.rglob("*") if p.is_file())
@@ -144,7 +106,7 @@ def test_garbage_manifest_is_quarantined_and_resume_falls_back_saying_why(tmp_pa
     )
     assert "continuing from step 2" in r.stderr
     assert sorted(p.relative_to(moved) for p in moved.rglob("*") if p.is_file()) == files  # nothing lost
-    (event,) = kinds(run, "snapshot_quarantined")
+    (event,) = events_of(run, "snapshot_quarantined")
     assert (event["step"], event["location"]) == (4, str(moved))
     assert [row["step"] for row in metrics_of(run)] == list(range(1, 7))
     assert [c["step"] for c in listed(run)] == [2, 4, 6]  # step 4 trained and committed again
@@ -173,9 +135,9 @@ def test_resume_after_a_rollback_takes_the_policy_state_of_the_restored_step(tmp
         json.dumps({"trainer": {"total_steps": 6}, "checkpoint": {"every": 2}, "policies": [{"rules": rules}]})
     )
     run = tmp_path / "run"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": "metric@3=actor/ppo_kl:5.0"})
+    r = start(run, *SMALL, config=cfg, faults="metric@3=actor/ppo_kl:5.0")
     assert r.returncode == 0, r.stderr
-    assert kinds(run, "rollback")[0]["to_step"] == 2
+    assert events_of(run, "rollback")[0]["to_step"] == 2
     assert json.loads((run / "policy_state.json").read_text())["step"] == 2
     uninterrupted = policy_history(run / "checkpoints" / "step-000006", "watch")
     assert uninterrupted == [1, 2, 3, 4, 5, 6]
@@ -190,4 +152,4 @@ def test_resume_after_a_rollback_takes_the_policy_state_of_the_restored_step(tmp
     assert f"warning: ignoring {run / 'policy_state.json'}: it does not fit this run's policies" in r.stderr
     assert "Traceback" not in r.stderr
     assert policy_history(run / "checkpoints" / "step-000006", "watch") == uninterrupted
-    assert kinds(run, "policy_state_ignored")
+    assert events_of(run, "policy_state_ignored")

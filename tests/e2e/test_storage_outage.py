@@ -179,14 +179,14 @@ def test_a_run_whose_object_store_goes_away_ends_12_and_resumes_with_nothing_los
     """Snapshots on S3; the server is paused after the first commit and stays paused: the later
     snapshots fail within their budget, the run ends with exit 12 and one sentence (not `completed`);
     once the store is back, `resume` continues from the committed snapshot to the end."""
-    from helpers import SMALL, events_of, metrics_of, spawn, wait_for
+    from helpers import SMALL, events_of, metrics_of, spawn_start, wait_for
 
     run, url = tmp_path / "run", f"s3://{BUCKET}/snaps"
     cfg = tmp_path / "cfg.yaml"
     opts = moto.options()
     cfg.write_text(json.dumps({"checkpoint": {"dir": url, "storage_options": opts, "every": 1, "retry_timeout": 2}}))
     total = ["--set", "trainer.total_steps=3"]
-    proc = spawn("start", str(cfg), "--run-dir", str(run), *SMALL, *total, faults="sleep@1=4")
+    proc = spawn_start(run, *SMALL, *total, config=cfg, faults="sleep@1=4")
 
     def committed(step):
         return lambda: any(e.get("event") == "snapshot_committed" and e.get("step") == step for e in events_of(run))

@@ -5,13 +5,9 @@ Ctrl-C while it runs is still an interrupt (130)."""
 import re
 import textwrap
 
-import pytest
-
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, events_of, metrics_of, start
 
 
 def reward_module(tmp_path, name: str, body: str) -> str:
@@ -31,10 +27,10 @@ def reward_module(tmp_path, name: str, body: str) -> str:
     return f"{name}:score"
 
 
-def start(tmp_path, spec: str, steps: int = 3):
+def start_with(tmp_path, spec: str):
+    """A 3-step run of the reward ``spec``, started in ``tmp_path`` (where its module is)."""
     run = tmp_path / "run"
-    args = ["start", "--run-dir", str(run), *SMALL, "--set", f"trainer.total_steps={steps}"]
-    return run, run_cli(*args, "--set", f"reward.function={spec}", cwd=tmp_path)
+    return run, start(run, *SMALL, "--set", f"reward.function={spec}", steps=3, cwd=tmp_path)
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -43,7 +39,7 @@ def error_lines(stderr: str) -> list[str]:
 
 def test_a_reward_that_calls_exit_0_at_step_2_ends_with_exit_4(tmp_path):
     spec = reward_module(tmp_path, "exits", "raise SystemExit(0)")
-    run, r = start(tmp_path, spec)
+    run, r = start_with(tmp_path, spec)
     assert r.returncode == ExitCode.INPUT, r.stderr
     assert "Traceback" not in r.stderr
     [line] = error_lines(r.stderr)
@@ -58,7 +54,7 @@ def test_a_reward_that_calls_exit_0_at_step_2_ends_with_exit_4(tmp_path):
 
 def test_a_reward_that_returns_strings_ends_with_exit_4(tmp_path):
     spec = reward_module(tmp_path, "strings", "return ['abc'] * len(completions)")
-    run, r = start(tmp_path, spec)
+    run, r = start_with(tmp_path, spec)
     assert r.returncode == ExitCode.INPUT, r.stderr
     assert "Traceback" not in r.stderr
     assert error_lines(r.stderr) == [
@@ -69,7 +65,7 @@ def test_a_reward_that_returns_strings_ends_with_exit_4(tmp_path):
 
 def test_a_real_ctrl_c_inside_the_reward_is_an_interrupt_not_an_input_error(tmp_path):
     spec = reward_module(tmp_path, "ctrlc", "os.kill(os.getpid(), signal.SIGINT)")
-    run, r = start(tmp_path, spec)
+    run, r = start_with(tmp_path, spec)
     assert r.returncode == ExitCode.INTERRUPTED, r.stderr
     assert "Traceback" not in r.stderr and not error_lines(r.stderr)
     assert [e["event"] for e in events_of(run)][-1] == "interrupted"
@@ -79,7 +75,7 @@ def test_a_reward_module_that_does_not_import_stops_before_the_run_directory_exi
     """Found by the checks before any work (rlctl.engine.preflight): a retry of the fixed command with
     the same --run-dir is not refused."""
     (tmp_path / "broken.py").write_text("def score(prompts, completions:\n")
-    run, r = start(tmp_path, "broken:score")
+    run, r = start_with(tmp_path, "broken:score")
     assert r.returncode == ExitCode.INPUT, r.stderr
     [line] = error_lines(r.stderr)
     assert line.startswith("Error: reward function 'broken:score': importing module 'broken' raised SyntaxError")

@@ -8,10 +8,9 @@ import pytest
 
 from rlctl.errors import ExitCode
 
-from helpers import events_of, metrics_of, run_cli, stable
+from helpers import events_of, metrics_of, run_cli, stable, start
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.slow
 
 COMMON = [
     "--set",
@@ -27,18 +26,7 @@ COMMON = [
 
 def test_two_ranks_with_vllm_stay_in_sync_and_a_restore_regenerates_exactly(tmp_path):
     run = tmp_path / "run"
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run),
-        "--nproc",
-        "2",
-        *COMMON,
-        "--set",
-        "trainer.total_steps=4",
-        "--set",
-        "checkpoint.every=2",
-    )
+    r = start(run, "--nproc", "2", *COMMON, steps=4, every=2)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run}\n"
     rows = metrics_of(run)
@@ -57,20 +45,16 @@ def test_a_broken_weight_sync_is_caught_by_the_default_policy(tmp_path):
     """The stale_rollout drill never pushes updated weights: vLLM keeps sampling from the initial
     policy, rollout/logprob_diff climbs, and default.yaml's rollout-sync rule halts the run (exit 20)."""
     run = tmp_path / "run"
-    r = run_cli(
-        "start",
-        "--run-dir",
-        str(run),
+    r = start(
+        run,
         *COMMON,
-        "--set",
-        "trainer.total_steps=60",
         "--set",
         "actor.lr=3e-3",
         "--set",
-        "checkpoint.every=10",
-        "--set",
         "policies=[policies/default.yaml]",
-        env={"RLCTL_FAULTS": "stale_rollout"},
+        steps=60,
+        every=10,
+        faults="stale_rollout",
     )
     assert r.returncode == ExitCode.HALTED, r.stderr
     assert "policy rule 'rollout-sync' halted the run" in r.stderr

@@ -14,11 +14,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from helpers import REPO
-
-pytestmark = pytest.mark.slow
 
 
 def run(*cmd, **kw) -> subprocess.CompletedProcess:

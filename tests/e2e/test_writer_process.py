@@ -6,11 +6,7 @@ import os
 import signal
 import time
 
-import pytest
-
-from helpers import SMALL, alive, events_of, run_cli, spawn, wait_for, writer_pids
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, alive, events_of, run_cli, spawn_start, wait_for, writer_pids
 
 RUN = [*SMALL, "--set", "trainer.total_steps=9", "--set", "checkpoint.every=3"]
 
@@ -25,7 +21,7 @@ def _held_writer(run, proc):
 
 def test_a_writer_killed_mid_snapshot_fails_that_snapshot_and_the_run_goes_on(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *RUN, faults="write_delay@6=60")
+    proc = spawn_start(run, *RUN, faults="write_delay@6=60")
     writer = _held_writer(run, proc)
     time.sleep(0.5)  # (inside the 60 s hold)
     os.kill(writer, signal.SIGKILL)
@@ -45,7 +41,7 @@ def test_a_writer_killed_mid_snapshot_fails_that_snapshot_and_the_run_goes_on(tm
 
 def test_a_killed_trainer_takes_its_writer_along_and_resume_starts_from_the_last_commit(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", "--run-dir", str(run), *RUN, faults="write_delay@6=60")
+    proc = spawn_start(run, *RUN, faults="write_delay@6=60")
     writer = _held_writer(run, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
