@@ -16,12 +16,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
+from rlctl.checkpoint.catalog import SnapshotInfo
 from rlctl.checkpoint.manifest import checksum_problem
-from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.errors import ConfigError, SnapshotError
 from rlctl.rundir.directory import load_run_config
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.selection import select
+from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.storage import Storage
 
 
@@ -50,9 +50,11 @@ def export_snapshot(
     lora = cfg.actor.lora.rank > 0
     if adapter_only and not lora:
         raise ConfigError(f"--adapter-only needs a LoRA run, but {run_dir} trains the full model (actor.lora.rank 0)")
-    manager = snapshot_manager(run, cfg)
-    info = _choose(manager, spec, note or (lambda _: None))
-    local, cleanup = manager.storage.local_copy(info.name)
+    snapshots = snapshot_catalog(run, cfg)
+    selection = select(snapshots, spec, "--step")
+    info = selection.first()
+    selection.skip(note or (lambda _: None), before=info)
+    local, cleanup = snapshots.storage.local_copy(info.name)
     try:
         problem = checksum_problem(local, info.manifest or {})
         if problem:
@@ -109,15 +111,3 @@ def _lora_model(cfg, run: Storage, state: dict, name: str):
             f"unexpected {sorted(unexpected)[:5]}"
         )
     return model
-
-
-def _choose(manager: SnapshotManager, spec: str, note: Callable[[str], None]) -> SnapshotInfo:
-    """The first usable candidate for ``spec``; each candidate skipped before it said to ``note``."""
-    candidates = manager.candidates(parse_step_spec(spec))
-    info = next((c for c in candidates if c.usable), None)
-    if info is None:
-        why = f" ({candidates[0].name}: {candidates[0].problem})" if candidates else ""
-        raise SnapshotError(f"no usable snapshot for --step {spec} in {manager.storage.url}{why}")
-    for bad in candidates[: candidates.index(info)]:
-        note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
-    return info

@@ -18,8 +18,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
-from rlctl.checkpoint.snapshots import SnapshotManager
+from rlctl import events as names
+from rlctl.checkpoint.catalog import SnapshotInfo
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows, read_rows
@@ -38,11 +38,10 @@ from rlctl.rundir.directory import (
 from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.selection import ResumePlan, Selection, parse_spec, select
+from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
-
-ENDED = {"completed", "preempted", "halted", "crashed", "interrupted"}
 
 
 def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
@@ -58,10 +57,9 @@ def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> 
             reporter.note(f"reusing {url}: its earlier start never trained a step")
         with _recording(run, cfg, lease) as events:
             events.emit(
-                {"event": "start", "total_steps": cfg.trainer.total_steps, **({"reused": True} if reused else {})}
+                {"event": names.START, "total_steps": cfg.trainer.total_steps, **({"reused": True} if reused else {})}
             )
-            snapshots = snapshot_manager(run, cfg, events, fence=lease.check)
-            snapshots.remove_uncommitted()
+            snapshot_catalog(run, cfg, events).remove_uncommitted()
             return _train(run, cfg, events, reporter, None, lease)
 
 
@@ -73,7 +71,7 @@ def resume_run(
     force: bool = False,
     reporter: Reporter | None = None,
 ) -> dict[str, Any]:
-    wanted = parse_step_spec(spec)
+    parse_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
     _preflight(cfg)
@@ -82,16 +80,16 @@ def resume_run(
     reporter = reporter or SilentReporter()
     with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
         if lease.taken_over is not None:
-            events.emit({"event": "lease_taken_over", "previous": lease.taken_over})
-        snapshots = snapshot_manager(run, cfg, events, fence=lease.check)
-        removed = snapshots.remove_uncommitted()
+            events.emit({"event": names.LEASE_TAKEN_OVER, "previous": lease.taken_over})
+        catalog = snapshot_catalog(run, cfg, events)
+        removed = catalog.remove_uncommitted()
         if removed:
-            events.emit({"event": "uncommitted_removed", "steps": removed})
-        restore = _choose(run, cfg, snapshots, wanted, changes, reporter)
-        if restore is None:
+            events.emit({"event": names.UNCOMMITTED_REMOVED, "steps": removed})
+        plan = _plan(run, cfg, select(catalog, spec, "--from"), changes, reporter)
+        if plan is None:
             reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
             return run_summary(run, cfg)
-        return _train(run, cfg, events, reporter, restore, lease)
+        return _train(run, cfg, events, reporter, plan, lease)
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -117,49 +115,34 @@ def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:
 
 
 # -- which snapshot ------------------------------------------------------------------------------------
-def _choose(
-    run: Storage, cfg: RunConfig, snapshots: SnapshotManager, wanted: int | str, changes: dict, reporter: Reporter
-) -> dict[str, Any] | None:
-    """The restore to train from (the usable snapshots for ``wanted``, best first; none: start over), or
-    None when ``--from latest`` finds the run complete. ``best`` is a choice like an explicit step: the
-    first usable of the best snapshots alone (those skipped before it said), never another one."""
-    candidates = snapshots.candidates(wanted)
-    if isinstance(wanted, int) and candidates[0].problem:
-        raise SnapshotError(f"snapshot {candidates[0].name} is not usable: {candidates[0].problem}")
-    if wanted == "last-good" and not candidates:
-        raise SnapshotError(f"no good snapshot in {snapshots.storage.url}")
-    if wanted == "best":
-        first = next((c for c in candidates if c.usable), None)
-        if first is None:
-            raise SnapshotError(
-                f"no good snapshot in {snapshots.storage.url} that records {snapshots.best_rule.metric} is usable "
-                f"(the best, {candidates[0].name}: {candidates[0].problem})"
-            )
-        candidates = candidates[: candidates.index(first) + 1]
-    if wanted == "latest" and _completed(run, cfg, candidates):
+def _plan(
+    run: Storage, cfg: RunConfig, selection: Selection, changes: dict[str, Any], reporter: Reporter
+) -> ResumePlan | None:
+    """The plan to train from (the usable snapshots ``selection`` chose, best first, each one it skips
+    said; none: start over), or None when ``--from latest`` finds the run complete. A run that trained
+    steps but has no usable snapshot is refused: it would train them again from step 0."""
+    if selection.wanted == "latest" and _completed(run, cfg, list(selection.candidates)):
         return None
-    for bad in (c for c in candidates if not c.usable):
-        reporter.note(f"warning: skipping snapshot {bad.name}: {bad.problem}")
-    names = [c.name for c in candidates if c.usable]
-    if not names:
+    selection.skip(reporter.note)
+    if not selection.usable:
         trained = last_step(run)
         if trained:
             raise SnapshotError(
-                f"no usable snapshot in {snapshots.storage.url}, but the run trained {trained} step(s): "
+                f"no usable snapshot in {selection.url}, but the run trained {trained} step(s): "
                 "resuming would train them again from step 0. Start a new run (rlctl start), or set "
                 "checkpoint.every so that a run can resume"
             )
         reporter.note("no snapshot yet: the run never trained a step; starting it over")
-    return {"names": names, "wanted": wanted, "changes": changes}
+    return ResumePlan.of(selection, changes)
 
 
 def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> bool:
     """Whether the run's last recorded outcome is ``completed`` at its total steps, with its final
     snapshot committed (when it snapshots at all): only then is there nothing to resume."""
-    events = [e for e in read_rows(run, EVENTS) if e.get("event") in ENDED | {"start", "resume"}]
+    events = [e for e in read_rows(run, EVENTS) if e.get("event") in names.ENDED | {names.START, names.RESUME}]
     last = events[-1] if events else {}
     step = last.get("step")
-    if last.get("event") != "completed" or not isinstance(step, int) or step < cfg.trainer.total_steps:
+    if last.get("event") != names.COMPLETED or not isinstance(step, int) or step < cfg.trainer.total_steps:
         return False
     snapshots_kept = cfg.checkpoint.every > 0 or any(c.committed for c in candidates)
     return not snapshots_kept or any(c.usable and c.step >= step for c in candidates)
@@ -167,17 +150,17 @@ def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> 
 
 # -- training and how it ended -------------------------------------------------------------------------
 def _train(
-    run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter, restore: dict[str, Any] | None, lease: Lease
+    run: Storage, cfg: RunConfig, events: EventLog, reporter: Reporter, plan: ResumePlan | None, lease: Lease
 ) -> dict[str, Any]:
     """Train here (one rank), or launch the ranks and follow them (several: local processes or Ray
     actors; rank 0 then writes the events and metrics while this process keeps the lease). Either is
     fenced by the lease: it stops before its next write once the lease is lost."""
     if cfg.world_size == 1:
-        return train_rank(run, cfg, events, reporter, restore, fence=lease.check)
+        return train_rank(run, cfg, events, reporter, plan, fence=lease.check)
     launch = launch_ray if cfg.cluster.backend == "ray" else launch_local
     events.close()  # rank 0 appends to it now: one writer at a time
     try:
-        return launch(run, cfg, restore, reporter, fence=lease.check, lease_owner=lease.owner)
+        return launch(run, cfg, plan, reporter, fence=lease.check, lease_owner=lease.owner)
     finally:
         events.reopen()
 
@@ -195,11 +178,11 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
         raise _stopped_early(run, cfg, events, stop.signal_name) from None
     except KeyboardInterrupt:
         if not _ended_since(run, offset):
-            _record(events, {"event": "interrupted"})
+            _record(events, {"event": names.INTERRUPTED})
         raise
     except RankFailed as exc:
         if not _ended_since(run, offset):
-            kind = "preempted" if exc.exit_code == ExitCode.PREEMPTED else "crashed"
+            kind = names.PREEMPTED if exc.exit_code == ExitCode.PREEMPTED else names.CRASHED
             _record(events, {"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
         raise
     except Exception as exc:
@@ -216,14 +199,19 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
     """Record a stop that came before a trainer could take it (before training began, or while a step waited
     on a reward URL's backoff) as a preemption; the error that says so."""
     try:
-        usable = [i for i in snapshot_manager(run, cfg).scan() if i.usable]
+        usable = [i for i in snapshot_catalog(run, cfg).scan() if i.usable]
         trained = last_step(run)
     except Exception:  # the storage is failing too: say what is known
         usable, trained = [], 0
     last = usable[-1] if usable else None
     _record(
         events,
-        {"event": "preempted", "step": last.step if last else 0, "signal": signal_name, "snapshot": last and last.step},
+        {
+            "event": names.PREEMPTED,
+            "step": last.step if last else 0,
+            "signal": signal_name,
+            "snapshot": last and last.step,
+        },
     )
     if last is not None:
         where = f"the last committed snapshot is {last.name}"
@@ -241,7 +229,7 @@ def _ended_since(run: Storage, offset: int) -> bool:
         since = run.read_bytes(EVENTS)[offset:] if run.exists(EVENTS) else b""
     except Exception:  # unreadable now: do not write either
         return True
-    return any(e.get("event") in ENDED for e in parse_rows(since))
+    return any(e.get("event") in names.ENDED for e in parse_rows(since))
 
 
 def _record(events: EventLog, event: dict[str, Any]) -> None:

@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import orjson
 
-from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
+from rlctl import events
+from rlctl.checkpoint.catalog import SnapshotInfo
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
 from rlctl.config.knob_values import adjust_knob, apply_knob_settings, get_knob, knob_settings
 from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
 from rlctl.errors import Halted, SnapshotError, StorageError
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.history import turn_away_after, turn_tag
+from rlctl.rundir.history import policy_acted_after, turn_away_after, turn_tag
 from rlctl.rundir.layout import CONFIG, POLICY_STATE
+from rlctl.rundir.selection import ResumePlan, rollback_candidates
 from rlctl.storage import Storage
 
 
@@ -86,7 +89,7 @@ class Recovery:
         if verdict.skip_offending or verdict.skip_batches:
             h.emit(
                 {
-                    "event": "skip",
+                    "event": events.SKIP,
                     "step": verdict.step,
                     "prompts": sorted(drawn) if verdict.skip_offending else [],
                     "batches": verdict.skip_batches,
@@ -135,7 +138,7 @@ class Recovery:
             apply_knob_settings(h.cfg, h.guard.knobs, keep)
         except (ValueError, TypeError) as exc:
             reason = f"its knob settings do not fit this run ({exc}); the config's knobs stand"
-            h.emit({"event": "policy_state_ignored", "reason": reason})
+            h.emit({"event": events.POLICY_STATE_IGNORED, "reason": reason})
             if h.dist.is_main:
                 print(f"warning: policy state: {reason}", file=sys.stderr)
 
@@ -160,7 +163,7 @@ class Recovery:
     def _ignore_policy_state(self, reason: str) -> None:
         h = self.host
         url = h.run.url_of(POLICY_STATE)
-        h.emit({"event": "policy_state_ignored", "file": url, "reason": reason})
+        h.emit({"event": events.POLICY_STATE_IGNORED, "file": url, "reason": reason})
         if h.dist.is_main:
             print(f"warning: ignoring {url}: {reason}; the snapshot's policy state is used", file=sys.stderr)
 
@@ -171,7 +174,9 @@ class Recovery:
                 h.snapshots.wait()  # the snapshot in flight is committed, or not, before the last good is named
         good = [i.step for i in h.snapshots.scan() if i.usable and i.good] if h.snapshots else []
         where = f"the last good snapshot is step {good[-1]}" if good else "there is no good snapshot"
-        h.emit({"event": "halted", "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None})
+        h.emit(
+            {"event": events.HALTED, "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None}
+        )
         raise Halted(
             f"policy rule '{firing.rule}' halted the run at step {firing.step} ({firing.trigger}); {where}. "
             f"After fixing the cause: rlctl resume {h.run.url} --from last-good"
@@ -196,7 +201,7 @@ class Recovery:
         if h.dist.is_main:
             h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())
         h.apply_knobs()
-        h.emit({"event": "adjust", "step": verdict.step, "changes": changes})
+        h.emit({"event": events.ADJUST, "step": verdict.step, "changes": changes})
 
     def _knob_now(self, key: str) -> float | None:
         """A knob's value now: the config's, or an adaptive controller's current KL coefficient."""
@@ -211,39 +216,109 @@ class Recovery:
         h, step = self.host, verdict.step
         h.snapshots.wait()  # rank 0's commit (and its retention) done before any rank looks
         h.dist.barrier()
-        for info in self.rollback_candidates(verdict):
-            try:
-                h.restore(info, rollback=True)
-                break
-            except SnapshotError as exc:
-                h.emit({"event": "snapshot_unusable", "step": info.step, "error": exc.message})
-        else:
+        back = verdict.rollback.min_steps_back or 0
+        candidates = rollback_candidates(h.snapshots.catalog, step, back, verdict.rollback_best)
+
+        def unusable(info: SnapshotInfo, exc: SnapshotError) -> None:
+            h.emit({"event": events.SNAPSHOT_UNUSABLE, "step": info.step, "error": exc.message})
+
+        def tag_of(to_step: int) -> dict[str, Any]:
+            return turn_tag(events.ROLLBACK, rule=verdict.rollback_rule, from_step=step, to_step=to_step)
+
+        info, tag, moved = self.turn_to(candidates, tag_of, unusable, rollback=True)
+        if info is None:
             self.halt_no_target(verdict)
-        to_step = h.state.step
-        tag = turn_tag("rollback", rule=verdict.rollback_rule, from_step=step, to_step=to_step)
-        moved: dict[str, Any] = {"abandoned_metric_rows": [], "abandoned_snapshots": []}
-        with h.metrics_closed():
-            if h.dist.is_main:
-                moved = turn_away_after(h.run, h.snapshots, to_step, tag)
-            h.dist.barrier()
         h.emit({**tag, **moved})
 
-    def rollback_candidates(self, verdict) -> list:
-        """The usable good snapshots to try, best first: with ``to: best`` the ones holding the best value
-        of the rule's metric, then (when none records it, or every one fails) the newest good ones;
-        otherwise the newest good ones at least ``min_steps_back`` steps back. Their manifests are read,
-        not their files: the restore verifies every file it reads, and a broken one is skipped then."""
-        snapshots, step = self.host.snapshots, verdict.step
-        horizon = step - (verdict.rollback.min_steps_back or 0)
-        newest = [i for i in reversed(snapshots.scan(files=False)) if i.usable and i.good and i.step <= horizon]
-        if verdict.rollback_best is None:
-            return newest
-        best = [i for i in snapshots.best(*verdict.rollback_best, files=False) if i.step <= step]
-        tried = {i.step for i in best}
-        return best + [i for i in newest if i.step not in tried]
+    def resume(self, plan: ResumePlan, note: Callable[[str], None]) -> None:
+        """Restore the first snapshot of ``plan`` that loads (with the knobs its policy state records, but
+        the ones resume --set changed; none planned: the run starts over), make the engine follow the
+        changed knobs, and turn the run away from the steps after the snapshot; rank 0 then records the
+        config (its knobs now the restored ones) and the resume. ``note``: what a fallback to an older
+        snapshot is said to."""
+        h = self.host
+        infos = plan.snapshots(h.snapshots.catalog)
+
+        def unusable(info: SnapshotInfo, exc: SnapshotError) -> None:
+            if len(infos) == 1:
+                raise exc
+            note(f"warning: {exc.message}; trying an older snapshot")
+
+        def tag_of(step: int) -> dict[str, Any]:
+            return turn_tag(events.RESUME, from_step=step)
+
+        if infos:
+            info, _, moved = self.turn_to(infos, tag_of, unusable, keep_knobs=set(plan.changes))
+            if info is None:
+                raise SnapshotError(
+                    f"no usable snapshot in {h.snapshots.storage.url}: every candidate failed its checks"
+                )
+        else:  # the run never trained: it starts over, and keeps no row (not even a validation before training)
+            info, moved = None, self.turn_away(-1, tag_of(0))
+        self._take_changes(plan.changes)
+        step = info.step if info is not None else 0
+        if h.dist.is_main:
+            h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())  # only once the restore has succeeded
+            h.emit(
+                {
+                    "event": events.RESUME,
+                    "from": plan.wanted,
+                    "step": step,
+                    "replays_exactly": not plan.changes and not policy_acted_after(h.run, step),
+                    "snapshot": info.name if info else None,
+                    "location": h.snapshots.storage.url_of(info.name) if info else None,
+                    "changes": plan.changes,
+                    **moved,
+                }
+            )
+
+    def _take_changes(self, changes: dict[str, Any]) -> None:
+        """The knobs resume --set changed keep their new values (the restore kept them); the KL
+        coefficient also where an adaptive controller restored its own: the user said so."""
+        h = self.host
+        if "algorithm.kl_coef" in changes:
+            h.kl_ctrl.value = h.cfg.algorithm.kl_coef
+            h.apply_knobs()
+
+    def turn_to(
+        self,
+        candidates: Sequence[SnapshotInfo],
+        tag_of: Callable[[int], dict[str, Any]],
+        unusable: Callable[[SnapshotInfo, SnapshotError], None],
+        *,
+        rollback: bool = False,
+        keep_knobs: Collection[str] = (),
+    ) -> tuple[SnapshotInfo | None, dict[str, Any], dict[str, Any]]:
+        """Restore the first of ``candidates`` that loads (``Trainer.restore``: a rollback's keeps the live
+        policy state and knobs, a resume's takes the snapshot's but ``keep_knobs``); each one that does
+        not goes to ``unusable`` with its error (which may raise). Then turn the run away from the steps
+        after the one restored, tagged ``tag_of(its step)``. The snapshot restored (None: none loaded,
+        and nothing turned), the tag, and what moved."""
+        for info in candidates:
+            try:
+                self.host.restore(info, rollback=rollback, keep_knobs=keep_knobs)
+            except SnapshotError as exc:
+                unusable(info, exc)
+                continue
+            tag = tag_of(info.step)
+            return info, tag, self.turn_away(info.step, tag)
+        return None, {}, {}
+
+    def turn_away(self, step: int, tag: dict[str, Any]) -> dict[str, Any]:
+        """Once every rank has restored, rank 0 moves the metric rows and snapshots of the steps after
+        ``step`` aside, tagged ``tag`` (``rlctl.rundir.history``), its metrics log closed meanwhile, while
+        the other ranks wait. What moved: the fields of the event that reports the turn."""
+        h = self.host
+        moved: dict[str, Any] = {"abandoned_metric_rows": [], "abandoned_snapshots": []}
+        h.dist.barrier()
+        with h.metrics_closed():
+            if h.dist.is_main:
+                moved = turn_away_after(h.run, h.snapshots, step, tag)
+            h.dist.barrier()
+        return moved
 
     def halt_no_target(self, verdict) -> None:
-        self.host.emit({"event": "halted", "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})
+        self.host.emit({"event": events.HALTED, "step": verdict.step, "rule": verdict.rollback_rule, "last_good": None})
         raise Halted(
             f"policy rule '{verdict.rollback_rule}' asked for a rollback at step {verdict.step}, but no good "
             "snapshot is old enough to roll back to"

@@ -39,9 +39,9 @@ from rlctl.engine.runtime import RankContext
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
-from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.layout import CONFIG, METRICS
+from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
 
@@ -74,17 +74,19 @@ class Trainer:
         rank: RankContext,
         *,
         snapshots: SnapshotManager | None = None,
+        guard: PolicyGuard | None = None,
         on_step: StepCallback | None = None,
         on_event: EventCallback | None = None,
         fence: Callable[[], None] | None = None,
     ):
         """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
-        with its collectives; ``fence`` (the lease's check) is called before every metrics row."""
+        with its collectives; ``guard``: the run's policies (``cfg.policies``), built once for the rank;
+        ``fence`` (the lease's check) is called before every metrics row."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
         faults.configure(cfg.faults)
         self.fence = fence
         self.emit = on_event or (lambda event: None)
-        self.guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
+        self.guard = guard
         if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
             raise ConfigError(
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
@@ -207,6 +209,12 @@ class Trainer:
         self.apply_knobs()
         self.rollout.sync_weights()
 
+    def resume(self, plan: ResumePlan, note: Callable[[str], None]) -> None:
+        """Continue the run as ``plan`` says: restore its first snapshot that loads (none planned: start
+        over), the knobs resume --set changed taking their new values, and turn away from the steps
+        after it (``Recovery.resume``; ``note``: what a fallback to an older snapshot is said to)."""
+        self.recovery.resume(plan, note)
+
     def snapshot(self, good: bool) -> None:
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits (rank 0)
         if self.guard is not None:
@@ -318,7 +326,11 @@ class Trainer:
 
     @contextmanager
     def metrics_closed(self):
-        """The metrics log closed meanwhile (rank 0 rewrites it when the run turns away), then reopened."""
+        """The metrics log closed meanwhile (rank 0 rewrites it when the run turns away), then reopened;
+        nothing to close before training (a resume turns away before it)."""
+        if self.metrics is None:
+            yield
+            return
         self.metrics.close()
         yield
         self.metrics = self._metrics_log()

@@ -8,6 +8,6 @@ ranks forming one torch.distributed group for DeepSpeed (gloo on CPU, NCCL on CU
 Rank 0 writes the run's metrics and events and commits snapshots once every rank's files are in.
 One supervisor (``supervise``) follows the ranks of either kind through a small handle protocol:
 it shows progress from rank 0's metrics, forwards SIGTERM/SIGUSR1 to every rank, stops the others
-when one fails, and returns rank 0's outcome (or the first failing rank's). ``signals`` installs and
+when one fails, and returns rank 0's outcome (or the first failing rank's). ``stops`` installs and
 restores the stop signals for all of them; ``report`` is how a session shows progress.
 """

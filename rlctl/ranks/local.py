@@ -26,6 +26,7 @@ from rlctl.ranks.report import Reporter
 from rlctl.ranks.stops import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
 from rlctl.ranks.supervise import StopForwarder, supervise
 from rlctl.ranks.worker import free_port, rank_main, rank_spec
+from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
 # what a rank's process must not inherit from a launcher around the driver
@@ -70,7 +71,7 @@ class LocalRank:
 def launch_local(
     run: Storage,
     cfg: RunConfig,
-    restore: dict[str, Any] | None,
+    plan: ResumePlan | None,
     reporter: Reporter,
     *,
     fence: Callable[[], None] | None = None,
@@ -86,7 +87,7 @@ def launch_local(
     try:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "wb") as fh:
-            fh.write(orjson.dumps({**rank_spec(run, cfg, restore, lease_owner), "port": free_port()}))
+            fh.write(orjson.dumps({**rank_spec(run, cfg, plan, lease_owner), "port": free_port()}))
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         with StopForwarder().installed() as stops:
             for rank in range(cfg.world_size):
@@ -95,7 +96,7 @@ def launch_local(
                 )
                 ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
                 stops.add(ranks[-1])
-            return supervise(ranks, run, restore, cfg.trainer.total_steps, reporter, fence)
+            return supervise(ranks, run, plan, cfg.trainer.total_steps, reporter, fence)
     finally:
         for r in ranks:
             r.kill()

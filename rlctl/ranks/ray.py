@@ -21,6 +21,7 @@ from rlctl.ranks.report import Reporter
 from rlctl.ranks.stops import STOPS
 from rlctl.ranks.supervise import StopForwarder, supervise
 from rlctl.ranks.worker import free_port, rank_main, rank_spec
+from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
 READY_TIMEOUT_S = 120.0
@@ -116,7 +117,7 @@ def _device_resources(cfg: RunConfig, cluster: dict[str, float]) -> dict[str, fl
 def launch_ray(
     run: Storage,
     cfg: RunConfig,
-    restore: dict[str, Any] | None,
+    plan: ResumePlan | None,
     reporter: Reporter,
     *,
     fence: Callable[[], None] | None = None,
@@ -156,12 +157,12 @@ def launch_ray(
             for a in actors:
                 stops.add(ActorStop(a))
             addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
-            spec = rank_spec(run, cfg, restore, lease_owner)
+            spec = rank_spec(run, cfg, plan, lease_owner)
             ranks = [
                 RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
                 for rank, a in enumerate(actors)
             ]
-            return supervise(ranks, run, restore, t.total_steps, reporter, fence)
+            return supervise(ranks, run, plan, t.total_steps, reporter, fence)
     finally:
         for a in actors:
             ray.kill(a)

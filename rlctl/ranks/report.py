@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from rlctl import events
+
 
 class Reporter(Protocol):
     def ready(self, step: int, total: int) -> None: ...
@@ -28,9 +30,9 @@ class SilentReporter:
 def report_event(reporter: Reporter, event: dict[str, Any]) -> None:
     """Say what an event means for the run when a person must hear it now: a failed snapshot, or
     snapshots written in the training process for want of shared memory."""
-    if event.get("event") == "snapshot_failed":
+    if event.get("event") == events.SNAPSHOT_FAILED:
         reporter.note(snapshot_failed_note(event))
-    elif event.get("event") == "snapshot_writer_fallback":
+    elif event.get("event") == events.SNAPSHOT_WRITER_FALLBACK:
         reporter.note(f"warning: snapshots are written in the training process: {event.get('reason')}")
 
 

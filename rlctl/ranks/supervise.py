@@ -18,6 +18,7 @@ from rlctl.metrics import parse_rows
 from rlctl.ranks.report import Reporter, report_event
 from rlctl.ranks.stops import STOPS, on_stop_signals
 from rlctl.rundir.layout import EVENTS, METRICS
+from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
 GRACE_S = 10.0  # how long the other ranks get to notice a failed rank before they are stopped
@@ -74,7 +75,7 @@ class StopForwarder:
 def supervise(
     ranks: Sequence[RankHandle],
     run: Storage,
-    restore: dict[str, Any] | None,
+    plan: ResumePlan | None,
     total: int,
     reporter: Reporter,
     fence: Callable[[], None] | None = None,
@@ -84,7 +85,7 @@ def supervise(
     (none may commit after the lease is lost) and its error is raised."""
     follower = Follower(run, reporter)
     follower.poll(force=True)
-    reporter.ready(start_step(restore), total)
+    reporter.ready(plan.from_step if plan is not None else 0, total)
     try:
         failed_first = _wait(ranks, follower, fence or (lambda: None))
     except BaseException:
@@ -111,13 +112,6 @@ def _wait(ranks: Sequence[RankHandle], follower: Follower, fence: Callable[[], N
             for r in ranks:  # a rank left the group: the others would wait in a collective forever
                 r.kill()
         time.sleep(POLL_S)
-
-
-def start_step(restore: dict[str, Any] | None) -> int:
-    """The step a run resumes from (best guess before the ranks have restored): its first candidate's."""
-    if not restore or not restore["names"]:
-        return 0
-    return int(restore["names"][0].rsplit("-", 1)[-1])
 
 
 def starts_grace(code: int | None) -> bool:

@@ -1,12 +1,12 @@
 """A rank's session, the same for every kind of rank (in the ``rlctl`` process, a local rank process,
-a Ray actor): build the trainer, restore it on resume and turn the run away from the steps after the
-snapshot, train, and record how it ended.
+a Ray actor): build the trainer, resume it as the driver's plan says (restore, then turn the run away
+from the steps after the snapshot), train, and record how it ended.
 
-A restore is described by what can travel to another process: ``{"names": [snapshot names, best
-first; none: start over], "wanted": the --from spec, "changes": the resume --set changes}``; every rank
-scans the snapshots itself. Rank 0 alone writes the run's files (config, metrics, events); the other
-ranks wait at barriers. Stops go through ``signals.STOPS``: raised at once while the trainer is built,
-kept for it from then on. A fence (the lease's check) is called before every step and every commit.
+The plan (``rlctl.rundir.selection.ResumePlan``: the snapshots to try, best first, and the resume
+--set changes) travels to ranks in other processes as plain data; every rank scans the snapshots
+itself. Rank 0 alone writes the run's files (config, metrics, events); the other ranks wait at
+barriers. Stops go through ``stops.STOPS``: raised at once while the trainer is built, kept for it
+from then on. A fence (the lease's check) is called before every step and every commit.
 """
 
 from __future__ import annotations
@@ -20,17 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from rlctl.checkpoint.snapshots import SnapshotInfo, SnapshotManager
+from rlctl import events as names
+from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig, validate_config
-from rlctl.errors import Halted, LeaseError, Preempted, RlctlError, SnapshotError
+from rlctl.errors import Halted, LeaseError, Preempted, RlctlError
 from rlctl.metrics import EventLog, read_rows
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
 from rlctl.ranks.stops import STOPS, on_stop_signals
-from rlctl.rundir.history import turn_away_after, turn_tag
-from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
+from rlctl.rundir.layout import METRICS
 from rlctl.rundir.lease import owner_fence
+from rlctl.rundir.selection import ResumePlan
 from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
@@ -47,32 +48,32 @@ def train_rank(
     cfg: RunConfig,
     events: EventLog | None,
     reporter: Reporter,
-    restore: dict[str, Any] | None,
+    plan: ResumePlan | None,
     rank: int = 0,
     *,
     fence: Fence | None = None,
 ) -> dict[str, Any]:
     """Run the training loop in this process, as rank ``rank`` (rank 0 alone writes the run's files;
-    ``events`` is None on the others). ``fence`` is called before every step and every snapshot commit.
-    Returns the run's summary on rank 0, {} on the others."""
+    ``events`` is None on the others), resuming as ``plan`` says (None: a new run). ``fence`` is called
+    before every step and every snapshot commit. Returns the run's summary on rank 0, {} on the others."""
     main = rank == 0
     trackers = open_trackers(run, cfg) if main and cfg.trainer.loggers else None
     if trackers is not None:
         events = TrackedEvents(events, trackers)
     try:
-        return _session(run, cfg, events, reporter, restore, rank, fence, trackers)
+        return _session(run, cfg, events, reporter, plan, rank, fence, trackers)
     finally:
         if trackers is not None:
             trackers.close()
 
 
-def _session(run, cfg, events, reporter, restore, rank, fence, trackers) -> dict[str, Any]:
+def _session(run, cfg, events, reporter, plan, rank, fence, trackers) -> dict[str, Any]:
     main = rank == 0
     trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence, trackers)
     STOPS.keep()  # from here a stop waits for the trainer: it snapshots where it is, then stops
     try:
-        if restore is not None:
-            _resume(trainer, run, cfg, events, snapshots, reporter, restore, main)
+        if plan is not None:
+            trainer.resume(plan, reporter.note)
         reporter.ready(trainer.state.step, cfg.trainer.total_steps)
         emit = events.emit if main else (lambda event: None)
         with STOPS.running(trainer), on_stop_signals(STOPS.request):
@@ -80,7 +81,7 @@ def _session(run, cfg, events, reporter, restore, rank, fence, trackers) -> dict
     finally:
         snapshots.close()
     sha = trainer.actor.weights_sha256()  # (a collective under ZeRO-3: every rank computes it)
-    emit({"event": "completed", "step": trainer.state.step, "weights_sha256": sha})
+    emit({"event": names.COMPLETED, "step": trainer.state.step, "weights_sha256": sha})
     return run_summary(run, cfg) if main else {}
 
 
@@ -123,7 +124,9 @@ def _build_trainer(
             fence()  # before the next step writes anything
 
     on_event = shown.emit if shown is not None else None
-    trainer = Trainer(cfg, run, context, snapshots=snapshots, on_step=on_step, on_event=on_event, fence=fence)
+    trainer = Trainer(
+        cfg, run, context, snapshots=snapshots, guard=guard, on_step=on_step, on_event=on_event, fence=fence
+    )
     return trainer, snapshots
 
 
@@ -133,17 +136,17 @@ def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:
     try:
         trainer.train()
     except Preempted:
-        record = {"event": "preempted", "signal": trainer.stop_signal, "snapshot": snapshots.last_committed}
+        record = {"event": names.PREEMPTED, "signal": trainer.stop_signal, "snapshot": snapshots.last_committed}
         _record(emit, {**record, "step": trainer.state.step})
         raise
     except (Halted, LeaseError):
         raise  # the trainer logged why; a writer that lost its lease writes nothing more
     except KeyboardInterrupt:
-        _record(emit, {"event": "interrupted", "step": trainer.state.step})
+        _record(emit, {"event": names.INTERRUPTED, "step": trainer.state.step})
         raise
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
-        _record(emit, {"event": "crashed", "step": trainer.state.step, "error": error, **_rank(rank)})
+        _record(emit, {"event": names.CRASHED, "step": trainer.state.step, "error": error, **_rank(rank)})
         raise
 
 
@@ -156,79 +159,6 @@ def _record(emit, event: dict[str, Any]) -> None:
     it (the storage may be what failed)."""
     with contextlib.suppress(RlctlError, OSError):  # (a lost lease writes nothing either)
         emit(event)
-
-
-def _resume(
-    trainer,
-    run: Storage,
-    cfg: RunConfig,
-    events: EventLog | None,
-    snapshots: SnapshotManager,
-    reporter: Reporter,
-    restore: dict[str, Any],
-    main: bool,
-) -> None:
-    """Restore the best usable snapshot named in ``restore`` (with the knobs its policy state records,
-    but the ones resume --set changed), apply the changed knobs, and (rank 0) record the config (its
-    knobs now the restored ones) and turn the run away from the steps after the snapshot."""
-    infos = {i.name: i for i in snapshots.scan()}
-    usable = [infos[n] for n in restore["names"] if n in infos]
-    if restore["names"] and not usable:
-        raise SnapshotError(
-            f"the snapshots to resume from ({', '.join(restore['names'])}) are no longer in {snapshots.storage.url}"
-        )
-    # None: the run never trained; it starts over. The knobs --set changed keep their new values.
-    info = _restore(trainer, snapshots, usable, reporter, keep_knobs=set(restore["changes"]))
-    step = info.step if info else 0
-    tag = turn_tag("resume", from_step=step)
-    if "algorithm.kl_coef" in restore["changes"]:  # also for an adaptive controller: the user said so
-        trainer.kl_ctrl.value = cfg.algorithm.kl_coef
-        trainer.apply_knobs()
-    trainer.dist.barrier()  # every rank has restored before rank 0 moves later snapshots away
-    if main:
-        run.write_bytes(CONFIG, cfg.to_yaml().encode())  # only once the restore has succeeded
-        # (a run that starts over keeps no row, not even a validation before training)
-        moved = turn_away_after(run, snapshots, step if info is not None else -1, tag)
-        events.emit(
-            {
-                "event": "resume",
-                "from": restore["wanted"],
-                "step": step,
-                "replays_exactly": not restore["changes"] and not policy_acted_after(run, step),
-                "snapshot": info.name if info else None,
-                "location": snapshots.storage.url_of(info.name) if info else None,
-                "changes": restore["changes"],
-                **moved,
-            }
-        )
-    trainer.dist.barrier()
-
-
-def policy_acted_after(run: Storage, step: int) -> bool:
-    """Whether a policy rolled back, adjusted or skipped after ``step`` (in events.jsonl): the steps a
-    resume from ``step`` re-does then take another path than they took the first time."""
-    acted = ("rollback", "adjust", "skip")
-    return any(
-        e.get("event") in acted and isinstance(at := e.get("step", e.get("from_step")), int) and at > step
-        for e in read_rows(run, EVENTS)
-    )
-
-
-def _restore(
-    trainer, snapshots: SnapshotManager, usable: list[SnapshotInfo], reporter: Reporter, keep_knobs: set[str]
-) -> SnapshotInfo | None:
-    """Restore the first of ``usable`` that loads (the snapshot's knobs, except ``keep_knobs``)."""
-    for info in usable:
-        try:
-            trainer.restore(info, keep_knobs=keep_knobs)
-            return info
-        except SnapshotError as exc:
-            if len(usable) == 1:
-                raise
-            reporter.note(f"warning: {exc.message}; trying an older snapshot")
-    if usable:
-        raise SnapshotError(f"no usable snapshot in {snapshots.storage.url}: every candidate failed its checks")
-    return None
 
 
 # -- trackers ------------------------------------------------------------------------------------------
@@ -264,16 +194,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_spec(
-    run: Storage, cfg: RunConfig, restore: dict[str, Any] | None, lease_owner: str | None = None
-) -> dict[str, Any]:
+def rank_spec(run: Storage, cfg: RunConfig, plan: ResumePlan | None, lease_owner: str | None = None) -> dict[str, Any]:
     """What every rank of a run needs to know, as plain data (it travels as JSON or by Ray). With
     ``lease_owner`` (the driver's lease), rank 0 commits a snapshot only while that lease is the run's."""
     url = run.url if "://" in run.url else os.path.abspath(run.url)  # ranks may not share our cwd
     return {
         "run_url": url,
         "config": cfg.to_yaml(),
-        "restore": restore,
+        "plan": plan.as_data() if plan is not None else None,
         "world": cfg.world_size,
         "lease_owner": lease_owner,
     }
@@ -299,8 +227,9 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
     owner = spec.get("lease_owner")
     fence = owner_fence(run, owner) if rank == 0 and owner else None
     events = EventLog(run, fence=fence) if rank == 0 else None
+    plan = ResumePlan.from_data(spec["plan"]) if spec["plan"] is not None else None
     try:
-        summary = train_rank(run, cfg, events, SilentReporter(), spec["restore"], rank=rank, fence=fence)
+        summary = train_rank(run, cfg, events, SilentReporter(), plan, rank=rank, fence=fence)
         return {"code": 0, "message": None, "summary": summary}
     except RlctlError as exc:
         return {"code": int(exc.exit_code), "message": exc.message, "summary": None}

@@ -1,4 +1,5 @@
-"""Turning a run away from the steps after N: a resume from an older snapshot, or a rollback.
+"""Turning a run away from the steps after N: a resume from an older snapshot, or a rollback; and
+whether a policy acted after N (then a resume from N does not replay the steps after it exactly).
 
 Nothing is deleted: the metric rows of the later steps move to ``metrics.abandoned.jsonl`` (each tagged
 with the resume or rollback that turned away from it) and the later snapshots to
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rlctl.metrics import encode_row, parse_rows, split_after_step
-from rlctl.rundir.layout import ABANDONED, METRICS
+from rlctl import events
+from rlctl.metrics import encode_row, parse_rows, read_rows, split_after_step
+from rlctl.rundir.layout import ABANDONED, EVENTS, METRICS
 
 if TYPE_CHECKING:
     from rlctl.checkpoint.snapshots import SnapshotManager
@@ -50,3 +52,13 @@ def abandon_rows_after(storage: Storage, step: int, tag: dict[str, Any]) -> int:
     storage.append_bytes(ABANDONED, b"".join(out))
     storage.write_bytes(METRICS, kept)
     return len(moved)
+
+
+def policy_acted_after(run: Storage, step: int) -> bool:
+    """Whether a policy rolled back, adjusted or skipped after ``step`` (in events.jsonl): the steps a
+    resume from ``step`` re-does then take another path than they took the first time."""
+    acted = (events.ROLLBACK, events.ADJUST, events.SKIP)
+    return any(
+        e.get("event") in acted and isinstance(at := e.get("step", e.get("from_step")), int) and at > step
+        for e in read_rows(run, EVENTS)
+    )

@@ -194,7 +194,8 @@ class Notes:
 
 
 def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
-    from rlctl.run import _choose
+    from rlctl.run import _plan
+    from rlctl.rundir.selection import ResumePlan, select
 
     run, notes = Storage(str(tmp_path / "run")), Notes()
     cfg = RunConfig.model_validate(
@@ -208,17 +209,17 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
     save(m, 5)
     assert steps(m.catalog.scan()) == [1, 2, 3, 5]  # the three best and the newest; keep_last 1 evicted 4
     run.write_bytes("checkpoints/step-000002/state.pt", b"")
-    restore = _choose(run, cfg, m, "best", {}, notes)
-    assert restore == {"names": ["step-000003"], "wanted": "best", "changes": {}}  # never 1 after it
+    restore = _plan(run, cfg, select(m.catalog, "best", "--from"), {}, notes)
+    assert restore == ResumePlan("best", ("step-000003",), 3, {})  # never 1 after it
     (skipped,) = notes.lines
     assert skipped.startswith("warning: skipping snapshot step-000002: file state.pt has 0 bytes; the manifest says")
     for name in ("step-000001", "step-000003"):
         run.write_bytes(f"checkpoints/{name}/state.pt", b"")
     with pytest.raises(SnapshotError, match=r"records val/score/mean is usable \(the best, step-000002: file state"):
-        _choose(run, cfg, m, "best", {}, notes)
+        select(m.catalog, "best", "--from")
     m.catalog.keep_best = BestRule(LENGTH, "min")
     with pytest.raises(SnapshotError, match=f"records the validation metric {LENGTH}"):
-        _choose(run, cfg, m, "best", {}, notes)
+        select(m.catalog, "best", "--from")
 
 
 # -- the command line ----------------------------------------------------------------------------------
