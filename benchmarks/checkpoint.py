@@ -193,7 +193,7 @@ def main() -> None:
             t0 = time.perf_counter()
             manager.save(1, {"trainer": Counters()}, {"actor": actor}, good=True)
             total = time.perf_counter() - t0
-            size = manager.scan()[0].manifest["total_bytes"]
+            size = manager.catalog.scan()[0].manifest["total_bytes"]
             manager.close()
             shutil.rmtree(manager.storage.path())
             return total, size

@@ -155,7 +155,7 @@ def snapshot_round(trainer: Trainer, step: int, out: dict[str, list[float]]) -> 
 
 
 def snapshot_bytes(trainer: Trainer) -> int:
-    newest = trainer.snapshots.scan()[-1]
+    newest = trainer.snapshots.catalog.scan()[-1]
     return sum(f.stat().st_size for f in Path(trainer.run.path(), "checkpoints", newest.name).rglob("*") if f.is_file())
 
 
@@ -325,7 +325,7 @@ def time_rollbacks(trainer: Trainer, events: Events, fire_at: list[int], loads: 
     committed = {e["step"]: t for t, e in events.of("snapshot_committed")}  # (the last commit of each step)
     commit_wait = [max(0.0, committed[e["to_step"]] - t) for (t, _), (_, e) in zip(fired, rolled, strict=True)]
     target = rolled[-1][1]["to_step"]
-    (info,) = [i for i in trainer.snapshots.scan() if i.step == target]
+    (info,) = [i for i in trainer.snapshots.catalog.scan() if i.step == target]
     states = {k: v for k, v in trainer.stateful().items() if k != "policy"}  # as a rollback restores
     figures: dict[str, list[float]] = {"load": [], "engines": [], "restore": []}
     for _ in range(loads):
