@@ -90,9 +90,10 @@ def build(root: str, overrides: list[str], events: Events, workload: list[str] =
     cfg = load_config(None, [*workload, *overrides])
     run = Storage(root)
     rank = open_rank(cfg)
-    reach = PolicyGuard(load_policies(cfg.policies)).max_steps_back if cfg.policies else 0
+    guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
+    reach = guard.max_steps_back if guard is not None else 0
     snapshots = snapshot_manager(run, cfg, events, collectives=rank.dist, max_steps_back=reach)
-    return Trainer(cfg, run, rank, snapshots=snapshots, on_event=events.emit)
+    return Trainer(cfg, run, rank, snapshots=snapshots, guard=guard, on_event=events.emit)
 
 
 def steady_steps(trainer: Trainer, steps: int) -> tuple[list[dict[str, Any]], float]:

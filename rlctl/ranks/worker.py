@@ -94,10 +94,11 @@ def _build_trainer(
     fence: Fence | None,
     trackers: Trackers | None = None,
 ):
-    """This process as a rank of the run (device, threads, seeds, process group), then its snapshot
-    manager (with the rank's collectives and the fence), then the trainer. Rank 0's events also reach
-    the reporter (a failed snapshot is said at once) and its rows the trackers; the fence is checked
-    before every step."""
+    """This process as a rank of the run (device, threads, seeds, process group), its policies (built
+    once: the snapshot manager keeps what they may roll back to, the trainer judges by them), its
+    snapshot manager (with the rank's collectives and the fence), then the trainer. Rank 0's events
+    also reach the reporter (a failed snapshot is said at once) and its rows the trackers; the fence is
+    checked before every step."""
     from rlctl.engine.runtime import open_rank  # heavy: torch, DeepSpeed, transformers
     from rlctl.engine.trainer import Trainer
 
