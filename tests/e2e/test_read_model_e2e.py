@@ -7,9 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, metrics_of, run_cli
-
-pytestmark = pytest.mark.slow
+from helpers import SMALL, events_of, metrics_of, run_cli, start
 
 RAN_UNDER = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]
 WATCH = [
@@ -22,13 +20,10 @@ WATCH = [
 def turned(tmp_path_factory):
     """KL drilled at step 3 (rolled back to 2), a grad-norm drilled at step 5, then a crash after step 5
     (the last snapshot is step 4) and a resume that turns away from step 5."""
-    base = tmp_path_factory.mktemp("turned")
-    cfg = base / "run.yaml"
-    config = {"trainer": {"total_steps": 6}, "checkpoint": {"every": 2}, "policies": [{"rules": RAN_UNDER}]}
-    cfg.write_text(json.dumps(config))
-    run = base / "run"
+    run = tmp_path_factory.mktemp("turned") / "run"
     faults = "metric@3=actor/ppo_kl:5.0,metric@5=actor/grad_norm:1000000.0,crash@5"
-    r = run_cli("start", str(cfg), "--run-dir", str(run), *SMALL, env={"RLCTL_FAULTS": faults})
+    config = {"policies": [{"rules": RAN_UNDER}]}
+    r = start(run, *SMALL, config=config, steps=6, every=2, faults=faults)
     assert r.returncode != 0 and "crashed after step 5" in r.stderr, r.stderr
     r = run_cli("resume", str(run))
     assert r.returncode == 0, r.stderr
@@ -42,7 +37,7 @@ def policy_file(tmp_path, name, rules):
 
 
 def test_the_run_has_a_rollback_and_a_resume(turned):
-    assert [e["to_step"] for e in events_of(turned) if e["event"] == "rollback"] == [2]
+    assert [e["to_step"] for e in events_of(turned, "rollback")] == [2]
     abandoned = metrics_of(turned, "metrics.abandoned.jsonl")
     assert [(a["step"], a["abandoned"]["event"]) for a in abandoned] == [(3, "rollback"), (5, "resume")]
     assert [r["step"] for r in metrics_of(turned)] == [1, 2, 3, 4, 5, 6]
