@@ -22,7 +22,7 @@ from rlctl import events as names
 from rlctl.checkpoint.catalog import SnapshotInfo
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
-from rlctl.metrics import EventLog, parse_rows, read_rows
+from rlctl.metrics import EventLog, parse_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
@@ -38,6 +38,7 @@ from rlctl.rundir.directory import (
 from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
+from rlctl.rundir.record import RunRecord
 from rlctl.rundir.selection import ResumePlan, Selection, parse_spec, select
 from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.rundir.summary import run_summary
@@ -139,8 +140,7 @@ def _plan(
 def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> bool:
     """Whether the run's last recorded outcome is ``completed`` at its total steps, with its final
     snapshot committed (when it snapshots at all): only then is there nothing to resume."""
-    events = [e for e in read_rows(run, EVENTS) if e.get("event") in names.ENDED | {names.START, names.RESUME}]
-    last = events[-1] if events else {}
+    last = RunRecord(run).last_outcome() or {}
     step = last.get("step")
     if last.get("event") != names.COMPLETED or not isinstance(step, int) or step < cfg.trainer.total_steps:
         return False
