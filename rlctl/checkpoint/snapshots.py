@@ -40,7 +40,7 @@ from typing import Any
 import orjson
 
 from rlctl import __version__, events, faults
-from rlctl.checkpoint.catalog import BestRule, Catalog, EventFn, SnapshotInfo, Topology
+from rlctl.checkpoint.catalog import Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
 from rlctl.checkpoint.failure_count import FailureCount, describe
@@ -152,23 +152,6 @@ class SnapshotManager:
         ``max_steps_back`` steps from here would need (nothing to do when no policy steps back)."""
         if self.max_steps_back:
             self.retention.protected = RollbackReach(step, self.max_steps_back).keep(self.catalog.scan())
-
-    # -- discovery: the catalog's ------------------------------------------------------------------
-    def scan(self, deep: bool = False, files: bool = True) -> list[SnapshotInfo]:
-        return self.catalog.scan(deep, files)
-
-    def candidates(self, spec: int | str) -> list[SnapshotInfo]:
-        return self.catalog.candidates(spec)
-
-    def best(self, metric: str, mode: str, files: bool = True) -> list[SnapshotInfo]:
-        return self.catalog.best(metric, mode, files)
-
-    @property
-    def best_rule(self) -> BestRule:
-        return self.catalog.best_rule
-
-    def remove_uncommitted(self) -> list[int]:
-        return self.catalog.remove_uncommitted()
 
     # -- saving ------------------------------------------------------------------------------------
     def save(

@@ -172,7 +172,7 @@ class Recovery:
         if h.snapshots is not None:
             with contextlib.suppress(StorageError):  # (failed snapshots were reported; the halt says more)
                 h.snapshots.wait()  # the snapshot in flight is committed, or not, before the last good is named
-        good = [i.step for i in h.snapshots.scan() if i.usable and i.good] if h.snapshots else []
+        good = [i.step for i in h.snapshots.catalog.scan() if i.usable and i.good] if h.snapshots else []
         where = f"the last good snapshot is step {good[-1]}" if good else "there is no good snapshot"
         h.emit(
             {"event": events.HALTED, "step": firing.step, "rule": firing.rule, "last_good": good[-1] if good else None}

@@ -159,7 +159,7 @@ def test_snapshot_never_sees_a_later_optimizer_step(runtime, model_dir, tmp_path
     manager.close()
 
     fresh = Actor(cfg, model_dir, runtime)
-    manager.restore(manager.scan()[0], {}, {"actor": fresh})
+    manager.restore(manager.catalog.scan()[0], {}, {"actor": fresh})
     assert fresh.weights_sha256() == at_save
 
 
@@ -193,9 +193,9 @@ def test_the_writer_process_writes_the_bytes_the_thread_writes(runtime, model_di
             manager.save(step, {}, {"actor": actor}, good=True)
     for manager in managers.values():
         manager.close()
-    files = {key: [i.manifest["files"] for i in m.scan()] for key, m in managers.items()}
+    files = {key: [i.manifest["files"] for i in m.catalog.scan()] for key, m in managers.items()}
     assert files[("process", True)] == files[("thread", True)] == files[("process", False)]
-    for info in managers[("process", True)].scan():
+    for info in managers[("process", True)].catalog.scan():
         fresh = Actor(cfg, model_dir, runtime)
         managers[("process", True)].restore(info, {}, {"actor": fresh})
         assert fresh.weights_sha256() == weights[info.step]
