@@ -44,6 +44,7 @@ def _start(
 ) -> None:
     from rlctl.commands.progress import StepProgress
     from rlctl.config import load_config
+    from rlctl.engine.preflight import check_config_names
     from rlctl.run import start_run
 
     flags = [f"trainer.nproc={nproc}"] if nproc else []
@@ -52,6 +53,7 @@ def _start(
         if ray_address != "local":
             flags.append(f"cluster.address={ray_address}")
     cfg = load_config(config, flags + list(overrides))
+    check_config_names(cfg)  # a missing file the config names is told as a mistake in it, before any progress line
     run_dir = run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     with StepProgress(run_dir) as progress:
         summary = start_run(cfg, run_dir, reporter=progress)

@@ -1,7 +1,16 @@
-"""The run config: the strict schema (``schema``, choices derived from the registries of
-``rlctl.algos``), its knobs and their schedules (``knobs``), and its loading from YAML and
+"""The run config: the strict schema (``schema``: ``RunConfig`` of the sections in ``sections``,
+``reward`` and ``algorithm``, whose choices derive from the registries of ``rlctl.algos``), its knobs
+and their schedules (``knob_values``), where it was read (``provenance``), and its loading from YAML and
 ``--set`` with located errors (``load``)."""
 
+from rlctl.config.algorithm import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DynamicSamplingConfig,
+    KLControllerConfig,
+    OverlongConfig,
+)
 from rlctl.config.knob_values import ScheduleConfig, ScheduleEntry, adjust_knob, follow_schedules, get_knob, set_knob
 from rlctl.config.load import (
     BUILTIN_CONFIG,
@@ -13,21 +22,16 @@ from rlctl.config.load import (
     parse_set,
     validate_config,
 )
-from rlctl.config.schema import (
-    ActorConfig,
-    AlgorithmConfig,
+from rlctl.config.provenance import Provenance
+from rlctl.config.reward import RewardConfig
+from rlctl.config.schema import RunConfig
+from rlctl.config.sections import (
     BuiltinModelConfig,
     CheckpointConfig,
     ClusterConfig,
-    CriticConfig,
     DataConfig,
-    DynamicSamplingConfig,
-    KLControllerConfig,
     ModelConfig,
-    OverlongConfig,
-    RewardConfig,
     RolloutConfig,
-    RunConfig,
     TrainerConfig,
 )
 
@@ -45,6 +49,7 @@ __all__ = [
     "KLControllerConfig",
     "ModelConfig",
     "OverlongConfig",
+    "Provenance",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",

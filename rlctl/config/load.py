@@ -16,6 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlctl.config.knob_values import domain, get_knob, is_float_field, lift_schedules
+from rlctl.config.provenance import Provenance
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
 from rlctl.policies.loader import load_policies, resolve_policy_path
@@ -77,13 +78,15 @@ def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 def validate_config(data: dict[str, Any], origins: Origins | None = None) -> RunConfig:
     """The RunConfig of already-parsed data; ConfigError with a located sentence per mistake. Knobs
-    written as a schedule at their own place move to ``schedules``, and so do their origins."""
+    written as a schedule at their own place move to ``schedules``, and so do their origins. The config
+    keeps the origins (``RunConfig.provenance``) for the sentences of the checks made before a start."""
     origins = {} if origins is None else origins
     data = lift_schedules(data, origins)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(explain(exc, origins, RunConfig, "invalid config")) from None
+    return cfg.read_from(Provenance("invalid config", origins))
 
 
 def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from rlctl.config.schema import LoraSettings
+from rlctl.config.algorithm import LoraSettings
 from rlctl.errors import ConfigError
 
 ADAPTER = "default"  # peft's name for the one adapter

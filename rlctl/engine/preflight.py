@@ -11,18 +11,25 @@ that ``data.apply_chat_template`` / ``data.system_prompt`` ask for; every reward
 ``reward.function``, or each function source of ``reward.sources``) imports and is callable; every
 reward model's directory holds a one-label sequence classifier, weights and a tokenizer (not loaded). A reward URL
 is not contacted here (a server may come up with the run): the schema checks its syntax (http/https and
-a host), and the first step says when it does not answer. What the schema alone can check (a negative seed, an unknown storage protocol, a rollback
-policy without snapshots) is the config's own validation.
+a host), and the first step says when it does not answer.
+
+First of all, what the config names outside itself (``check_config_names``): the model, critic and reward
+model directories, the prompt files and a known storage protocol for ``checkpoint.dir``. The config's
+own validation checks shape and values only (a negative seed, a rollback policy without snapshots), so
+that a run directory can be read anywhere, its data and models absent; these checks speak the sentence
+that validation would, located where the key was written (``RunConfig.provenance``).
 """
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import fsspec
 from fsspec.core import split_protocol
 
 from rlctl.config import RunConfig
+from rlctl.config.provenance import Problem
 from rlctl.engine.data import check_prompt_template
 from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
 from rlctl.engine.reward.sources import load_reward
@@ -32,6 +39,7 @@ from rlctl.errors import ConfigError, InputError
 
 def check_before_start(cfg: RunConfig) -> None:
     """ConfigError or InputError, one sentence each, for what would otherwise fail after work began."""
+    check_config_names(cfg)
     check_data(cfg)
     check_trackers(cfg)
     check_device(cfg)
@@ -39,6 +47,64 @@ def check_before_start(cfg: RunConfig) -> None:
     check_models(cfg)
     check_prompt_template(cfg)
     load_reward(cfg.reward)  # imports each function source; contacts no URL
+
+
+def check_config_names(cfg: RunConfig) -> None:
+    """One ConfigError, in the words and at the place of a validation error, for every directory, file
+    and storage protocol the config names that is not on this machine."""
+    problems: list[Problem] = []
+    if cfg.model.path is not None and not Path(cfg.model.path).expanduser().is_dir():
+        problems.append((("model", "path"), f"no such model directory: {cfg.model.path}"))
+    for key, value in (("path", cfg.data.path), ("val_path", cfg.data.val_path)):
+        if value is not None and (problem := data_problem(value)) is not None:
+            problems.append((("data", key), problem))
+    problems += reward_model_problems(cfg)
+    if cfg.checkpoint.dir is not None and (problem := protocol_problem(cfg.checkpoint.dir)) is not None:
+        problems.append((("checkpoint", "dir"), problem))
+    if cfg.critic.path is not None and not Path(cfg.critic.path).expanduser().is_dir():
+        problems.append(((), f"critic.path: no such model directory: {cfg.critic.path}"))
+    if problems:
+        raise cfg.provenance.error(problems)
+
+
+def data_problem(value: str) -> str | None:
+    """What is wrong with a prompt file or ``datasets`` directory named ``value``, or None."""
+    p = Path(value).expanduser()
+    if p.is_dir():
+        if not (p / "dataset_info.json").is_file() and not (p / "dataset_dict.json").is_file():
+            return f"{value} is a directory but not a `datasets` directory (save_to_disk)"
+        return None
+    if not p.is_file():
+        return f"no such file: {value}"
+    if p.suffix not in (".jsonl", ".json", ".parquet"):
+        return f"expected a .jsonl or .parquet file, got {p.name}"
+    return None
+
+
+def reward_model_problems(cfg: RunConfig) -> list[Problem]:
+    """A reward model directory (of ``reward.model`` or a source's ``model``) that is not there."""
+    models = [(("reward", "model", "path"), cfg.reward.model)]
+    models += [
+        (("reward", "sources", str(i), "model", "path"), s.model) for i, s in enumerate(cfg.reward.sources or [])
+    ]
+    return [
+        (key, f"no such model directory: {model.path}")
+        for key, model in models
+        if model is not None and not Path(model.path).expanduser().is_dir()
+    ]
+
+
+def protocol_problem(url: str) -> str | None:
+    """The protocols nearest to an unknown one of ``url`` (``s4://b``, or any link of a chained
+    ``simplecache::s3://b``), or None. Only fsspec's registry is read: nothing is imported."""
+    known = fsspec.available_protocols()
+    for part in url.split("::"):
+        protocol = split_protocol(part)[0]
+        if protocol is not None and protocol not in known:
+            close = difflib.get_close_matches(protocol, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(f'{c}://' for c in close)}?" if close else ""
+            return f"unknown storage protocol '{protocol}://' in {url!r}{hint}"
+    return None
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -81,7 +147,7 @@ def check_device(cfg: RunConfig) -> None:
 
 def check_checkpoint_storage(cfg: RunConfig) -> None:
     """The filesystem of ``checkpoint.dir`` is installed (gs:// needs gcsfs, s3:// s3fs). That the
-    protocol exists at all is the schema's check."""
+    protocol exists at all is ``check_config_names``'s check."""
     if cfg.checkpoint.dir is None:
         return
     for part in cfg.checkpoint.dir.split("::"):

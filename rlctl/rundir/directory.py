@@ -97,13 +97,16 @@ def load_run_config(run: Storage) -> RunConfig:
 
 
 def validate_run_config(run: Storage, data: dict[str, Any]) -> RunConfig:
-    """``data`` (read from the run's config.yaml) as a RunConfig; a ConfigError naming the file."""
-    from rlctl.config import validate_config
+    """``data`` (read from the run's config.yaml) as a RunConfig; a ConfigError naming the file. Only
+    its shape and values are checked: the data, models and storage it names may be absent here (the
+    preflight of a resume checks them, naming the file too)."""
+    from rlctl.config import Provenance, validate_config
 
     try:
-        return validate_config(data, {})
+        cfg = validate_config(data, {})
     except RlctlError as exc:
         raise ConfigError(f"{run.url_of(CONFIG)}: {exc.message}") from None
+    return cfg.read_from(Provenance(f"{run.url_of(CONFIG)}: invalid config"))
 
 
 def last_step(run: Storage) -> int:

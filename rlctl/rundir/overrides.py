@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.config import RunConfig, check_policies_fit, parse_set, validate_config
+from rlctl.config import Provenance, RunConfig, check_policies_fit, parse_set, validate_config
 from rlctl.config.knob_values import get_knob
 from rlctl.errors import ConfigError
 from rlctl.policies import load_policies
@@ -40,6 +40,7 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
             data.get("schedules", {}).pop(dotted, None)
         origins[key] = f"--set {item}"
     new = validate_config(data, origins)
+    new.read_from(Provenance(cfg.provenance.lead, {**cfg.provenance.origins, **origins}))
     for dotted in changes:
         if (idle := new.algorithm.idle_knob(dotted)) is not None:
             raise ConfigError(f"'--set {dotted}' would do nothing: {idle}")

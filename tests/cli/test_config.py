@@ -51,8 +51,6 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
             [],
             "'algorithm.kl_estimator' (run.yaml line 2): input should be 'k1', 'k2' or 'k3'",
         ),
-        ("model:\n  path: /no/such/dir\n", [], "'model.path' (run.yaml line 2): no such model directory: /no/such/dir"),
-        ("data:\n  path: /no/such.jsonl\n", [], "'data.path' (run.yaml line 2): no such file: /no/such.jsonl"),
         ("reward:\n  function: just_a_name\n", [], "'reward.function' (run.yaml line 2): expected 'module:function'"),
         (
             "trainer:\n  total_steps: 0\n",
@@ -70,17 +68,6 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
         ("seed: 1\n", ["actor.lr"], "--set expects KEY=VALUE, got 'actor.lr'"),
         ("seed: -1\n", [], "'seed' (run.yaml line 1): input should be greater than or equal to 0 (got -1)"),
         (
-            "checkpoint:\n  dir: s4://bucket/ckpt\n",
-            [],
-            "'checkpoint.dir' (run.yaml line 2): unknown storage protocol 's4://' in 's4://bucket/ckpt'; "
-            "did you mean s3:// or gs://?",
-        ),
-        (
-            "seed: 1\n",
-            ["checkpoint.dir=filecache::gcz://b"],
-            "unknown storage protocol 'gcz://' in 'filecache::gcz://b'; did you mean gcs://",
-        ),
-        (
             "policies:\n  - rules:\n      - name: nan\n        trigger: {kind: nonfinite}\n"
             "        actions: [{type: rollback}]\n",
             [],
@@ -93,6 +80,37 @@ def test_bad_config_is_one_located_sentence(tmp_path, text, sets, message):
     with pytest.raises(ConfigError) as err:
         load_config(p, sets)
     assert message in err.value.message
+
+
+@pytest.mark.parametrize(
+    "text,sets,message",
+    [
+        ("model:\n  path: /no/such/dir\n", [], "'model.path' (run.yaml line 2): no such model directory: /no/such/dir"),
+        ("data:\n  path: /no/such.jsonl\n", [], "'data.path' (run.yaml line 2): no such file: /no/such.jsonl"),
+        (
+            "checkpoint:\n  dir: s4://bucket/ckpt\n",
+            [],
+            "'checkpoint.dir' (run.yaml line 2): unknown storage protocol 's4://' in 's4://bucket/ckpt'; "
+            "did you mean s3:// or gs://?",
+        ),
+        (
+            "seed: 1\n",
+            ["checkpoint.dir=filecache::gcz://b"],
+            "unknown storage protocol 'gcz://' in 'filecache::gcz://b'; did you mean gcs://",
+        ),
+    ],
+)
+def test_what_a_config_names_on_this_machine_is_checked_before_a_start_in_the_same_located_sentence(
+    tmp_path, text, sets, message
+):
+    """Validation checks shape and values only (a run's saved config reads on any machine); the files,
+    directories and storage protocol a config names are the preflight's, located as validation would."""
+    from rlctl.engine.preflight import check_config_names
+
+    cfg = load_config(write(tmp_path, text), sets)
+    with pytest.raises(ConfigError) as err:
+        check_config_names(cfg)
+    assert err.value.message.startswith("invalid config: ") and message in err.value.message
 
 
 def test_missing_config_file(tmp_path):

@@ -6,13 +6,19 @@ import json
 import pytest
 import torch
 
-from rlctl.config import validate_config
+from rlctl.config import load_config, validate_config
 from rlctl.engine.preflight import check_before_start
 from rlctl.errors import ConfigError, ExitCode, InputError
 
 
 def config(**sections):
     return validate_config(sections)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
 
 
 @pytest.fixture
@@ -95,13 +101,71 @@ def test_the_reward_function_is_imported_and_checked(tmp_path, monkeypatch):
 
 
 def test_a_dataset_that_went_away_since_the_config_was_written(tmp_path):
+    """Reading a config never looks for its files (a run's saved config reads anywhere): the preflight
+    does, in the sentence of a mistake in the config."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "a"}) + "\n")
     cfg = config(data={"path": str(data)})
     check_before_start(cfg)
     data.unlink()
-    with pytest.raises(InputError, match=f"cannot read 'data.path' {data}: No such file or directory"):
+    assert config(data={"path": str(data)}) == cfg
+    with pytest.raises(ConfigError) as err:
         check_before_start(cfg)
+    assert (err.value.message, err.value.exit_code) == (f"invalid config: 'data.path': no such file: {data}.", 3)
+
+
+def test_a_dataset_that_cannot_be_read(tmp_path):
+    unreadable = tmp_path / "d.jsonl"
+    unreadable.symlink_to("/proc/self/mem")  # a file whose first byte cannot be read, even by root
+    with pytest.raises(InputError, match=f"cannot read 'data.path' {unreadable}: Input/output error"):
+        check_before_start(config(data={"path": str(unreadable)}))
+
+
+def test_every_directory_file_and_protocol_a_config_names_is_checked_in_one_located_sentence(tmp_path):
+    """What the config's validation said of them before it checked shape and values only."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "d.csv").write_text("prompt\n")
+    cfg = load_config(
+        write(tmp_path, f"model:\n  path: /no/m\ndata:\n  path: /no/d.jsonl\n  val_path: {tmp_path / 'plain'}\n"),
+        [
+            "reward.sources=[{function: 'a:b'}, {model: {path: /no/rm}}]",
+            "checkpoint.dir=s4://b",
+            "critic.path=/no/c",
+        ],
+    )
+    with pytest.raises(ConfigError) as err:
+        check_before_start(cfg)
+    assert err.value.message == (
+        "invalid config: 'model.path' (run.yaml line 2): no such model directory: /no/m; "
+        "'data.path' (run.yaml line 4): no such file: /no/d.jsonl; "
+        f"'data.val_path' (run.yaml line 5): {tmp_path}/plain is a directory but not a `datasets` directory "
+        "(save_to_disk); "
+        "'reward.sources.1.model.path' (--set reward.sources=[{function: 'a:b'}, {model: {path: /no/rm}}]): "
+        "no such model directory: /no/rm; "
+        "'checkpoint.dir' (--set checkpoint.dir=s4://b): unknown storage protocol 's4://' in 's4://b'; "
+        "did you mean s3:// or gs://?; "
+        "'(top level)': critic.path: no such model directory: /no/c."
+    )
+    with pytest.raises(ConfigError, match=r"'data.path': expected a .jsonl or .parquet file, got d.csv.$"):
+        check_before_start(config(data={"path": str(tmp_path / "d.csv")}))
+    with pytest.raises(ConfigError, match=r"^invalid config: 'reward.model.path': no such model directory: /no/rm.$"):
+        check_before_start(config(reward={"model": {"path": "/no/rm"}}))
+
+
+def test_a_saved_config_is_named_by_its_file(tmp_path):
+    """A run's config.yaml reads without its data; a resume's preflight names the file, as its reading did."""
+    from rlctl.rundir.directory import load_run_config
+    from rlctl.rundir.overrides import apply_resume_overrides
+    from rlctl.storage import Storage
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("data:\n  path: /no/d.jsonl\n")
+    cfg, _ = apply_resume_overrides(load_run_config(Storage(str(run))), ["trainer.total_steps=5"])
+    assert cfg.data.path == "/no/d.jsonl" and cfg.trainer.total_steps == 5
+    with pytest.raises(ConfigError) as err:
+        check_before_start(cfg)
+    assert err.value.message == f"{run}/config.yaml: invalid config: 'data.path': no such file: /no/d.jsonl."
 
 
 def test_a_checkpoint_filesystem_that_is_not_installed(monkeypatch):

@@ -10,9 +10,10 @@ import torch
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlctl.config.load import load_config
-from rlctl.config.schema import RewardConfig, RewardModelConfig
+from rlctl.config.reward import RewardConfig, RewardModelConfig
 from rlctl.engine.dist import MEAN
 from rlctl.engine.model import build_char_tokenizer
+from rlctl.engine.preflight import check_config_names
 from rlctl.engine.reward.model import ModelReward
 from rlctl.engine.reward.sources import load_reward, metrics_of, recording
 from rlctl.errors import ConfigError, InputError
@@ -157,4 +158,4 @@ def test_config_errors_name_the_key(tmp_path, rm_dir, reward_yaml, message):
     path = tmp_path / "run.yaml"
     path.write_text(textwrap.dedent(f"reward:\n  {reward_yaml.replace('RM', str(rm_dir))}\n"))
     with pytest.raises(ConfigError, match=message):
-        load_config(path)
+        check_config_names(load_config(path))  # a missing directory: checked before a start, not by the schema

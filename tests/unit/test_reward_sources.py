@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlctl.config.load import load_config
-from rlctl.config.schema import RewardConfig
+from rlctl.config.reward import RewardConfig
 from rlctl.engine.reward import score_completions
 from rlctl.engine.reward.builtin import echo_reward
 from rlctl.engine.reward.remote import RemoteReward, retry_after

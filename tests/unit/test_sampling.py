@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlctl.config.schema import RolloutConfig
+from rlctl.config.sections import RolloutConfig
 from rlctl.engine.batch import Sequences
 from rlctl.engine.model import build_char_tokenizer
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, response_mask_for

@@ -14,6 +14,7 @@ from rlctl.engine.batch import Sequences
 from rlctl.engine.counters import TrainerState
 from rlctl.engine.data import load_rows, load_val_rows, read_prompt_file
 from rlctl.engine.dist import Dist
+from rlctl.engine.preflight import check_config_names
 from rlctl.engine.rollout.hf import SeededGumbelSampler
 from rlctl.engine.validation import VAL_STEP, Validator
 from rlctl.errors import ConfigError, InputError
@@ -50,8 +51,8 @@ def test_held_out_prompts_from_jsonl_parquet_and_datasets_directories(tmp_path):
 
 
 def test_a_directory_that_is_not_a_dataset_is_one_sentence(tmp_path):
-    with pytest.raises(ValueError, match="not a `datasets` directory"):
-        DataConfig(val_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="not a `datasets` directory"):  # checked before a start, not by the schema
+        check_config_names(validate_config({"data": {"val_path": str(tmp_path)}}))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "dataset_info.json").write_text("{}")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rlctl.config.schema import RewardModelConfig
+from rlctl.config.reward import RewardModelConfig
 from rlctl.engine.model import WEIGHT_FILES, context_length, one_line
 from rlctl.engine.runtime import resolve_dtype
 from rlctl.errors import InputError

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rlctl.config.schema import RewardConfig, RewardSourceConfig
+from rlctl.config.reward import RewardConfig, RewardSourceConfig
 from rlctl.engine.dist import MEAN
 from rlctl.engine.reward import check_scores, load_reward_fn, score_completions
 from rlctl.engine.reward.model import ModelReward

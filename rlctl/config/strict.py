@@ -1,0 +1,10 @@
+"""The base of every config section: a strict pydantic model (unknown keys are errors, assignments are
+validated)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
