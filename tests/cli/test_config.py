@@ -142,6 +142,10 @@ def test_cli_renders_config_error_without_traceback(tmp_path, capsys):
             "'s4://bucket/ckpt'; did you mean s3:// or gs://?",
         ),
         (
+            "data:\n  path: /no/such.jsonl\n",
+            "invalid config: 'data.path' (run.yaml line 2): no such file: /no/such.jsonl.",
+        ),
+        (
             "checkpoint:\n  every: 5\npolicies: [val-drop]\n",
             "policy rule 'val-drop' watches val/score/mean, but this run never validates: set trainer.val_every "
             "to N > 0 (validate every N steps)",
