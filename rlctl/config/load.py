@@ -19,8 +19,9 @@ from rlctl.config.knob_values import domain, get_knob, is_float_field, lift_sche
 from rlctl.config.provenance import Provenance
 from rlctl.config.schema import RunConfig
 from rlctl.errors import ConfigError
+from rlctl.policies.actions import AdjustAction, RollbackAction
 from rlctl.policies.loader import load_policies, resolve_policy_path
-from rlctl.policies.schema import AdjustAction, RollbackAction, Rule, rule_metrics
+from rlctl.policies.schema import Rule, rule_metrics
 from rlctl.yamlsrc import Origins, explain, read_yaml
 
 PACKAGED = Path(__file__).parent.parent / "configs"  # configs shipped with rlctl, picked by a bare name

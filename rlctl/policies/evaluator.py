@@ -28,18 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.errors import ConfigError
+from rlctl.policies.actions import Action, HaltAction, WarnAction
 from rlctl.policies.expr import as_number as as_number  # re-exported: rows are read one way everywhere
-from rlctl.policies.schema import (
-    Action,
-    DropTrigger,
-    ExpressionTrigger,
-    HaltAction,
-    NonfiniteTrigger,
-    Rule,
-    SpikeTrigger,
-    ThresholdTrigger,
-    WarnAction,
-)
+from rlctl.policies.schema import Rule
+from rlctl.policies.triggers import DropTrigger, ExpressionTrigger, NonfiniteTrigger, SpikeTrigger, ThresholdTrigger
 from rlctl.stateful import check_version
 
 # version 1; "seen_steps" was added to a rule's state without a new version: a state without it loads

@@ -17,8 +17,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlctl.policies.actions import AdjustAction, HaltAction, RollbackAction, SkipAction
 from rlctl.policies.evaluator import Firing, PolicyEngine
-from rlctl.policies.schema import AdjustAction, DropTrigger, HaltAction, RollbackAction, Rule, SkipAction
+from rlctl.policies.schema import Rule
+from rlctl.policies.triggers import DropTrigger
 from rlctl.stateful import StateMismatchError, check_version
 
 

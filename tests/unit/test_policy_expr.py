@@ -10,7 +10,7 @@ import pytest
 from rlctl.errors import ConfigError
 from rlctl.policies import PolicyEngine, parse_expression, rule_metrics, validate_policy
 from rlctl.policies.guard import Adjustment, PolicyGuard
-from rlctl.policies.schema import ExpressionTrigger, ThresholdTrigger
+from rlctl.policies.triggers import ExpressionTrigger, ThresholdTrigger
 
 KL_SHARE = "actor/reward_kl_penalty / abs(actor/pg_loss) > 0.2"  # the example
 
