@@ -208,9 +208,6 @@ class Firing:
         """True when the run goes on untouched: every action is a warning."""
         return all(a.type == "warn" for a in self.actions)
 
-    def action_types(self) -> list[str]:
-        return [a.type for a in self.actions]
-
     def as_event(self) -> dict[str, Any]:
         """The firing as a JSON-serialisable dict for the event log (non-finite floats as strings)."""
         return {

@@ -477,12 +477,16 @@ def test_max_triggers_escalates_to_halt_or_warn():
         }
     )
     firings = [eng.evaluate(step, {"k": 2})[0] for step in (1, 2, 3)]
-    assert [f.action_types() for f in firings] == [["rollback", "adjust"], ["rollback", "adjust"], ["halt"]]
+    assert [[a.type for a in f.actions] for f in firings] == [["rollback", "adjust"], ["rollback", "adjust"], ["halt"]]
     assert [f.escalated for f in firings] == [False, False, True]
     assert [f.count for f in firings] == [1, 2, 3]
     assert eng.triggers("kl") == 3
     soft = engine({"name": "kl", "when": "k > 1", "max_triggers": 1, "then": "warn", "actions": [{"type": "skip"}]})
-    assert [soft.evaluate(s, {"k": 2})[0].action_types() for s in (1, 2, 3)] == [["skip"], ["warn"], ["warn"]]
+    assert [[a.type for a in soft.evaluate(s, {"k": 2})[0].actions] for s in (1, 2, 3)] == [
+        ["skip"],
+        ["warn"],
+        ["warn"],
+    ]
 
 
 def test_rules_fire_in_order_and_healthy_means_no_non_warn_firing():
@@ -636,7 +640,7 @@ def test_rewind_forgets_the_future_but_keeps_counts():
     state = eng.state_dict()["rules"]["spike"]
     assert state["history_steps"] == [1, 2] and state["triggers"] == 1
     [f] = eng.evaluate(3, {"g": 60.0})
-    assert f.escalated and f.action_types() == ["halt"]
+    assert f.escalated and [a.type for a in f.actions] == ["halt"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def test_replay_rewinds_at_each_turn_and_keeps_the_counts(tmp_path):
         ("kl", 3, 1, False),
         ("kl", 4, 2, True),
     ]
-    assert found[1].firing.action_types() == ["halt"] and found[0].record()["turned_away"] == "rollback"
+    assert [a.type for a in found[1].firing.actions] == ["halt"] and found[0].record()["turned_away"] == "rollback"
     # without the rewind, s3' (0.6) would be a drop from the abandoned s3's best (0.9)
     engine = PolicyEngine(rules(DROP_RULE))
     for step, value in ((2, 0.5), (3, 0.9)):
