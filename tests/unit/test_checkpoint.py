@@ -118,6 +118,23 @@ def test_missing_file_wrong_size_and_wrong_topology(storage):
     assert "ZeRO stage None; this run uses stage 3" in stage3.scan()[2].problem
 
 
+def test_the_catalog_reads_snapshots_without_the_writing_machinery(tmp_path):
+    """Listing and choosing snapshots (a fresh process) loads no manager, writer, collectives nor torch."""
+    m = SnapshotManager(Storage(str(tmp_path / "ckpt")))
+    save(m, 1, 1)
+    code = (
+        "import sys\n"
+        "from rlctl.checkpoint.catalog import Catalog\n"
+        "from rlctl.storage import Storage\n"
+        f"assert [i.step for i in Catalog(Storage({str(tmp_path / 'ckpt')!r})).candidates('latest')] == [1]\n"
+        "writing = ('torch', 'rlctl.checkpoint.snapshots', 'rlctl.checkpoint.writer', 'rlctl.checkpoint.collectives')\n"
+        "loaded = [name for name in writing if name in sys.modules]\n"
+        "assert loaded == [], loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_manifest_is_created_exclusively(storage):
     m = SnapshotManager(storage)
     save(m, 4, 4)
