@@ -122,7 +122,9 @@ class SnapshotManager:
         self.retention = retention or Retention()
         self.on_event = on_event or (lambda event: None)
         best = self.retention.best.rule if self.retention.best is not None else None
-        self.catalog = Catalog(storage, world_size=world_size, topology=topology, keep_best=best, on_event=on_event)
+        self.catalog = Catalog(
+            storage, world_size=world_size, topology=self.topology, keep_best=best, on_event=on_event
+        )
         self.staging_dir = staging_dir
         self.asynchronous = asynchronous
         self.fence = fence
