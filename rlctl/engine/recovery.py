@@ -1,8 +1,10 @@
 """Carrying out a step's policy verdict: log every firing, then halt, or adjust knobs, roll back to a
-good snapshot and skip prompts or batches.
+good snapshot and skip prompts or batches; and a resume's restore.
 
-A rollback restores the newest usable good snapshot old enough, then turns the run away from the
-later steps (``rlctl.rundir.history``): their metric rows and snapshots move aside, tagged.
+A rollback and a resume are one turn (``Recovery.turn_to``): restore the first of the candidates
+``rlctl.rundir.selection`` chose that loads (a rollback: the newest usable good snapshot old enough, or
+the best), then turn the run away from the later steps (``rlctl.rundir.history``): their metric rows
+and snapshots move aside, tagged.
 
 The policy state outlives a turn: a rollback keeps the live trigger counts (so ``max_triggers`` runs
 out), and so does a resume after a rollback or a halt. For that, every rollback and every halt writes

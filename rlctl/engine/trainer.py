@@ -3,7 +3,8 @@
 A step: generate and score a batch (``experience``), the forward passes the update needs (old,
 reference log-probs, values), advantages, the critic's and the actor's updates, the KL controller, the
 rollout weights re-synced, then the step's metric row, identical on every rank. Policy verdicts are
-carried out by ``recovery``; the snapshot manager says when to snapshot and what retention keeps.
+carried out by ``recovery``, which also restores a resume; the snapshot manager says when to snapshot
+and what retention keeps.
 """
 
 from __future__ import annotations
