@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from rlctl import events
 from rlctl.config import DataConfig, RunConfig
 from rlctl.errors import ConfigError, InputError
 from rlctl.stateful import check_version
@@ -62,7 +63,7 @@ class Filtered:
     def event(self) -> dict[str, Any]:
         """The ``prompts_filtered`` event of events.jsonl."""
         return {
-            "event": "prompts_filtered",
+            "event": events.PROMPTS_FILTERED,
             "data": self.key,
             "file": self.source,
             "prompts": self.total,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl import events
 from rlctl.errors import ConfigError
 from rlctl.policies.actions import Action, HaltAction, WarnAction
 from rlctl.policies.expr import as_number as as_number  # re-exported: rows are read one way everywhere
@@ -211,7 +212,7 @@ class Firing:
     def as_event(self) -> dict[str, Any]:
         """The firing as a JSON-serialisable dict for the event log (non-finite floats as strings)."""
         return {
-            "event": "policy",
+            "event": events.POLICY,
             "rule": self.rule,
             "step": self.step,
             "trigger": self.trigger,

@@ -10,7 +10,12 @@ RUN_DIR/
   .lease/                  the writer's heartbeat (beat-OWNER) and takeover markers
   checkpoints/             snapshots (unless checkpoint.dir is set)
 
-``layout`` names these files; ``directory`` creates and loads a run directory, finds its snapshots
-and summarises it; ``overrides`` says what ``rlctl resume --set`` may change; ``history`` turns a
-run away from the steps after N; ``lease`` keeps one writer per run.
+Writing a run: ``layout`` names these files; ``directory`` creates and loads a run directory;
+``overrides`` says what ``rlctl resume --set`` may change; ``history`` turns a run away from the steps
+after N; ``lease`` keeps one writer per run.
+Its snapshots: ``snapshots`` gives a run's catalog (the read side) and manager (the write side);
+``selection`` chooses snapshots for a resume, an export and a rollback, and holds the resume plan.
+Reading a run (never writing): ``record`` is the one reading of a run (config, rows in write order,
+events, last outcome, status); ``replay`` replays a policy over that history; ``summary`` says what a
+run holds, for ``rlctl inspect`` and at a run's end.
 """

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from rlctl.errors import LeaseError, StorageError
+from rlctl.numbers import is_number
 from rlctl.storage import Storage, describe
 
 LEASE_FILE = "lease.json"
@@ -75,8 +76,7 @@ def _last_beat(storage: Storage, owner: str) -> float | None:
         value = orjson.loads(storage.read_bytes(beat_file(owner))).get("heartbeat")
     except (FileNotFoundError, orjson.JSONDecodeError, AttributeError):
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    return float(value) if is_number(value, finite=True) else None
 
 
 def read_lease(storage: Storage) -> dict[str, Any] | None:

@@ -15,8 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from rlctl import events
 from rlctl.errors import ConfigError
-from rlctl.trackers.base import History, Tracker, event_text, is_step, metric_values, walltime
+from rlctl.numbers import is_step
+from rlctl.trackers.base import History, Tracker, event_text, metric_values, walltime
 from rlctl.trackers.install import PIP, REQUIRES
 from rlctl.trackers.isolation import fence_random, untouched
 from rlctl.trackers.run_ids import TrackerIds
@@ -176,14 +178,14 @@ class Trackers:
         """(the step the run turned to, whether the later steps get other values) of a rollback or a
         resume (other values: it changed knobs, or a policy acted after its step, so the steps re-done
         take another path: ``replays_exactly`` false); None for any other event."""
-        if event["event"] == "rollback" and is_step(event.get("to_step")):
+        if event["event"] == events.ROLLBACK and is_step(event.get("to_step")):
             return event["to_step"], True
-        if event["event"] == "resume" and is_step(event.get("step")):
+        if event["event"] == events.RESUME and is_step(event.get("step")):
             return event["step"], bool(event.get("changes")) or event.get("replays_exactly") is False
         return None
 
     def _mark(self, event: dict[str, Any], step: int) -> None:
-        if is_step(event.get("step")) and event["event"] not in ("rollback", "resume"):
+        if is_step(event.get("step")) and event["event"] not in (events.ROLLBACK, events.RESUME):
             self.history.reached(event["step"] - 1)
             self._last_step = max(self._last_step or 0, event["step"])
         kind, text = event["event"], event_text(event, step)

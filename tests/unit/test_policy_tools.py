@@ -164,7 +164,7 @@ def test_a_resume_after_a_halt_keeps_the_counts_policy_state_json_carried():
 @pytest.mark.parametrize("validates_first", [False, True])
 def test_a_resume_that_found_no_snapshot_starts_over_fresh(validates_first):
     """A warn rule (no rollback, so no snapshot of step 0) halts at step 3 (policy_state.json written);
-    the resume finds no snapshot and starts over (rlctl.ranks.worker._resume: nothing restored, nothing
+    the resume finds no snapshot and starts over (rlctl.engine.recovery.Recovery.resume: nothing restored, nothing
     carried): the rule fires again as the first time, not escalated. With a step-0 validation row, the
     fresh run writes step 0 again (a turn to step -1); without, the turn is to step 0."""
     watch = {"name": "watch", "when": "actor/ppo_kl > 1", "actions": [{"type": "warn"}], "max_triggers": 1}
