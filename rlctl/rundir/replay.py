@@ -90,8 +90,8 @@ class Turns:
     """The policy state a live run carries across a turn (rlctl.engine.recovery): a rollback rewinds
     the live state (counts kept) and writes it to policy_state.json as of the step rolled back to, as a
     halt does as of its step; a resume takes the snapshot's state, or the file's when the file is of the
-    snapshot's step or later (rewound to it). A resume that found no snapshot started over (rlctl.ranks.
-    ``Recovery.resume``: no restore, so nothing carried): a fresh state, and policy_state.json stays as it
+    snapshot's step or later (rewound to it). A resume that found no snapshot started over (``rlctl.engine.
+    recovery.Recovery.resume``: no restore, so nothing carried): a fresh state, and policy_state.json stays as it
     was. That is a turn to step -1 (the fresh run wrote its step 0 again), or to step 0 when the run had
     no snapshot of step 0: a run whose policy rolls back (``snapshot_at_start``) always snapshots step 0
     before training. The turn's kind is the tag of the row just before it (the turn abandoned that row)."""
