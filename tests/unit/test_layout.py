@@ -1,5 +1,6 @@
 """The house rules of STYLE.md that code can check: floors read top-down (no upward import, no import
-cycle), `checkpoint/` knows no model, commands load light, no function over 60 lines."""
+cycle), the floors are folders, `checkpoint/` knows no model, commands load light, no function over 60
+lines, no file over 500 lines."""
 
 import ast
 import subprocess
@@ -25,6 +26,7 @@ FLOORS = [
     ("rlctl.errors", "rlctl.events", "rlctl.numbers", "rlctl"),
 ]
 MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 500
 
 
 def module_name(path: Path) -> str:
@@ -144,6 +146,31 @@ def test_no_function_over_60_lines():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({length} lines)")
     assert long == []
+
+
+def test_no_file_over_500_lines():
+    long = [
+        f"{path.relative_to(PKG.parent)} ({n} lines)"
+        for path in sorted(PKG.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert long == []
+
+
+def test_floors_are_folders():
+    """The floor table and the folder tree say the same: every room of FLOORS is a module or a package
+    of rlctl, and no room nests inside another room of a different floor (a package whose part lives on
+    another floor is a floor kept in this table, not in the folders)."""
+    known = modules()
+    rooms = [(floor, room) for floor, names in enumerate(FLOORS) for room in names]
+    assert [room for _, room in rooms if room not in known] == []
+    nested = [
+        f"{inner} (floor {f_in}) inside {outer} (floor {f_out})"
+        for f_out, outer in rooms
+        for f_in, inner in rooms
+        if outer != "rlctl" and inner.startswith(outer + ".") and f_in != f_out
+    ]
+    assert nested == []
 
 
 def test_command_modules_load_without_heavy_imports():
