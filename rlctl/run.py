@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlctl import events as names
-from rlctl.checkpoint.catalog import SnapshotInfo
+from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows
@@ -39,7 +39,7 @@ from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.rundir.record import RunRecord
-from rlctl.rundir.selection import ResumePlan, Selection, parse_spec, select
+from rlctl.rundir.selection import ResumePlan, Selection, select
 from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
@@ -72,7 +72,7 @@ def resume_run(
     force: bool = False,
     reporter: Reporter | None = None,
 ) -> dict[str, Any]:
-    parse_spec(spec, "--from")  # a bad spec is refused before any work
+    parse_step_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
     _preflight(cfg)

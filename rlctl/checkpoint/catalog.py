@@ -33,13 +33,17 @@ EventFn = Callable[[dict[str, Any]], None]
 SPECS = ("latest", "last-good", "best")
 
 
-def parse_step_spec(spec: str) -> int | str:
-    """'latest' | 'last-good' | 'best' | 'step-500' | '500' -> 'latest' | 'last-good' | 'best' | 500."""
+SPEC_WORDS = "latest, last-good, best, step-N or N"
+
+
+def parse_step_spec(spec: str, option: str = "--from") -> int | str:
+    """'latest' | 'last-good' | 'best' | 'step-500' | '500' -> 'latest' | 'last-good' | 'best' | 500; any
+    other is a SnapshotError naming ``option``, the one the user typed (resume's --from, export's --step)."""
     if spec in SPECS:
         return spec
     m = re.fullmatch(r"(?:step-)?0*(\d+)", spec)
     if not m:
-        raise SnapshotError(f"--from expects latest, last-good, best, step-N or N; got {spec!r}")
+        raise SnapshotError(f"{option} expects {SPEC_WORDS}; got {spec!r}")
     return int(m.group(1))
 
 

@@ -27,11 +27,11 @@ format_option = click.option(
 def step_spec(_ctx, _param, value: str) -> str:
     """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
     best, step-N or N."""
-    from rlctl.checkpoint.catalog import parse_step_spec
+    from rlctl.checkpoint.catalog import SPEC_WORDS, parse_step_spec
     from rlctl.errors import SnapshotError
 
     try:
         parse_step_spec(value)
     except SnapshotError:
-        raise click.BadParameter(f"expected latest, last-good, best, step-N or N; got {value!r}") from None
+        raise click.BadParameter(f"expected {SPEC_WORDS}; got {value!r}") from None
     return value

@@ -20,17 +20,6 @@ from rlctl.errors import SnapshotError
 
 Note = Callable[[str], None]
 
-SPEC_WORDS = "latest, last-good, best, step-N or N"
-
-
-def parse_spec(spec: str, option: str) -> int | str:
-    """'latest' | 'last-good' | 'best' | 'step-500' | '500' -> 'latest' | 'last-good' | 'best' | 500; any
-    other is a SnapshotError naming ``option``, the one the user typed (resume's --from, export's --step)."""
-    try:
-        return parse_step_spec(spec)
-    except SnapshotError:
-        raise SnapshotError(f"{option} expects {SPEC_WORDS}; got {spec!r}") from None
-
 
 @dataclass(frozen=True)
 class Selection:
@@ -66,7 +55,7 @@ def select(catalog: Catalog, spec: str, option: str) -> Selection:
     """The candidates ``spec`` chooses in ``catalog``, best first. An explicit step that cannot be used,
     no good snapshot for last-good, and no usable one among the best are SnapshotErrors (so are an
     explicit step that is not there and a "best" no snapshot records: ``catalog.candidates``)."""
-    wanted = parse_spec(spec, option)
+    wanted = parse_step_spec(spec, option)
     candidates = catalog.candidates(wanted)
     url = catalog.storage.url
     if isinstance(wanted, int) and candidates[0].problem:

@@ -16,7 +16,7 @@ from rlctl.config import RunConfig
 from rlctl.engine.recovery import Recovery
 from rlctl.errors import SnapshotError
 from rlctl.metrics import encode_row, read_rows
-from rlctl.rundir.selection import ResumePlan, parse_spec, rollback_candidates, select
+from rlctl.rundir.selection import ResumePlan, rollback_candidates, select
 from rlctl.storage import Storage
 
 from helpers import Counter
@@ -42,11 +42,11 @@ def manager(tmp_path):
 
 
 def test_a_bad_spec_names_the_option_typed():
-    assert parse_spec("step-7", "--step") == parse_step_spec("7") == 7
+    assert parse_step_spec("step-7", "--step") == parse_step_spec("7") == 7
     with pytest.raises(SnapshotError, match=r"^--step expects latest, last-good, best, step-N or N; got 'x'$"):
-        parse_spec("x", "--step")
+        parse_step_spec("x", "--step")
     with pytest.raises(SnapshotError, match=r"^--from expects"):
-        parse_spec("x", "--from")
+        parse_step_spec("x", "--from")
 
 
 def test_select_latest_keeps_every_candidate_and_says_what_it_skips(manager):
