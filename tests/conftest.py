@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,12 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+# A pytest-xdist worker ignores SIGINT (execnet's doing), and a process it starts would inherit that:
+# Python then installs no KeyboardInterrupt handler, and the Ctrl-C tests' rlctl would not stop. Python's
+# own handler here gives children the default disposition, as a shell would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _has_cuda() -> bool:
@@ -25,13 +32,19 @@ def _has_cuda() -> bool:
 E2E = Path(__file__).parent / "e2e"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """The slow lane is a folder: every test under tests/e2e is marked ``slow`` (`make test-fast` runs
-    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). GPU tests are skipped
-    without a GPU."""
+    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). The tests of a module
+    that share a module-scoped fixture (a finished run, a vLLM engine) stay on one pytest-xdist worker,
+    so that it is made once (``--dist loadgroup``). GPU tests are skipped without a GPU."""
     for item in items:
         if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)
+        defs = getattr(item, "_fixtureinfo", None)
+        shared = defs and any(d.scope == "module" for fs in defs.name2fixturedefs.values() for d in fs)
+        if shared and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(E2E.parent).as_posix()))
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -7,7 +7,7 @@ import time
 
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, metrics_of, run_cli, spawn_start, start, wait_for
+from helpers import SMALL, invoke, metrics_of, spawn_start, start, wait_for
 
 
 def test_every_check_code_from_a_real_run_state(tmp_path):
@@ -16,7 +16,7 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     a preemption."""
 
     def check(run, *extra, env=None):
-        r = run_cli("inspect", str(run), "--check", *extra, env=env)
+        r = invoke("inspect", str(run), "--check", *extra, env=env)
         assert r.stdout.count("\n") == 1, r.stdout  # one line
         return r.returncode, r.stdout
 

@@ -16,7 +16,7 @@ import yaml
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, events_of, kinds, metrics_of, run_cli, spawn_start, start, wait_for
+from helpers import SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn_start, start, wait_for
 
 
 def last_event(run_dir):
@@ -25,7 +25,7 @@ def last_event(run_dir):
 
 
 def check(run_dir):
-    r = run_cli("inspect", str(run_dir), "--check")
+    r = invoke("inspect", str(run_dir), "--check")
     assert r.stdout.count("\n") == 1, r.stdout
     return r.returncode, r.stdout
 

@@ -17,6 +17,7 @@ from helpers import (
     completed_hash,
     events_of,
     has_step,
+    invoke,
     metrics_of,
     run_cli,
     spawn,
@@ -207,7 +208,7 @@ def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
     assert not _ranks_alive(run)
     assert [e["event"] for e in events_of(run)][-1] == "crashed"
     assert (run / "checkpoints" / "step-000002" / "manifest.json").exists()  # the last snapshot stands
-    assert run_cli("inspect", str(run), "--check").returncode == 43
+    assert invoke("inspect", str(run), "--check").returncode == 43
 
 
 def test_a_nan_on_one_rank_is_rolled_back_by_every_rank(tmp_path):

@@ -8,7 +8,7 @@ import textwrap
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn_start, start, wait_for
+from helpers import SMALL, events_of, invoke, metrics_of, run_cli, spawn_start, start, wait_for
 
 
 def policy_config(tmp_path, rules, every=2, steps=8):
@@ -96,7 +96,7 @@ def test_max_triggers_escalates_to_halt(tmp_path):
     committed = [e["step"] for e in events_of(run, "snapshot_committed")]
     assert 5 not in committed and max(committed) == 4
     assert not (run / "lease.json").exists()
-    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    listed = json.loads(invoke("checkpoints", str(run), "--format", "json").stdout)
     assert all(c["good"] for c in listed)
 
 
@@ -128,9 +128,9 @@ def test_bad_policy_stops_before_anything_starts(tmp_path):
     assert not (tmp_path / "run").exists()
     r = start(tmp_path / "run2", "--set", "policies=[policies/default.yaml]")
     assert r.returncode == ExitCode.CONFIG and "'checkpoint.every' is 0" in r.stderr
-    r = run_cli("policy", "check", str(bad))
+    r = invoke("policy", "check", str(bad))
     assert r.returncode == ExitCode.CONFIG and "Error: invalid policy file" in r.stderr
-    r = run_cli("policy", "check", "policies/default.yaml", "policies/conservative.yaml", "policies/warn-only.yaml")
+    r = invoke("policy", "check", "policies/default.yaml", "policies/conservative.yaml", "policies/warn-only.yaml")
     assert r.returncode == 0 and "rule nonfinite" in r.stdout
 
 

@@ -11,7 +11,7 @@ from rlctl.errors import ExitCode
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import known_metric
 
-from helpers import SMALL, events_of, metrics_of, run_cli, start
+from helpers import SMALL, events_of, invoke, metrics_of, start
 
 # two update passes per step (mini-batch 8 of 16 responses), so actor/ppo_kl is not always 0
 SHAPE = [*SMALL, "--set", "actor.mini_batch_size=8"]
@@ -63,12 +63,12 @@ def test_replay_lists_exactly_the_live_firings(drilled, tmp_path):
     policy = tmp_path / "kl.yaml"
     policy.write_text(yaml.safe_dump({"rules": RULES}))
     for args in ([], ["--policy", str(policy)]):  # the run's own policies, or the file
-        r = run_cli("policy", "replay", str(drilled), *args, "--format", "json")
+        r = invoke("policy", "replay", str(drilled), *args, "--format", "json")
         assert r.returncode == 0, r.stderr
         replayed = json.loads(r.stdout)
         assert [{k: v for k, v in f.items() if k != "turned_away"} for f in replayed] == live
         assert {f["turned_away"] for f in replayed} == {"rollback"}  # each firing's row was rolled back
-    table = run_cli("policy", "replay", str(drilled))
+    table = invoke("policy", "replay", str(drilled))
     assert table.stdout.splitlines()[-2:] == [
         "kl: fired 2 times, at steps 3, 6",
         "kl-watch: fired 2 times, at steps 3, 6",
@@ -77,7 +77,7 @@ def test_replay_lists_exactly_the_live_firings(drilled, tmp_path):
 
 
 def test_calibrated_policy_is_valid_and_quiet_on_its_run(healthy, tmp_path):
-    r = run_cli("policy", "calibrate", str(healthy))
+    r = invoke("policy", "calibrate", str(healthy))
     assert r.returncode == 0, r.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text(r.stdout)
@@ -86,10 +86,10 @@ def test_calibrated_policy_is_valid_and_quiet_on_its_run(healthy, tmp_path):
     assert names[:3] == ["kl", "grad-spike", "entropy-floor"]  # what every run has
     assert r.stdout.count("# replayed on this run: fires 0 times") == len(names)
     assert "calibrated on 10 rows" in r.stderr
-    checked = run_cli("policy", "check", str(mine), "--run", str(healthy), "--strict")
+    checked = invoke("policy", "check", str(mine), "--run", str(healthy), "--strict")
     assert checked.returncode == 0 and "warning" not in checked.stderr, checked.stderr
     assert f"{mine}: valid, {len(names)} rules." in checked.stdout
-    replayed = run_cli("policy", "replay", str(healthy), "--policy", str(mine), "--format", "json")
+    replayed = invoke("policy", "replay", str(healthy), "--policy", str(mine), "--format", "json")
     assert replayed.returncode == 0 and json.loads(replayed.stdout) == [], replayed.stdout
 
 
@@ -100,14 +100,14 @@ def test_check_warns_about_metrics_no_run_writes(healthy, tmp_path):
         {"name": "val", "when": "val/score/mean < 0.1", "actions": [{"type": "warn"}]},
     ]
     typo.write_text(yaml.safe_dump({"rules": rules}))
-    r = run_cli("policy", "check", str(typo))
+    r = invoke("policy", "check", str(typo))
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == [
         f"warning: {typo}: rule kl reads 'actor/ppo_kll', which no rlctl run writes (did you mean 'actor/ppo_kl'?)"
     ]
-    strict = run_cli("policy", "check", str(typo), "--strict")
+    strict = invoke("policy", "check", str(typo), "--strict")
     assert strict.returncode == ExitCode.CONFIG and "--strict: the rules read 1 metric name that" in strict.stderr
-    against = run_cli("policy", "check", str(typo), "--run", str(healthy))
+    against = invoke("policy", "check", str(typo), "--run", str(healthy))
     assert against.returncode == 0
     lines = against.stderr.splitlines()
     assert len(lines) == 2 and all(f"which run {healthy} never wrote" in line for line in lines)

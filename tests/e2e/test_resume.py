@@ -14,6 +14,7 @@ from helpers import (
     events_of,
     has_step,
     hf_weights_sha256,
+    invoke,
     kill_and_resume,
     metrics_of,
     run_cli,
@@ -70,7 +71,7 @@ def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
     proc.wait()
     assert not (step6 / "manifest.json").exists()
 
-    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    listed = json.loads(invoke("checkpoints", str(run), "--format", "json").stdout)
     assert [(c["step"], c["committed"], c["usable"]) for c in listed] == [(3, True, True), (6, False, False)]
     assert "no manifest" in listed[1]["problem"]
 
@@ -132,9 +133,9 @@ def test_corrupt_and_missing_snapshots(tmp_path):
     data[-20] ^= 0xFF
     blob.write_bytes(bytes(data))  # same size, one byte flipped
 
-    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json", "--verify").stdout)
+    listed = json.loads(invoke("checkpoints", str(run), "--format", "json", "--verify").stdout)
     assert listed[-1]["problem"] == "file state.pt does not match its sha256 (corrupt)"
-    table = run_cli("checkpoints", str(run)).stdout
+    table = invoke("checkpoints", str(run)).stdout
     assert "step" in table and "committed" in table and "MiB" in table
 
     r = run_cli("resume", str(run), "--from", "step-6", "--set", "trainer.total_steps=8")
@@ -142,7 +143,7 @@ def test_corrupt_and_missing_snapshots(tmp_path):
     assert "snapshot step-000006 is not usable: file state.pt does not match its sha256 (corrupt)" in r.stderr
 
     (run / "checkpoints" / "step-000002" / "manifest.json").unlink()
-    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    listed = json.loads(invoke("checkpoints", str(run), "--format", "json").stdout)
     assert listed[0]["problem"] == "no manifest: never committed (interrupted or in progress)"
     r = run_cli("resume", str(run), "--from", "step-2")  # an uncommitted directory is removed, never loaded
     assert r.returncode == 11 and "no snapshot of step 2" in r.stderr and "usable steps: 4, 6" in r.stderr

@@ -12,11 +12,11 @@ import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, run_cli, small_tmpfs, spawn_start, start, wait_for
+from helpers import SMALL, events_of, invoke, metrics_of, run_cli, small_tmpfs, spawn_start, start, wait_for
 
 
 def listed(run_dir):
-    return json.loads(run_cli("checkpoints", str(run_dir), "--format", "json").stdout)
+    return json.loads(invoke("checkpoints", str(run_dir), "--format", "json").stdout)
 
 
 def test_full_disk_fails_the_run_with_exit_12_and_resume_completes_it(tmp_path):

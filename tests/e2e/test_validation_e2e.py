@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers import events_of, metrics_of, mlflow_runs, run_cli, start, steps_of, tb_scalars, wandb_run
+from helpers import events_of, invoke, metrics_of, mlflow_runs, run_cli, start, steps_of, tb_scalars, wandb_run
 
 VAL = "val/score/mean"
 ALL = ("tensorboard", "wandb", "mlflow")
@@ -82,7 +82,7 @@ def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_expo
     assert (rollback["from_step"], rollback["to_step"]) == (6, best_step(rows, 4))
     assert "rollbacks   1:" in r.stderr and f"step 6: rule val-drop -> back to step {rollback['to_step']}" in r.stderr
 
-    listed = run_cli("checkpoints", str(run), "--format", "json")
+    listed = invoke("checkpoints", str(run), "--format", "json")
     assert listed.returncode == 0, listed.stderr
     snaps = [s for s in json.loads(listed.stdout) if s["usable"]]
     assert all(VAL in s for s in snaps)

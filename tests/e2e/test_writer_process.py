@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from helpers import SMALL, alive, events_of, run_cli, spawn_start, wait_for, writer_pids
+from helpers import SMALL, alive, events_of, invoke, run_cli, spawn_start, wait_for, writer_pids
 
 RUN = [*SMALL, "--set", "trainer.total_steps=9", "--set", "checkpoint.every=3"]
 
@@ -33,9 +33,9 @@ def test_a_writer_killed_mid_snapshot_fails_that_snapshot_and_the_run_goes_on(tm
     assert f"the snapshot writer process (pid {writer}) was killed by signal 9" in failed[0]["error"]
     committed = [e["step"] for e in events_of(run) if e["event"] == "snapshot_committed"]
     assert committed == [3, 9]  # a new writer wrote step 9
-    listed = json.loads(run_cli("checkpoints", str(run), "--format", "json").stdout)
+    listed = json.loads(invoke("checkpoints", str(run), "--format", "json").stdout)
     assert [(c["step"], c["committed"], c["usable"]) for c in listed] == [(3, True, True), (9, True, True)]
-    r = run_cli("inspect", str(run), "--check")
+    r = invoke("inspect", str(run), "--check")
     assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr  # a later commit made good
 
 
