@@ -27,13 +27,15 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# the whole suite: lint, then unit, CLI-golden and end-to-end tests (what CI runs)
+# the whole suite: lint, then unit, CLI-golden and end-to-end tests (what CI runs), two at a time
+# (pytest-xdist; tests/conftest.py keeps the tests that share a module's finished run on one worker)
 test: lint
-	$(VENV)/bin/pytest -q --durations=12
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=12
 
-# unit and CLI-golden tests only: a quick lane while working (no subprocess runs of the trainer)
+# the quick lane while working: tests/unit and tests/cli (no run of the trainer in a subprocess; the
+# slow lane is the tests/e2e folder)
 test-fast: lint
-	$(VENV)/bin/pytest -q tests/unit tests/cli
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup tests/unit tests/cli
 
 # the showcase (rlctl/configs/demo.yaml, `rlctl start demo`): about a minute on 2 cores; ends with a summary and a plot
 demo: venv
