@@ -20,7 +20,6 @@ from helpers import (
     invoke,
     metrics_of,
     run_cli,
-    spawn,
     spawn_start,
     stable,
     start,
@@ -116,9 +115,10 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
     # SIGKILL the driver after step 5 (last snapshot: 4): its ranks die with it, resume is exact
     env, opts = s3_env  # (FSSPEC_S3 points s3fs at the endpoint: the demo config stays the base)
     run, url = tmp_path / "killed", "s3://rlctl-runs/ckpts/two-ranks"
-    args = ["--run-dir", str(run), "--nproc", "2", *COMMON, "--set", f"checkpoint.dir={url}"]
-    proc = spawn("start", *args, faults="sleep@5=120", env=env)
+    args = ["--nproc", "2", *COMMON, "--set", f"checkpoint.dir={url}"]
+    proc = spawn_start(run, *args, faults="sleep@5=120", env=marked(run, env))
     wait_for(lambda: has_step(run, 5)() and committed(run, 4), proc)  # an upload may end after the next step
+    assert _ranks_alive(run)  # (the check sees this run's ranks)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not _ranks_alive(run), "rank processes outlived their driver"
@@ -141,19 +141,28 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
     assert "written by 2 rank(s); this run has 1" in r.stderr
 
 
+def marked(run, env=None) -> dict:
+    """``env`` with a variable naming ``run``, which its driver hands on to its ranks (see ``_ranks_alive``)."""
+    return {**(env or {}), "RLCTL_TEST_RUN": str(run)}
+
+
 def _ranks_alive(run) -> bool:
+    """Whether a rank process of ``run`` (started with ``marked``) is alive: the ranks of other runs on
+    this machine (another pytest-xdist worker's, another user's) do not count."""
     import time
 
     time.sleep(1.0)  # PDEATHSIG is delivered at once; give the kernel a moment to reap
+    mark = f"RLCTL_TEST_RUN={run}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             status = Path(f"/proc/{pid}/status").read_text()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rlctl.ranks.local" in cmd and "State:\tZ" not in status:
+        if b"rlctl.ranks.local" in cmd and mark in environ and "State:\tZ" not in status:
             return True
     return False
 
@@ -201,7 +210,7 @@ def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
     """Rank 1 dies after step 3: rank 0 would wait in a collective forever, so the driver stops it,
     records the crash and exits 1 with rank 1's error; nothing is left running; inspect says crashed."""
     run = tmp_path / "run"
-    r = start(run, "--nproc", "2", *COMMON, faults="crash@3=1")
+    r = start(run, "--nproc", "2", *COMMON, faults="crash@3=1", env=marked(run))
     assert r.returncode == ExitCode.INTERNAL, r.stderr
     assert "rank 1 crashed after step 3" in r.stderr
     assert r.stdout == ""
