@@ -36,12 +36,6 @@ def export_snapshot(
     candidate, each one skipped before it said to ``note``) to ``out_dir``, which must be new or empty.
     A LoRA run's snapshot is exported merged into its base (from the run's model directory), or with
     ``adapter_only`` as a PEFT adapter directory. The snapshot exported."""
-    from rlctl.engine.runtime import quiet_libraries
-
-    quiet_libraries()  # (imports DeepSpeed first, without MLflow)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoTokenizer
-
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"OUT_DIR {out_dir} is not empty; choose a new directory")
@@ -54,6 +48,12 @@ def export_snapshot(
     selection = select(snapshots, spec, "--step")
     info = selection.first()
     selection.skip(note or (lambda _: None), before=info)
+    from rlctl.engine.runtime import quiet_libraries  # (the refusals above need none of the libraries)
+
+    quiet_libraries()  # (imports DeepSpeed first, without MLflow)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoTokenizer
+
     local, cleanup = snapshots.storage.local_copy(info.name)
     try:
         problem = checksum_problem(local, info.manifest or {})

@@ -18,7 +18,7 @@ from rlctl.errors import ConfigError
 from rlctl.events import HALTED, POLICY, ROLLBACK, SNAPSHOT_COMMITTED, SNAPSHOT_FAILED
 from rlctl.numbers import is_number
 from rlctl.rundir.layout import CONFIG
-from rlctl.rundir.record import RunRecord, read_run
+from rlctl.rundir.record import RunRecord
 from rlctl.storage import Storage
 
 # what --plot draws unless told: the first four of these that the run has and that ever move
@@ -35,7 +35,7 @@ PLOT_METRICS = (
 def open_run(url: str) -> RunRecord:
     """The run as inspect shows it: its config, metric rows and events read at once (a config that
     cannot be read is a sentence naming it; the lines that cannot be read are its ``warnings()``)."""
-    record = read_run(url)
+    record = RunRecord(Storage(url))  # (the config is read first: a storage failure is said reading it)
     _ = record.config, record.rows, record.events  # read now: a bad config fails first, warnings come first
     return record
 
