@@ -1,5 +1,5 @@
 """Every `rlctl inspect --check` exit code produced by a real run in that state (the installed `rlctl`,
-real DeepSpeed, real signals). The golden outputs of inspect and runs: tests/cli/test_inspect.py."""
+real DeepSpeed, real signals). The golden outputs of inspect and runs: tests/cli/test_inspect_output.py."""
 
 import os
 import signal
