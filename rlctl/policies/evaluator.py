@@ -201,8 +201,9 @@ class Firing:
     limit: float | None  # what it was compared to (None: no single number, e.g. "is NaN")
     actions: tuple[Action, ...]
     escalated: bool = False
-    count: int = 1  # how many times this rule has fired, this one included
+    count: int = 1  # how many times this rule has fired (within max_triggers' window), this one included
     drop_metric: tuple[str, str] | None = None  # (metric, mode) of a drop trigger: what a rollback to: best ranks by
+    stage: int = 0  # which of the rule's escalate stages gave the actions (0: the rule's own actions)
 
     @property
     def warn_only(self) -> bool:
@@ -222,6 +223,7 @@ class Firing:
             "actions": [a.model_dump(mode="json") for a in self.actions],
             "escalated": self.escalated,
             "count": self.count,
+            "stage": self.stage,
         }
 
 
@@ -239,6 +241,19 @@ def is_healthy(firings: Iterable[Firing]) -> bool:
 # The engine
 
 
+def _count(rule: Rule, state: RuleState, step: int) -> int:
+    """The firings ``max_triggers`` and the escalate stages count, the one at ``step`` included: over the
+    run, or those of the window's last steps (a firing at a later step, from before a rollback, is recent).
+    Records the firing, and forgets those the window has left behind."""
+    within = rule.limit.within if rule.limit is not None else None
+    state.fired.append(step)
+    if within is None:
+        del state.fired[:-1]  # only the last one is kept: the count is the total
+        return state.triggers
+    state.fired = [s for s in state.fired if s > step - within]
+    return len(state.fired)
+
+
 @dataclass
 class RuleState:
     """What one rule remembers between steps."""
@@ -248,6 +263,7 @@ class RuleState:
     streak_step: int | None = None  # the last step of that streak (or of a row without the metric after it)
     cooldown_until: int | None = None  # not evaluated at steps <= this
     last_fired: int | None = None
+    fired: list[int] = field(default_factory=list)  # the steps it fired at (those max_triggers' window holds)
     # (step, value): a spike's or a median drop's window; a drop from the best: each new best, in order
     history: deque[tuple[int, float]] = field(default_factory=deque)
     seen: list[int] = field(default_factory=list)  # a drop's arming: steps of its first min_history values
@@ -262,6 +278,7 @@ class RuleState:
             "streak_step": self.streak_step,
             "cooldown_until": self.cooldown_until,
             "last_fired": self.last_fired,
+            "fired_steps": list(self.fired),
             "history": [v for _, v in self.history],
             "history_steps": [s for s, _ in self.history],
             "seen_steps": list(self.seen),
@@ -270,7 +287,8 @@ class RuleState:
     @classmethod
     def from_dict(cls, state: Mapping[str, Any], window: int | None, min_history: int = 0) -> RuleState:
         """A rule's state as ``to_dict`` wrote it. One without ``seen_steps`` (written before it existed)
-        counts the first ``min_history`` steps of its history as seen."""
+        counts the first ``min_history`` steps of its history as seen; one without ``fired_steps``, that it
+        fired at its last firing only."""
         pairs = list(zip(state.get("history_steps", []), state.get("history", [])))
         seen = state.get("seen_steps", [s for s, _ in pairs[:min_history]])
         return cls(
@@ -279,6 +297,7 @@ class RuleState:
             streak_step=state["streak_step"],
             cooldown_until=state["cooldown_until"],
             last_fired=state["last_fired"],
+            fired=[int(s) for s in state.get("fired_steps", [state["last_fired"]] if state["last_fired"] else [])],
             history=deque(((int(s), float(v)) for s, v in pairs), maxlen=window),
             seen=[int(s) for s in seen],
         )
@@ -380,8 +399,11 @@ class PolicyEngine:
         state.streak = 0
         state.last_fired = step
         state.cooldown_until = step + rule.cooldown if rule.cooldown else None
-        escalated = rule.max_triggers is not None and state.triggers > rule.max_triggers
-        actions: tuple[Action, ...] = tuple(rule.actions)
+        count = _count(rule, state, step)
+        stages = [i for i, stage in enumerate(rule.escalate, 1) if count > stage.after]
+        stage = stages[-1] if stages else 0
+        actions: tuple[Action, ...] = tuple(rule.escalate[stage - 1].actions if stage else rule.actions)
+        escalated = rule.limit is not None and count > rule.limit.count
         if escalated:
             actions = (HaltAction(type="halt"),) if rule.then == "halt" else (WarnAction(type="warn"),)
         trigger = rule.resolved_trigger
@@ -394,8 +416,9 @@ class PolicyEngine:
             observed.limit,
             actions,
             escalated,
-            state.triggers,
+            count,
             (trigger.metric, trigger.mode) if isinstance(trigger, DropTrigger) else None,
+            stage,
         )
 
     # -- rollbacks ---------------------------------------------------------------------------------

@@ -44,6 +44,46 @@ _ENDS_RUN_ALONE = {"rollback", "adjust", "skip"}  # what halt cannot be combined
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+class MaxTriggers(PolicyModel):
+    count: int = Field(ge=1, description="How many firings the rule may make within `within` steps.")
+    within: int | None = Field(
+        None, ge=1, description="The window, in steps, the firings are counted in (none: over the whole run)."
+    )
+
+    def describe(self) -> str:
+        times = "once" if self.count == 1 else f"{self.count} times"
+        return f"at most {times}" + (f" within {self.within} steps" if self.within else "")
+
+
+class Escalation(PolicyModel):
+    after: int = Field(ge=1, description="This stage takes over from the firing after this many firings.")
+    actions: list[Action] = Field(min_length=1, description="What to do instead of the rule's actions.")
+
+    @field_validator("actions")
+    @classmethod
+    def _actions_combine(cls, actions: list) -> list:
+        return check_combination(actions)
+
+    def describe(self, trigger: PolicyModel) -> str:
+        return f"after {self.after} firing{'s' if self.after > 1 else ''}: {describe_actions(self.actions, trigger)}"
+
+
+def check_combination(actions: list) -> list:
+    """A list of actions is valid when no type is listed twice and halt stands alone."""
+    types = [a.type for a in actions]
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:
+        raise ValueError(f"action type {', '.join(twice)} is listed more than once; merge them")
+    if "halt" in types and _ENDS_RUN_ALONE & set(types):
+        others = ", ".join(t for t in types if t in _ENDS_RUN_ALONE)
+        raise ValueError(f"halt ends the run, so it cannot be combined with {others}")
+    return actions
+
+
+def describe_actions(actions: list, trigger: PolicyModel) -> str:
+    return ", ".join(a.describe(trigger) if isinstance(a, RollbackAction) else a.describe() for a in actions)
+
+
 class Rule(PolicyModel):
     name: str = Field(description="Unique name of the rule, used in events and messages (letters, digits, - _ .).")
     description: str = Field("", description="What the rule is for, in plain words.")
@@ -68,8 +108,15 @@ class Rule(PolicyModel):
     actions: list[Action] = Field(
         min_length=1, description="What to do when the rule fires; combinable, each chosen by `type`."
     )
-    max_triggers: int | None = Field(
-        None, ge=1, description="Fire the actions at most this many times; after that, do `then` instead."
+    escalate: list[Escalation] = Field(
+        default_factory=list,
+        description="Stronger actions for a rule that keeps firing: from the firing after `after` (counted as "
+        "`max_triggers` counts), each stage's actions replace the rule's. Stages in increasing `after`.",
+    )
+    max_triggers: int | MaxTriggers | None = Field(
+        None,
+        description="Fire the actions at most this many times over the run (a number), or within a window of "
+        "steps ({count: 5, within: 200}); after that, do `then` instead.",
     )
     then: Literal["halt", "warn"] = Field(
         "halt", description="What to do once `max_triggers` is exhausted, so a run cannot loop forever."
@@ -93,14 +140,33 @@ class Rule(PolicyModel):
     @field_validator("actions")
     @classmethod
     def _actions_combine(cls, actions: list) -> list:
-        types = [a.type for a in actions]
-        twice = sorted({t for t in types if types.count(t) > 1})
-        if twice:
-            raise ValueError(f"action type {', '.join(twice)} is listed more than once; merge them")
-        if "halt" in types and _ENDS_RUN_ALONE & set(types):
-            others = ", ".join(t for t in types if t in _ENDS_RUN_ALONE)
-            raise ValueError(f"halt ends the run, so it cannot be combined with {others}")
-        return actions
+        return check_combination(actions)
+
+    @field_validator("max_triggers", mode="before")
+    @classmethod
+    def _count_is_a_count(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+            raise ValueError(f"input should be greater than or equal to 1 (got {v})")
+        return v
+
+    @property
+    def limit(self) -> MaxTriggers | None:
+        """``max_triggers`` as a count and a window (None: the rule may fire forever)."""
+        if self.max_triggers is None or isinstance(self.max_triggers, MaxTriggers):
+            return self.max_triggers
+        return MaxTriggers(count=self.max_triggers)
+
+    @model_validator(mode="after")
+    def _stages_in_order(self) -> Rule:
+        afters = [stage.after for stage in self.escalate]
+        if afters != sorted(set(afters)):
+            raise ValueError(f"escalate's stages must come in increasing 'after', got {afters}")
+        limit = self.limit
+        if limit is not None and afters and afters[-1] >= limit.count:
+            raise ValueError(
+                f"escalate's stage after {afters[-1]} firings never runs: max_triggers allows {limit.count}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_trigger(self) -> Rule:
@@ -144,13 +210,11 @@ class Rule(PolicyModel):
 
     def describe(self) -> str:
         """The whole rule as one sentence, as ``rlctl policy check`` prints it."""
-        actions = ", ".join(
-            a.describe(self.resolved_trigger) if isinstance(a, RollbackAction) else a.describe() for a in self.actions
-        )
+        actions = describe_actions(self.actions, self.resolved_trigger)
+        actions += "".join(f"; {stage.describe(self.resolved_trigger)}" for stage in self.escalate)
         limits = []
-        if self.max_triggers is not None:
-            times = "once" if self.max_triggers == 1 else f"{self.max_triggers} times"
-            limits.append(f"at most {times}, then {self.then}")
+        if self.limit is not None:
+            limits.append(f"{self.limit.describe()}, then {self.then}")
         if self.cooldown:
             limits.append(f"cooldown {self.cooldown} step{'s' if self.cooldown > 1 else ''}")
         tail = "".join(f"; {part}" for part in limits)
@@ -185,7 +249,14 @@ ACTION_TYPES: dict[str, type[PolicyModel]] = {
     "halt": HaltAction,
     "warn": WarnAction,
 }
-ALL_MODELS: tuple[type[PolicyModel], ...] = (PolicyFile, Rule, *TRIGGER_KINDS.values(), *ACTION_TYPES.values())
+ALL_MODELS: tuple[type[PolicyModel], ...] = (
+    PolicyFile,
+    Rule,
+    MaxTriggers,
+    Escalation,
+    *TRIGGER_KINDS.values(),
+    *ACTION_TYPES.values(),
+)
 
 
 def rule_metrics(rule: Rule) -> list[str]:

@@ -522,6 +522,7 @@ def test_firing_event_is_json_serialisable_with_nonfinite_as_strings():
         "rule": "nan",
         "step": 12,
         "count": 1,
+        "stage": 0,
         "escalated": False,
         "trigger": "any metric is NaN or Inf, or a NaN/Inf counter (actor/nonfinite/*, actor/skipped_updates) "
         "is above 0",
@@ -657,7 +658,8 @@ def test_policy_check_explains_in_plain_words():
     assert lines[0] == f"policies/default.yaml: valid, {len(default.rules)} rules. {default.description}"
     assert (
         "  rule kl-drift: when actor/ppo_kl > 0.1 for 2 consecutive steps: roll back to the last good snapshot, "
-        "multiply actor.lr by 0.5; at most 3 times, then halt; cooldown 10 steps." in lines
+        "multiply actor.lr by 0.5 (at least 1e-07); at most 3 times within 200 steps, then halt; cooldown 10 steps."
+        in lines
     )
     assert [line for line in lines if line.startswith("  rule ")] == [f"  {r.describe()}" for r in default.rules]
 
