@@ -34,5 +34,8 @@ SNAPSHOT_WRITER_FALLBACK = "snapshot_writer_fallback"
 SNAPSHOTS_PURGED = "snapshots_purged"
 SNAPSHOTS_PURGE_FAILED = "snapshots_purge_failed"
 
+# fault drills (rlctl.faults): a drill that fired, recorded so that it fires once in the run
+DRILL_FIRED = "drill_fired"
+
 # the outcomes a run can end with: the last of them (after the last start or resume) is how it ended
 ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED})

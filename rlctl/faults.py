@@ -28,6 +28,13 @@ A comma-separated list of ``name[@step][=value]``:
                         snapshot): a full disk
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
+
+A drill at a step (``sleep``, ``crash``, ``nan_log_prob``, ``degenerate``, ``metric``) fires once, the
+first time its step runs, whatever the policies make of that step; a rollback that replays the step does
+not fire it again. Each firing is recorded in events.jsonl (``drill_fired``, with the drill and its step)
+before it acts. A run config's drills belong to the run: a resume reads the record back (``fired_in``)
+and does not arm the drills that fired, so that a drill killed or crashed in is not met again.
+RLCTL_FAULTS belongs to the process it is set for: its drills fire once in that process.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from rlctl import events
 from rlctl.errors import ConfigError
 
 KNOWN = {
@@ -52,8 +61,8 @@ KNOWN = {
     "stale_rollout",
     "enospc",
 }
-_fired: set[tuple[str, int | None]] = set()
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
+CONFIG, ENVIRONMENT = "faults", "RLCTL_FAULTS"  # where a drill was armed (a drill_fired event's ``source``)
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,11 @@ class Fault:
     name: str
     step: int | None
     value: str | None
+
+    def __str__(self) -> str:
+        """The drill as it is written: ``name[@step][=value]``."""
+        at = f"@{self.step}" if self.step is not None else ""
+        return f"{self.name}{at}" + (f"={self.value}" if self.value is not None else "")
 
 
 def parse(spec: str) -> list[Fault]:
@@ -73,18 +87,40 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-_configured = ""  # the run config's `faults` (``configure``), armed besides RLCTL_FAULTS
+Emit = Callable[[dict[str, Any]], None]
+_configured: list[Fault] = []  # the run config's drills (``configure``) that have not fired in the run
+_fired: set[Fault] = set()  # the drills fired in this process since ``configure``
+_emit: Emit | None = None  # where a firing is recorded (the run's events.jsonl)
 
 
-def configure(spec: str | None) -> None:
-    """Arm the drills a run config names (its ``faults`` key), besides those of RLCTL_FAULTS."""
-    global _configured
-    parse(spec or "")  # an unknown name is an error now, not at the step
-    _configured = spec or ""
+def configure(spec: str | None, fired: Iterable[Fault] = (), emit: Emit | None = None) -> None:
+    """Arm the drills a run config names (its ``faults`` key), besides those of RLCTL_FAULTS, but for
+    those ``fired`` in the run already (``fired_in`` its events); ``emit`` records each firing."""
+    global _configured, _emit
+    done = set(fired)
+    _configured = [f for f in parse(spec or "") if f not in done]  # an unknown name is an error now
+    _fired.clear()
+    _emit = emit
+
+
+def fired_in(rows: Iterable[Any]) -> set[Fault]:
+    """The drills that ``drill_fired`` events (the rows of events.jsonl) say fired; an event that names
+    no drill that can be read is skipped (a damaged log disarms nothing it does not name)."""
+    found: set[Fault] = set()
+    for row in rows:
+        if not isinstance(row, dict) or row.get("event") != events.DRILL_FIRED or not isinstance(row.get("drill"), str):
+            continue
+        try:
+            drills = parse(row["drill"])
+        except ConfigError:
+            continue
+        if len(drills) == 1:
+            found |= set(drills)
+    return found
 
 
 def active() -> list[Fault]:
-    return parse(",".join(filter(None, (_configured, os.environ.get("RLCTL_FAULTS", "")))))
+    return [*_configured, *parse(os.environ.get("RLCTL_FAULTS", ""))]
 
 
 def value(name: str, step: int | None = None) -> str | None:
@@ -101,13 +137,26 @@ def disk_full(step: int) -> bool:
 
 
 def once(name: str, step: int) -> str | None:
-    """Like ``value``, but a fault armed for a step fires only the first time that step runs in this
-    process: a transient fault, which a rollback and replay should get past."""
-    for f in active():
-        if f.name == name and f.step == step and (name, step) not in _fired:
-            _fired.add((name, step))
-            return f.value if f.value is not None else ""
-    return None
+    """The value of a drill ``name`` armed for ``step`` that has not fired (recorded as fired now), else
+    None: a transient fault, which a rollback and replay should get past."""
+    drill = _armed(name, step)
+    if drill is None:
+        return None
+    _fire(drill)
+    return drill.value if drill.value is not None else ""
+
+
+def _armed(name: str, step: int) -> Fault | None:
+    """The first drill ``name`` armed for ``step`` that has not fired."""
+    return next((f for f in active() if f.name == name and f.step == step and f not in _fired), None)
+
+
+def _fire(drill: Fault) -> None:
+    """Mark ``drill`` fired and record it (before it acts: a kill in its effect must not re-arm it)."""
+    _fired.add(drill)
+    if _emit is not None:
+        source = CONFIG if drill in _configured else ENVIRONMENT
+        _emit({"event": events.DRILL_FIRED, "drill": str(drill), "step": drill.step, "source": source})
 
 
 def while_building() -> None:
@@ -118,14 +167,18 @@ def while_building() -> None:
 
 
 def after_step(step: int, rank: int, stopped: Callable[[], bool], settle: Callable[[int], None] | None = None) -> None:
-    """The drills that act between steps: ``sleep@N=S`` pauses S seconds (1 by default), cut short when
-    ``stopped()`` (signal handlers do not end time.sleep), once ``settle(N)`` has returned (the snapshots
-    of earlier steps are committed); ``crash@N=R`` raises on rank R (0)."""
-    if (pause := value("sleep", step)) is not None:
+    """The drills that act after step ``step`` ran, whatever its verdict (once each): ``sleep@N=S``
+    pauses S seconds (1 by default), cut short when ``stopped()`` (signal handlers do not end
+    time.sleep), once ``settle(N)`` has returned (the snapshots of earlier steps are committed);
+    ``crash@N=R`` raises on rank R (0)."""
+    if (pause := _armed("sleep", step)) is not None:
         if settle is not None:
             settle(step)
-        deadline = time.monotonic() + float(pause or 1)
+        _fire(pause)
+        deadline = time.monotonic() + float(pause.value or 1)
         while not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)
-    if (crash := value("crash", step)) is not None and int(crash or 0) == rank:
-        raise RuntimeError(f"fault drill: rank {rank} crashed after step {step}")
+    if (crash := _armed("crash", step)) is not None:
+        _fire(crash)
+        if int(crash.value or 0) == rank:
+            raise RuntimeError(f"fault drill: rank {rank} crashed after step {step}")

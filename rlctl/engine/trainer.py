@@ -39,16 +39,16 @@ from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
-from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
+from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.layout import CONFIG, METRICS
+from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
 
 def faulted(row: dict[str, Any]) -> dict[str, Any]:
-    """The ``metric`` fault drill: the row of its step with the metric it names replaced."""
-    if (spec := faults.once("metric", row["step"])) is not None:
+    """The ``metric`` fault drills: the row of their step with each metric they name replaced."""
+    while (spec := faults.once("metric", row["step"])) is not None:
         key, _, value = spec.rpartition(":")
         row[key] = float(value)
     return row
@@ -84,9 +84,9 @@ class Trainer:
         with its collectives; ``guard``: the run's policies (``cfg.policies``), built once for the rank;
         ``fence`` (the lease's check) is called before every metrics row."""
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
-        faults.configure(cfg.faults)
         self.fence = fence
         self.emit = on_event or (lambda event: None)
+        faults.configure(cfg.faults, faults.fired_in(read_rows(run, EVENTS)), self.emit)  # once in the run
         self.guard = guard
         if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
             raise ConfigError(
@@ -257,13 +257,11 @@ class Trainer:
                 if self.validator is not None and self.validator.due(row["step"]):
                     row = self.validate(row)
                 passed = self._judge(faulted(row))
-                if not passed:
-                    continue  # a step that fails a policy is never snapshotted
-                healthy = row_is_finite(row)
-                if self.snapshots is not None and self.snapshots.should_save(self.state.step):
-                    self.snapshot(good=healthy)
-                settle = self.snapshots.settle if self.snapshots is not None else None
-                faults.after_step(self.state.step, self.dist.rank, lambda: self.stop_signal is not None, settle)
+                if passed:  # a step that fails a policy is never snapshotted
+                    healthy = row_is_finite(row)
+                    if self.snapshots is not None and self.snapshots.should_save(self.state.step):
+                        self.snapshot(good=healthy)
+                self._after_step(row["step"])
             self._finish(passed, healthy)
         finally:
             self.metrics.close()
@@ -273,6 +271,12 @@ class Trainer:
                 f"Resume with: rlctl resume {self.run.url} --from latest"
             )
         self._check_final_commit()
+
+    def _after_step(self, step: int) -> None:
+        """The drills of step ``step`` that act after it, whatever its verdict (a rollback may have taken
+        the run back to an earlier step meanwhile)."""
+        settle = self.snapshots.settle if self.snapshots is not None else None
+        faults.after_step(step, self.dist.rank, lambda: self.stop_signal is not None, settle)
 
     def validate(self, row: dict[str, Any]) -> dict[str, Any]:
         """``row`` with the validation of the current weights added (and its time); the trainer's state
