@@ -172,9 +172,9 @@ def after_step(step: int, rank: int, stopped: Callable[[], bool], settle: Callab
     time.sleep), once ``settle(N)`` has returned (the snapshots of earlier steps are committed);
     ``crash@N=R`` raises on rank R (0)."""
     if (pause := _armed("sleep", step)) is not None:
+        _fire(pause)
         if settle is not None:
             settle(step)
-        _fire(pause)
         deadline = time.monotonic() + float(pause.value or 1)
         while not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -4,7 +4,7 @@ rollback that replays its step does not fire it again)."""
 
 import signal
 
-from helpers import SMALL, events_of, has_step, metrics_of, run_cli, spawn_start, start, wait_for
+from helpers import SMALL, events_of, has_step, metrics_of, run_cli, settled_before, spawn_start, start, wait_for
 
 KL_ROLLBACK = {"rules": [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]}
 
@@ -38,10 +38,14 @@ def test_a_crash_drill_fires_after_a_step_that_failed_a_policy_and_the_resume_do
 def test_a_sleep_drill_killed_before_any_snapshot_of_its_step_does_not_sleep_again_on_resume(tmp_path):
     run = tmp_path / "run"
     proc = spawn_start(run, *SMALL, config={"faults": "sleep@3=120"}, steps=4, every=2)
-    wait_for(lambda: has_step(run, 3)() and ("sleep@3=120", 3) in drills_fired(run), proc, timeout=60)
+
+    def sleeping() -> bool:  # (the drill is recorded, then waits for the snapshot of step 2, then sleeps)
+        return has_step(run, 3)() and ("sleep@3=120", 3) in drills_fired(run) and settled_before(run, 3)
+
+    wait_for(sleeping, proc, timeout=60)
     proc.send_signal(signal.SIGKILL)  # in the drill's sleep: the event log is the only record that it fired
     proc.wait()
-    r = run_cli("resume", str(run), timeout=90)  # the drill fired again, it would sleep 120 s
+    r = run_cli("resume", str(run), timeout=90)  # (were the drill armed again, it would sleep 120 s)
     assert r.returncode == 0, r.stderr
     assert "continuing from step 2" in r.stderr
     assert [row["step"] for row in metrics_of(run)] == [1, 2, 3, 4]
