@@ -548,7 +548,7 @@ def _rows(n: int) -> list[dict]:
         if step in (30, 31, 60, 61, 62):
             row["actor/ppo_kl"] = 0.3
         if step in (45, 90):
-            row["actor/grad_norm"] = 40.0
+            row["actor/grad_norm"] = 400.0
         if step == 70:
             row["actor/pg_loss"] = "NaN"
         rows.append(row)
