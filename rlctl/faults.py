@@ -151,8 +151,16 @@ def _armed(name: str, step: int) -> Fault | None:
     return next((f for f in active() if f.name == name and f.step == step and f not in _fired), None)
 
 
+def _due(name: str, step: int) -> Fault | None:
+    """A drill ``name`` to act after ``step``: one armed for it that has not fired, else one of every step."""
+    return _armed(name, step) or next((f for f in active() if f.name == name and f.step is None), None)
+
+
 def _fire(drill: Fault) -> None:
-    """Mark ``drill`` fired and record it (before it acts: a kill in its effect must not re-arm it)."""
+    """Mark a drill at a step fired and record it (before it acts: a kill in its effect must not re-arm
+    it); a drill of every step (no @step) is a condition, never recorded."""
+    if drill.step is None:
+        return
     _fired.add(drill)
     if _emit is not None:
         source = CONFIG if drill in _configured else ENVIRONMENT
@@ -167,18 +175,18 @@ def while_building() -> None:
 
 
 def after_step(step: int, rank: int, stopped: Callable[[], bool], settle: Callable[[int], None] | None = None) -> None:
-    """The drills that act after step ``step`` ran, whatever its verdict (once each): ``sleep@N=S``
-    pauses S seconds (1 by default), cut short when ``stopped()`` (signal handlers do not end
-    time.sleep), once ``settle(N)`` has returned (the snapshots of earlier steps are committed);
-    ``crash@N=R`` raises on rank R (0)."""
-    if (pause := _armed("sleep", step)) is not None:
+    """The drills that act after step ``step`` ran, whatever its verdict (once each; without @N after
+    every step): ``sleep@N=S`` pauses S seconds (1 by default), cut short when ``stopped()`` (signal
+    handlers do not end time.sleep), once ``settle(N)`` has returned (the snapshots of earlier steps are
+    committed); ``crash@N=R`` raises on rank R (0)."""
+    if (pause := _due("sleep", step)) is not None:
         _fire(pause)
         if settle is not None:
             settle(step)
         deadline = time.monotonic() + float(pause.value or 1)
         while not stopped() and time.monotonic() < deadline:
             time.sleep(0.05)
-    if (crash := _armed("crash", step)) is not None:
+    if (crash := _due("crash", step)) is not None:
         _fire(crash)
         if int(crash.value or 0) == rank:
             raise RuntimeError(f"fault drill: rank {rank} crashed after step {step}")

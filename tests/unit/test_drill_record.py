@@ -2,6 +2,8 @@
 and the run config's drills that events.jsonl says fired are not armed again; RLCTL_FAULTS's are the
 process's."""
 
+import time
+
 import pytest
 
 from rlctl import events, faults
@@ -45,6 +47,14 @@ def test_a_crash_drill_raises_once_on_its_rank_and_every_rank_records_it_fired(f
     faults.after_step(3, 0, lambda: False)  # rank 0 of a drill for rank 1: fired, no crash
     faults.after_step(3, 0, lambda: False)
     assert [e["drill"] for e in fired] == ["crash@3"]
+
+
+def test_a_sleep_drill_without_a_step_acts_after_every_step_and_is_never_recorded(fired):
+    faults.configure("sleep=0.1", emit=fired.append)
+    t0 = time.monotonic()
+    for step in (1, 2, 2):
+        faults.after_step(step, 0, lambda: False)
+    assert time.monotonic() - t0 >= 0.3 and fired == []
 
 
 def test_two_drills_of_one_name_at_one_step_both_fire(fired):
