@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, metrics_of, run_cli, start
+from helpers import SMALL, events_of, invoke, metrics_of, run_cli, start
 
 RAN_UNDER = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]
 WATCH = [
@@ -50,11 +50,11 @@ def test_the_run_has_a_rollback_and_a_resume(turned):
 )
 def test_check_and_replay_agree_on_the_last_firing(turned, tmp_path, rules, last):
     policy = policy_file(tmp_path, "p", rules)
-    replayed = run_cli("policy", "replay", str(turned), "--policy", policy, "--format", "json")
+    replayed = invoke("policy", "replay", str(turned), "--policy", policy, "--format", "json")
     assert replayed.returncode == 0, replayed.stderr
     firings = json.loads(replayed.stdout)
     assert (firings[-1]["rule"], firings[-1]["step"], firings[-1]["turned_away"]) == last
-    check = run_cli("inspect", str(turned), "--check", "--policy", policy)
+    check = invoke("inspect", str(turned), "--check", "--policy", policy)
     assert check.returncode == 41, check.stdout + check.stderr  # a warning
     assert check.stdout.strip() == (
         f"WARNING {turned} at step 6/6: rule '{firings[-1]['rule']}' fired at step {firings[-1]['step']}"

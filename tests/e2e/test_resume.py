@@ -2,9 +2,11 @@
 real signals. Faults come from RLCTL_FAULTS (rlctl/faults.py)."""
 
 import json
+import shutil
 import signal
 
 import orjson
+import pytest
 
 from rlctl.errors import ExitCode
 
@@ -27,14 +29,14 @@ from helpers import (
 
 
 def test_sigkill_and_resume_is_exact(tmp_path):
-    """An uninterrupted run and one killed with SIGKILL after step 7 (last snapshot: 6) and resumed end
+    """An uninterrupted run and one killed with SIGKILL after step 4 (last snapshot: 3) and resumed end
     with bit-identical weights and identical per-step metrics. ZeRO-3, whose parameters are partitioned;
     ZeRO-2 resumes exactly in test_run_and_snapshots_on_s3 and after SIGKILL with two ranks (test_multirank.py),
     and is exported bit for bit in test_resume_set_only_safe_keys_and_lr_change_is_applied."""
     common = [
         *SMALL,
         "--set",
-        "trainer.total_steps=12",
+        "trainer.total_steps=6",
         "--set",
         "checkpoint.every=3",
         "--set",
@@ -44,16 +46,16 @@ def test_sigkill_and_resume_is_exact(tmp_path):
     assert start(ref, *common).returncode == 0
 
     run = tmp_path / "killed"
-    r = kill_and_resume(run, common, 7)
-    assert "continuing from step 6" in r.stderr
+    r = kill_and_resume(run, common, 4)
+    assert "continuing from step 3" in r.stderr
 
     assert completed_hash(run) == completed_hash(ref)
     assert stable(metrics_of(run)) == stable(metrics_of(ref))
     abandoned = metrics_of(run, "metrics.abandoned.jsonl")
-    assert [row["step"] for row in abandoned] == [7]
-    assert abandoned[0]["abandoned"]["event"] == "resume" and abandoned[0]["abandoned"]["from_step"] == 6
+    assert [row["step"] for row in abandoned] == [4]
+    assert abandoned[0]["abandoned"]["event"] == "resume" and abandoned[0]["abandoned"]["from_step"] == 3
     resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
-    assert resume["step"] == 6 and resume["snapshot"] == "step-000006" and resume["abandoned_metric_rows"] == 1
+    assert resume["step"] == 3 and resume["snapshot"] == "step-000003" and resume["abandoned_metric_rows"] == 1
 
     # export consolidates ZeRO-3's partitioned weights into a Hugging Face directory, bit for bit
     out = tmp_path / "hf"
@@ -62,11 +64,19 @@ def test_sigkill_and_resume_is_exact(tmp_path):
     assert hf_weights_sha256(out) == completed_hash(ref)
 
 
-def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
+def test_a_live_run_holds_its_lease_and_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
+    """While a run lives (the commit of its step-6 snapshot held by a drill), a second writer is refused
+    (exit 10, naming the owner's pid). SIGKILL then leaves step 6 written but never committed: it is
+    listed as unusable; a resume on the same host takes the dead owner's lease over without --force,
+    removes the uncommitted directory (never loads it), continues from step 3, commits step 6 anew and
+    leaves no lease behind."""
     run = tmp_path / "run"
     proc = spawn_start(run, *SMALL, steps=9, every=3, faults="commit_delay@6=120")
     step6 = run / "checkpoints" / "step-000006"
     wait_for(lambda: (step6 / "state.pt").exists(), proc)
+    r = run_cli("resume", str(run))
+    assert r.returncode == ExitCode.LEASE_HELD == 10
+    assert "is being written by" in r.stderr and f"pid {proc.pid}" in r.stderr
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (step6 / "manifest.json").exists()
@@ -75,20 +85,23 @@ def test_sigkill_during_commit_leaves_no_partial_snapshot(tmp_path):
     assert [(c["step"], c["committed"], c["usable"]) for c in listed] == [(3, True, True), (6, False, False)]
     assert "no manifest" in listed[1]["problem"]
 
-    r = run_cli("resume", str(run))
+    r = run_cli("resume", str(run))  # same host, owner gone: taken over without --force
     assert r.returncode == 0, r.stderr
     assert "continuing from step 3" in r.stderr
     events = events_of(run)
     assert {"event": "uncommitted_removed", "steps": [6]}.items() <= [
         e for e in events if e["event"] == "uncommitted_removed"
     ][0].items()
+    taken = [e for e in events if e["event"] == "lease_taken_over"]
+    assert taken and taken[0]["previous"]["pid"] == proc.pid
     assert [r["step"] for r in metrics_of(run)] == list(range(1, 10))
     assert (step6 / "manifest.json").exists()  # re-made, committed, by the resumed run
+    assert not (run / "lease.json").exists()
 
 
 def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=8, faults="sleep@4=120")
+    proc = spawn_start(run, *SMALL, steps=6, faults="sleep@4=120")
     wait_for(has_step(run, 4), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -100,34 +113,32 @@ def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
 
     r = run_cli("resume", str(run), "--from", "latest")
     assert r.returncode == 0, r.stderr
-    assert [row["step"] for row in metrics_of(run)] == list(range(1, 9))
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, 7))
     assert not (run / "metrics.abandoned.jsonl").exists()  # nothing was after the snapshot
     # idempotent: resuming a complete run is a no-op that succeeds
     r = run_cli("resume", str(run), "--from", "latest")
     assert r.returncode == 0 and "already complete" in r.stderr
-    assert len(metrics_of(run)) == 8
+    assert len(metrics_of(run)) == 6
 
 
-def test_lease_refuses_second_writer_and_dead_owner_is_taken_over(tmp_path):
-    run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=4, every=2, faults="sleep@2=120")
-    wait_for(lambda: (run / "checkpoints" / "step-000002" / "manifest.json").exists(), proc)
-    r = run_cli("resume", str(run))
-    assert r.returncode == ExitCode.LEASE_HELD == 10
-    assert "is being written by" in r.stderr and f"pid {proc.pid}" in r.stderr
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    r = run_cli("resume", str(run))  # same host, owner gone: taken over without --force
-    assert r.returncode == 0, r.stderr
-    taken = [e for e in events_of(run) if e["event"] == "lease_taken_over"]
-    assert taken and taken[0]["previous"]["pid"] == proc.pid
-    assert not (run / "lease.json").exists()
-
-
-def test_corrupt_and_missing_snapshots(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """An uninterrupted 6-step run with a snapshot every 2 steps; each test that changes it works on a copy."""
+    run = tmp_path_factory.mktemp("finished") / "run"
     r = start(run, *SMALL, steps=6, every=2)
     assert r.returncode == 0, r.stderr
+    return run
+
+
+def copy_of(run, tmp_path):
+    """A copy of the finished run ``run`` (a run directory is self-contained: test_copied_run.py)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_corrupt_and_missing_snapshots(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
     blob = run / "checkpoints" / "step-000006" / "state.pt"
     data = bytearray(blob.read_bytes())
     data[-20] ^= 0xFF
@@ -157,16 +168,14 @@ def test_corrupt_and_missing_snapshots(tmp_path):
     assert resume["changes"] == {"trainer.total_steps": {"from": 6, "to": 8}}
 
 
-def test_resume_set_only_safe_keys_and_lr_change_is_applied(tmp_path):
-    run = tmp_path / "run"
-    r = start(run, *SMALL, steps=2, every=2)
-    assert r.returncode == 0
+def test_resume_set_only_safe_keys_and_lr_change_is_applied(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
     r = run_cli("resume", str(run), "--set", "model.builtin.num_layers=4")
     assert r.returncode == ExitCode.CONFIG and "'model.builtin.num_layers' cannot change on resume" in r.stderr
-    r = run_cli("resume", str(run), "--set", "trainer.total_steps=4", "--set", "actor.lr=5e-4")
+    r = run_cli("resume", str(run), "--set", "trainer.total_steps=8", "--set", "actor.lr=5e-4")
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
-    assert [row["actor/lr"] for row in rows] == [2e-3, 2e-3, 5e-4, 5e-4]  # the demo's lr, then the new one
+    assert [row["actor/lr"] for row in rows] == [2e-3] * 6 + [5e-4] * 2  # the demo's lr, then the new one
     assert "lr: 0.0005" in (run / "config.yaml").read_text()
 
     # export consolidates ZeRO-2's weights (the default stage) into a Hugging Face directory, bit for bit
