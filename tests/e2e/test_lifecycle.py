@@ -4,6 +4,7 @@ trained run again into its directory, exit codes for a bad --from and for a run 
 a failed snapshot said at once and seen by `inspect --check`."""
 
 import os
+import shutil
 import signal
 import socket
 import time
@@ -62,20 +63,36 @@ def test_sigterm_in_the_first_instant_is_exit_75_and_leaves_nothing(tmp_path):
     assert "Traceback" not in err and not (run / "config.yaml").exists()
 
 
-def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tmp_path):
-    """The run directory exists (the trainer is being built): exit 75, a `preempted` event, --check
-    says preempted; resume starts the run over (it never trained) and completes."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def preempted_while_building(tmp_path_factory):
+    """A start stopped by SIGTERM while the model is built: its run directory exists, with no step and
+    no snapshot (the exit code and stderr with it). Tests that change it work on copies."""
+    run = tmp_path_factory.mktemp("preempted") / "run"
     proc = spawn_start(run, *SMALL, faults="build_delay=60", steps=2)  # a window to stop it
     code, err = stop_when(proc, lambda: "start" in kinds(run))  # (config.yaml comes just before the event)
+    return run, code, err
+
+
+def copy_of(run, tmp_path):
+    """A copy of the run directory ``run`` (self-contained: test_copied_run.py)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(preempted_while_building, tmp_path):
+    """The run directory exists (the trainer is being built): exit 75, a `preempted` event, --check
+    says preempted; resume starts the run over (it never trained) and completes."""
+    preempted, code, err = preempted_while_building
     assert code == 75, err
     assert "stopped by SIGTERM before training began; no snapshot yet; resume will start over" in err
-    assert f"rlctl resume {run} --from latest" in err and "Traceback" not in err
-    assert kinds(run) == ["start", "preempted"]
-    assert {"signal": "SIGTERM", "step": 0, "snapshot": None}.items() <= events_of(run)[-1].items()
-    code, line = check(run)
+    assert f"rlctl resume {preempted} --from latest" in err and "Traceback" not in err
+    assert kinds(preempted) == ["start", "preempted"]
+    assert {"signal": "SIGTERM", "step": 0, "snapshot": None}.items() <= events_of(preempted)[-1].items()
+    code, line = check(preempted)
     assert code == CHECK_CODES["preempted"] == 45 and line.startswith("PREEMPTED") and "step 0/2" in line
 
+    run = copy_of(preempted, tmp_path)
     r = run_cli("resume", str(run))
     assert r.returncode == 0, r.stderr
     assert "the run never trained a step; starting it over" in r.stderr
@@ -84,17 +101,17 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(tm
     assert check(run)[0] == 0
 
 
-def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(tmp_path):
+def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempted_while_building, tmp_path):
     run = tmp_path / "run"
     # a mistake found before any work: nothing is created, so the fixed command just runs
     r = start(run, *SMALL, "--set", "reward.function=no_such_module:fn", steps=2)
     assert r.returncode == ExitCode.CONFIG and not run.exists(), r.stderr
     assert "cannot import module 'no_such_module'" in r.stderr and "Traceback" not in r.stderr
 
-    # preempted while starting: the directory exists, with no step and no snapshot
-    proc = spawn_start(run, *SMALL, steps=2)
-    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    # preempted while starting (exit 75): the directory exists, with no step and no snapshot
+    preempted, code, err = preempted_while_building
     assert code == 75, err
+    run = copy_of(preempted, tmp_path)
     r = start(run, *SMALL, "--set", "seed=7", steps=2)
     assert r.returncode == 0, r.stderr
     assert f"reusing {run}: its earlier start never trained a step" in r.stderr
