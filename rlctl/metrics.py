@@ -9,7 +9,7 @@ on a line of its own.
 
 On a local disk every row is appended and flushed as it is written. Object stores cannot append, so
 there rows are buffered and the file is rewritten at most every ``flush_interval`` seconds, before every
-snapshot and at exit.
+snapshot and at exit, each time behind the run's fence.
 """
 
 from __future__ import annotations
@@ -128,8 +128,11 @@ class EventSink(Protocol):
 
 class JsonlLog:
     """Appends rows to a JSONL file on a Storage. Thread-safe; ``tell()`` is the logical end offset.
-    ``fence`` (the lease's check) is called before every row: it raises once this process may no
-    longer write the run."""
+    ``fence`` (the lease's check) is called before every row and every flush of buffered rows: it
+    raises once this process may no longer write the run (a lost lease; a storage outage longer than
+    the retry budget, whichever writer met it). A flush that fails keeps its rows buffered; its
+    retries share the process's outage clock (``rlctl.storage.failures``), so a flush on the way out
+    of a run that an outage ended does not wait a budget of its own."""
 
     def __init__(self, storage: Storage, rel: str, flush_interval: float = 10.0, fence=None):
         self.storage, self.rel = storage, rel
@@ -182,6 +185,8 @@ class JsonlLog:
 
     def _flush_locked(self) -> None:
         if self._buffer:
+            if self.fence is not None:
+                self.fence()  # (a flush on the way out too: never after the lease is lost or the budget spent)
             self.storage.append_bytes(self.rel, b"".join(self._buffer))
             self._buffer.clear()
         self._last_flush = time.monotonic()

@@ -61,6 +61,7 @@ from rlctl.checkpoint.writer import NoSharedMemory, pickle_job, writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
 from rlctl.storage import Storage
+from rlctl.storage.failures import note_outage
 
 
 @dataclass
@@ -280,6 +281,7 @@ class SnapshotManager:
                     return False
             self.storage.write_bytes(f"{name}/{MANIFEST}", data, exclusive=True)
         except Exception as exc:
+            note_outage(exc)  # the writer process's outage is this process's too: its budget is spent
             self._failed(job.step, exc, job.stage)
             return False
         finally:

@@ -10,8 +10,12 @@ host, or a lease.json that is not a lease record, is taken over only with ``--fo
 
 Fencing: the heartbeat thread survives any error and keeps trying each beat. The lease is lost when
 lease.json names another owner, or when no renewal succeeded for longer than the timeout (another host
-may then take the run over); ``Lease.check()`` raises LeaseError from then on, so the writer stops
-before its next write.
+may then take the run over); ``Lease.check()`` raises from then on, so the writer stops before its next
+write: LeaseError (exit 10) when lease.json was read and names another writer, or was removed, or no
+renewal was even tried; StorageError (exit 12) when the renewals failed because the storage did (an
+outage, not a takeover). ``check()`` also raises StorageError once any store this process writes to has
+been failing for longer than the run's retry budget (``rlctl.storage.failures.OUTAGES``: one deadline
+for the heartbeat, the metrics and events, and the snapshot commits alike).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import orjson
 from rlctl.errors import LeaseError, StorageError
 from rlctl.numbers import is_number
 from rlctl.storage import Storage, describe
+from rlctl.storage.failures import OUTAGES
 
 LEASE_FILE = "lease.json"
 BEAT_DIR = ".lease"
@@ -133,7 +138,9 @@ class Lease:
         self._renewed: float | None = None  # monotonic start of the last renewal that succeeded
         self.taken_over: dict[str, Any] | None = None  # the stale lease this one replaced
         self.lost_reason: str | None = None
+        self.lost_to_storage = False  # lost because renewals failed with the storage, not to another writer
         self.last_error: str | None = None  # of the last beat that failed, until one succeeds
+        self._storage_failing = False  # the last beat failed with a storage error
 
     def _record(self) -> bytes:
         return orjson.dumps(
@@ -156,6 +163,7 @@ class Lease:
         else:
             raise LeaseError(f"another process took the lease of {self.storage.url} at the same moment")
         self._renewed = started
+        OUTAGES.clear()  # the run's outages count from here (none seen before the lease is the run's)
         self._thread = threading.Thread(target=self._beat, name="rlctl-lease", daemon=True)
         self._thread.start()
         return self
@@ -200,18 +208,32 @@ class Lease:
         return self._thread is not None and not self._stop.is_set() and not self.lost
 
     def check(self) -> None:
-        """Raise LeaseError once the lease is lost: call it right before a write that must be fenced."""
+        """Raise once this process may no longer write the run: call it right before a write that must be
+        fenced. LeaseError when the lease is lost to another writer; StorageError when its renewals
+        failed with the storage for the lease timeout, or a store of this process has been failing for
+        the retry budget."""
         self._expire()
         if self.lost_reason is not None:
-            raise LeaseError(
-                f"lost the lease of {self.storage.url}: {self.lost_reason}; stopped before writing; "
-                "another writer may own the run"
-            )
+            raise self._lost_error()
+        outage = OUTAGES.overdue(self.storage.retry_timeout)
+        if outage is not None:
+            raise outage.error(self.storage.retry_timeout, "the retry budget (checkpoint.retry_timeout)")
 
-    def _mark_lost(self, reason: str) -> None:
+    def _lost_error(self) -> LeaseError | StorageError:
+        if self.lost_to_storage:
+            return StorageError(
+                f"cannot renew the lease of {self.storage.url}: {self.lost_reason}; stopped before writing "
+                "(the storage failed, no other writer was seen: resume the run once it is back)"
+            )
+        return LeaseError(
+            f"lost the lease of {self.storage.url}: {self.lost_reason}; stopped before writing; "
+            "another writer may own the run"
+        )
+
+    def _mark_lost(self, reason: str, to_storage: bool = False) -> None:
         with self._lock:
             if self.lost_reason is None:
-                self.lost_reason = reason
+                self.lost_reason, self.lost_to_storage = reason, to_storage
 
     def _expire(self) -> None:
         """Mark the lease lost when no renewal succeeded within the timeout (measured from the start of
@@ -221,7 +243,8 @@ class Lease:
         age = time.monotonic() - self._renewed
         if age > self.timeout:
             error = f" (last error: {self.last_error})" if self.last_error else ""
-            self._mark_lost(f"no heartbeat succeeded for {age:.0f} s, more than the {self.timeout:g} s timeout{error}")
+            reason = f"no heartbeat succeeded for {age:.0f} s, more than the {self.timeout:g} s timeout{error}"
+            self._mark_lost(reason, to_storage=self._storage_failing)
 
     def _beat(self) -> None:
         """Renew every interval until stopped or lost; survive every error and try again next beat."""
@@ -229,8 +252,10 @@ class Lease:
         while not self._stop.wait(self.interval) and not self.lost:
             try:
                 self._renew(storage)
-            except Exception as exc:  # StorageError or anything else: the thread must not die
-                self.last_error = exc.message if isinstance(exc, StorageError) else describe(exc)
+            except StorageError as exc:  # an outage (or a refusal): said as the storage's, never a takeover
+                self.last_error, self._storage_failing = exc.message, True
+            except Exception as exc:  # anything else: the thread must not die
+                self.last_error, self._storage_failing = describe(exc), False
             self._expire()
 
     def _renew(self, storage: Storage) -> None:
@@ -244,7 +269,7 @@ class Lease:
             return  # a beat after the timeout would revive a lease another host may judge stale
         storage.write_bytes(beat_file(self.owner), self._record())
         self._renewed = started
-        self.last_error = None
+        self.last_error, self._storage_failing = None, False
 
     # -- release ----------------------------------------------------------------------------------
     def release(self) -> None:
@@ -272,12 +297,16 @@ class Lease:
 
 def owner_fence(run: Storage, owner: str) -> Callable[[], None]:
     """A fence for a rank that does not hold the lease itself: it raises LeaseError once the run's lease
-    is no longer ``owner``'s (taken over, or gone)."""
+    is no longer ``owner``'s (taken over, or gone), and StorageError once a store of this process has
+    been failing for the run's retry budget."""
 
     def check() -> None:
         held = read_lease(run)
         if held is None or held.get("owner") != owner:
             now = "it is gone" if held is None else f"it is now held by {held.get('host')} pid {held.get('pid')}"
             raise LeaseError(f"the driver of run {run.url} lost its lease ({now}); stopping before the next write")
+        outage = OUTAGES.overdue(run.retry_timeout)
+        if outage is not None:
+            raise outage.error(run.retry_timeout, "the retry budget (checkpoint.retry_timeout)")
 
     return check

@@ -1,12 +1,23 @@
-"""What a storage failure is: transient (worth retrying) or permanent, the cause in a few words, and
-the retry loop that turns any backend's failure into one ``StorageError`` sentence."""
+"""What a storage failure is: transient (worth retrying) or permanent, the cause in a few words, the
+retry loop that turns any backend's failure into one ``StorageError`` sentence, and the outage clock
+that every writer of the process shares.
+
+An outage starts with the first transient failure of a store (an object store's bucket: scheme and
+host of the URL; local paths have none) and ends with the first answer from it (a success, a missing
+file, a refusal). Every retry loop gives up at the earlier of its own budget and the outage's start plus
+that budget, so writers that meet the same outage one after another (a heartbeat, a metrics flush, a
+snapshot commit, the flushes on the way out) never add up their budgets. ``OUTAGES.overdue(budget)``
+says when one has lasted longer than the run's budget: the run's fence then ends it (exit 12).
+"""
 
 from __future__ import annotations
 
 import errno
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -157,25 +168,147 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
-    """``fn()``; a transient failure is retried with capped exponential backoff (jittered) while
-    ``budget`` seconds last; any other failure, or the last one, becomes a StorageError
+    """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
+    ``budget`` seconds after the earlier of this call's start and its store's outage's (``OUTAGES``,
+    shared by every writer of the process); any other failure, or the last one, becomes a StorageError
     "cannot ACTION URL: cause". ``passthrough`` and StorageError (from a nested call) are raised as they are."""
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         try:
-            return fn()
-        except (StorageError, *passthrough):
+            result = fn()
+        except StorageError:
+            raise
+        except passthrough:
+            OUTAGES.answered(url)  # (a missing file is an answer: the store is there)
             raise
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise  # a bug in rlctl (a TypeError in a storage call...): exit 1 with its traceback
             if not is_transient(exc):
+                if _service_error(exc) is not None:
+                    OUTAGES.answered(url)
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
-            left = start + budget - time.monotonic()
-            if left <= 0:
-                tried = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
-                raise StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}") from exc
-            delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
-            time.sleep(min(delay, left))
+            _wait_or_give_up(action, url, exc, budget, start, attempt)
+        else:
+            OUTAGES.answered(url)
+            return result
+
+
+def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, start: float, attempt: int) -> None:
+    """After a transient failure: sleep the backoff, or raise the StorageError that gives up (its
+    ``outage`` the store's outage, for a process that did not see it)."""
+    outage = OUTAGES.failed(url, f"cannot {action} {url}: {describe(exc)}")
+    began = min(start, outage.since) if outage is not None else start
+    left = began + budget - time.monotonic()
+    if left > 0:
+        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
+        time.sleep(min(delay, left))
+        return
+    tried = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
+    earlier = f", {outage.store} having failed since {outage.began()}" if outage and outage.since < start else ""
+    error = StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}{earlier}")
+    error.outage = outage
+    raise error from exc
+
+
+# -- the outage clock --------------------------------------------------------------------------------
+
+LOCAL_SCHEMES = {"", "file", "local", "memory"}
+
+
+def store_of(url: str) -> str | None:
+    """The store a URL lies in, as the outage clock counts it (``s3://bucket``); None for a local
+    path and memory:// (no service that can go away)."""
+    parts = urlsplit(url)
+    if parts.scheme in LOCAL_SCHEMES or not parts.netloc:
+        return None
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(frozen=True)
+class Outage:
+    """A store that has failed since ``since`` without answering (``time.monotonic``, one clock for
+    every process of the host); ``last``: its latest failure, ``failure``: that failure's sentence."""
+
+    store: str
+    since: float
+    last: float
+    failure: str
+
+    def began(self) -> str:
+        """When it began, on the wall clock (UTC)."""
+        return time.strftime("%H:%M:%SZ", time.gmtime(time.time() - (time.monotonic() - self.since)))
+
+    def error(self, budget: float, budget_name: str = "the retry budget") -> StorageError:
+        """The sentence that ends a run: what failed, since when, and that the budget is spent."""
+        lasted = time.monotonic() - self.since
+        return StorageError(
+            f"storage outage: {self.store} has failed for {lasted:.0f} s since {self.began()}, longer than "
+            f"{budget_name} ({budget:g} s); its last failure: {self.failure}; stopped before the next write, "
+            "resume the run once the storage is back"
+        )
+
+
+class Outages:
+    """This process's open outages, one per store: begun by the first transient failure, ended by the
+    store's first answer. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[str, Outage] = {}
+
+    def failed(self, url: str, failure: str) -> Outage | None:
+        """A transient failure of ``url``: its store's outage, begun now unless one is open (None for a
+        local path)."""
+        store = store_of(url)
+        if store is None:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            known = self._open.get(store)
+            outage = self._open[store] = Outage(store, known.since if known else now, now, failure)
+        return outage
+
+    def answered(self, url: str) -> None:
+        """The store of ``url`` answered: its outage, if any, is over."""
+        store = store_of(url)
+        if store is not None and store in self._open:  # (a cheap look first: this runs on every success)
+            with self._lock:
+                self._open.pop(store, None)
+
+    def note(self, outage: Outage) -> None:
+        """An outage another process saw (the snapshot writer's, carried by its error): this process's
+        writers count from its start too."""
+        with self._lock:
+            known = self._open.get(outage.store)
+            if known is not None:
+                latest = outage if outage.last >= known.last else known
+                outage = replace(latest, since=min(known.since, outage.since))
+            self._open[outage.store] = outage
+
+    def overdue(self, budget: float) -> Outage | None:
+        """The oldest open outage that has lasted ``budget`` seconds or more, or None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [o for o in self._open.values() if now - o.since >= budget]
+        return min(late, key=lambda o: o.since, default=None)
+
+    def clear(self) -> None:
+        """Forget every outage (a run's lease counts from its own start)."""
+        with self._lock:
+            self._open.clear()
+
+
+OUTAGES = Outages()  # the process's
+
+
+def note_outage(exc: BaseException) -> None:
+    """Count the outage an error carries (a StorageError that gave up in another process) as this
+    process's own."""
+    for e in causes(exc):
+        outage = getattr(e, "outage", None)
+        if isinstance(outage, Outage):
+            OUTAGES.note(outage)
+            return
