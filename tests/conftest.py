@@ -45,12 +45,29 @@ def pytest_collection_modifyitems(config, items):
         shared = defs and any(d.scope == "module" for fs in defs.name2fixturedefs.values() for d in fs)
         if shared and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(item.path.relative_to(E2E.parent).as_posix()))
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
+        _name_groups(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _name_groups(items) -> None:
+    """Give each test with an ``xdist_group`` mark the ``@group`` suffix by which pytest-xdist's
+    controller keeps a group on one worker. pytest-xdist 3.8 adds it as ``item._nodeid``, which pytest 9
+    no longer reads (a node's id is ``item._id``): without this, each worker that got a test of a module
+    made the module's shared run again."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+        )
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 @pytest.fixture(scope="session")
