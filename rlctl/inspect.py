@@ -32,10 +32,13 @@ PLOT_METRICS = (
 )
 
 
-def open_run(url: str) -> RunRecord:
+def open_run(url: str, timeout: float | None = None) -> RunRecord:
     """The run as inspect shows it: its config, metric rows and events read at once (a config that
-    cannot be read is a sentence naming it; the lines that cannot be read are its ``warnings()``)."""
-    record = RunRecord(Storage(url))  # (the config is read first: a storage failure is said reading it)
+    cannot be read is a sentence naming it; the lines that cannot be read are its ``warnings()``).
+    ``timeout``: a read-only command's bound on storage that does not answer (``Storage.for_reading``);
+    None: the default retry budget."""
+    run = Storage(url) if timeout is None else Storage.for_reading(url, timeout)
+    record = RunRecord(run)  # (the config is read first: a storage failure is said reading it)
     _ = record.config, record.rows, record.events  # read now: a bad config fails first, warnings come first
     return record
 
@@ -67,6 +70,17 @@ def select(
         keys = [k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     columns = ["step", *[k for k in keys if k != "step"]]
     return columns, [{c: r.get(c) for c in columns} for r in picked]
+
+
+def check_patterns(view: RunRecord, patterns: Sequence[str]) -> None:
+    """A ConfigError naming the first of ``patterns`` (--metrics) that matches no metric key of the run's
+    rows, with the nearest key; a run that wrote no row yet is not checked (it has no keys to match)."""
+    keys = sorted(set().union(*view.rows))
+    for pattern in patterns:
+        if keys and not any(fnmatch.fnmatchcase(k, pattern) for k in keys):
+            from rlctl.yamlsrc import did_you_mean  # (an error's only: pydantic comes with it)
+
+            raise ConfigError(f"--metrics '{pattern}' matches no metric of {view.url}{did_you_mean(pattern, keys)}")
 
 
 # -- health check for cron ----------------------------------------------------------------------------
@@ -158,17 +172,18 @@ def parse_duration(text: str) -> float:
 
 
 # -- runs under a root --------------------------------------------------------------------------------
-def list_runs(root: str, warn=None) -> list[dict[str, Any]]:
+def list_runs(root: str, warn=None, timeout: float | None = None) -> list[dict[str, Any]]:
     """The runs directly under ``root`` with their status; a run whose config cannot be read is listed
-    as ``unreadable``. ``warn`` receives one sentence per unreadable run or file."""
-    base = Storage(root)
+    as ``unreadable``. ``warn`` receives one sentence per unreadable run or file; ``timeout`` as for
+    ``open_run``."""
+    base = Storage(root) if timeout is None else Storage.for_reading(root, timeout)
     warn = warn or (lambda text: None)
     out = []
     for name in base.listdir():
         if not base.exists(name, CONFIG):
             continue
         try:
-            view = open_run(base.url_of(name))
+            view = open_run(base.url_of(name), timeout)
         except ConfigError as exc:
             warn(f"warning: {exc.message}")
             out.append({"run": base.url_of(name), "status": "unreadable", "step": 0, "total_steps": 0, "updated": None})

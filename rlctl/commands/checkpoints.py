@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import format_option
+from rlctl.commands.options import format_option, timeout_option
 from rlctl.commands.render import emit
 
 COLUMNS = ["step", "name", "time", "bytes", "committed", "good", "usable", "problem"]
@@ -14,14 +14,15 @@ COLUMNS = ["step", "name", "time", "bytes", "committed", "good", "usable", "prob
 @click.argument("run_dir")
 @format_option
 @click.option("--verify", is_flag=True, help="Also check every file's sha256 (reads every byte).")
-def checkpoints(run_dir: str, fmt: str, verify: bool) -> None:
+@timeout_option
+def checkpoints(run_dir: str, fmt: str, verify: bool, timeout: float) -> None:
     """List a run's snapshots: step, time, size, committed, good, the validation metric they record
     (checkpoint.keep_best's, else val/score/mean when a snapshot records it), and why one is not usable."""
     from rlctl.rundir.directory import load_run_config
     from rlctl.rundir.snapshots import snapshot_catalog
     from rlctl.storage import Storage
 
-    run = Storage(run_dir)
+    run = Storage.for_reading(run_dir, timeout)
     catalog = snapshot_catalog(run, load_run_config(run))
     infos = catalog.scan(deep=verify)
     metric = catalog.best_rule.metric

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from rlctl.commands.options import timeout_option
 from rlctl.commands.render import FORMATS, cell, emit, emit_document
 from rlctl.errors import ConfigError
 
@@ -44,6 +45,7 @@ from rlctl.errors import ConfigError
     help="--check: also replay the run through this policy file, as `rlctl policy replay` does; "
     "a firing within --window steps is a warning.",
 )
+@timeout_option
 def inspect(
     run_dir,
     patterns,
@@ -59,17 +61,20 @@ def inspect(
     window,
     stale_after,
     policy_file,
+    timeout,
 ):
     """Show a run: a summary by default; metric rows with --metrics/--last/--since-step/--until-step/
     --every; --events; --follow; --plot FILE.png; --check for cron. Data goes to stdout only."""
     from rlctl import inspect as lib
 
-    view = lib.open_run(run_dir)
+    view = lib.open_run(run_dir, timeout)
     for warning in view.warnings():
         click.echo(warning, err=True)
     globs = [p.strip() for p in (patterns or "").split(",") if p.strip()]
     if check:
         check_run(view, window, stale_after, policy_file)
+    if globs and not follow:
+        lib.check_patterns(view, globs)
     if plot_path:
         drawn = lib.plot(view, globs and lib.select(view.rows, globs)[0][1:], plot_path)
         click.echo(f"drew {', '.join(drawn)}", err=True)
@@ -79,7 +84,7 @@ def inspect(
         emit(["time", "event", "step", "details"], [event_row(e) for e in view.events], fmt)
         return
     if follow:
-        follow_rows(run_dir, globs, fmt)
+        follow_rows(run_dir, globs, fmt, timeout)
         return
     if globs or last is not None or since is not None or until is not None or every:
         columns, rows = lib.select(view.rows, globs, last=last, since=since, until=until, every=every)
@@ -143,14 +148,15 @@ def _opt(step: int | None) -> str:
     return "none" if step is None else f"step {step}"
 
 
-def follow_rows(run_dir: str, globs: list[str], fmt: str, interval: float = 1.0) -> None:
-    """Print rows as they arrive; return when the run is no longer running and nothing new came."""
+def follow_rows(run_dir: str, globs: list[str], fmt: str, timeout: float, interval: float = 1.0) -> None:
+    """Print rows as they arrive; return when the run is no longer running and nothing new came (each
+    reading gives up on storage that does not answer after ``timeout`` seconds)."""
     from rlctl import inspect as lib
 
     printed, header = 0, True
     columns: list[str] | None = None
     while True:
-        view = lib.open_run(run_dir)
+        view = lib.open_run(run_dir, timeout)
         fresh = [r for r in view.rows if r.get("step", 0) > printed]
         if fresh:
             cols, rows = lib.select(fresh, globs)

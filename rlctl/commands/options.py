@@ -35,3 +35,18 @@ def step_spec(_ctx, _param, value: str) -> str:
     except SnapshotError:
         raise click.BadParameter(f"expected {SPEC_WORDS}; got {value!r}") from None
     return value
+
+
+READ_TIMEOUT = 10.0  # seconds: a read-only command's default --timeout
+
+timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=READ_TIMEOUT,
+    show_default=True,
+    envvar="RLCTL_RETRY_TIMEOUT",  # (rlctl.storage.RETRY_TIMEOUT_ENV, not imported: --help stays light)
+    show_envvar=True,
+    metavar="SECONDS",
+    help="Give up on storage that does not answer after about this long (exit 12): the retries of a failing "
+    "read, and each object-store request's connect and read. Training keeps checkpoint.retry_timeout.",
+)

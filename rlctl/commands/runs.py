@@ -6,7 +6,7 @@ import time
 
 import click
 
-from rlctl.commands.options import format_option
+from rlctl.commands.options import format_option, timeout_option
 from rlctl.commands.render import emit
 
 COLUMNS = ["run", "status", "step", "total_steps", "updated"]
@@ -15,11 +15,12 @@ COLUMNS = ["run", "status", "step", "total_steps", "updated"]
 @click.command("runs")
 @click.argument("root", default="runs")
 @format_option
-def runs(root: str, fmt: str) -> None:
+@timeout_option
+def runs(root: str, fmt: str, timeout: float) -> None:
     """List the runs under ROOT (a path or fsspec URL; default: runs) with their status."""
     from rlctl.inspect import list_runs
 
-    rows = list_runs(root, warn=lambda text: click.echo(text, err=True))
+    rows = list_runs(root, warn=lambda text: click.echo(text, err=True), timeout=timeout)
     if fmt != "table":
         emit(COLUMNS, rows, fmt)
         return

@@ -14,7 +14,10 @@ Grammar, loosest first::
     atom       := NUMBER | METRIC | ('abs' | 'min' | 'max') '(' sum (',' sum)* ')' | '(' expr ')'
 
 A metric is a run of ``[A-Za-z0-9_./@:-]`` starting with a letter, so ``/`` and ``-`` between two metrics
-need spaces (``a / b``; ``a/b`` is one metric). Numbers: ``10``, ``0.5``, ``.5``, ``1e-3``.
+need spaces (``a / b``; ``a/b`` is one metric). Numbers: ``10``, ``0.5``, ``.5``, ``1e-3``. Every number
+is finite: ``nan``, ``inf`` and ``infinity`` (any case) are neither metrics nor numbers, and a part without
+metrics that comes to NaN or an infinity (``1 / 0``, ``1e308 * 10``) is an error where it starts; a limit
+that could never be crossed would make a rule that never fires (NaN and Inf are the nonfinite trigger's).
 
 Mistakes are ValueErrors naming the column, with the text and a caret under the spot; so is nesting
 deeper than MAX_DEPTH (64) levels of parentheses, calls, ``not``, ``-`` or operators (the parser and the
@@ -34,6 +37,8 @@ from rlctl.policies.expr import COMPARISONS, FUNCTIONS, Binary, Call, Expression
 from rlctl.yamlsrc import did_you_mean
 
 KEYWORDS = ("and", "or", "not")
+NONFINITE_WORDS = ("nan", "inf", "infinity")  # in any case: what a person writes for NaN and Inf
+NOT_FINITE = "a limit must be a finite number (a NaN or Inf metric is what a rule of kind: nonfinite watches)"
 MAX_DEPTH = 64  # levels of parentheses, calls, 'not', '-' and operators: deeper would exhaust Python's stack
 TOO_DEEP = f"expression nested too deeply (more than {MAX_DEPTH} levels of parentheses, calls, 'not', '-' or operators)"
 
@@ -123,9 +128,12 @@ class _Parser:
             self.depth -= 1
 
     def built(self, node: Node, col: int) -> Node:
-        """``node``, made by the operator at ``col``, unless its tree is deeper than MAX_DEPTH."""
+        """``node``, made by the operator at ``col``, unless its tree is deeper than MAX_DEPTH, or it is
+        a number without metrics that is NaN or an infinity (``1 / 0``)."""
         if node.height > MAX_DEPTH:
             self.fail(col, TOO_DEEP)
+        if not node.boolean and not node.metrics() and not math.isfinite(node.evaluate({})):  # type: ignore[arg-type]
+            self.fail(node.col, f"'{node.describe()}' comes to {node.evaluate({})}; {NOT_FINITE}")
         return node
 
     @property
@@ -223,6 +231,8 @@ class _Parser:
             if math.isinf(value):
                 self.fail(token.col, f"{token.text} is too large a number")
             return Number(token.col, value)
+        if token.kind == "name" and token.text.lower() in NONFINITE_WORDS:
+            self.fail(token.col, f"'{token.text}' is not a metric, and {NOT_FINITE}")
         if token.kind == "name" and token.text not in KEYWORDS:
             self.pos += 1
             if self.token.text == "(":

@@ -58,10 +58,16 @@ class SpikeTrigger(PolicyModel):
         16, ge=2, description="The trigger is not armed until the history holds this many finite values."
     )
     sigma: float | None = Field(
-        None, gt=0, description="Fire when value > mean + sigma x std of the history (OLMo-core uses 6 over 128)."
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Fire when value > mean + sigma x std of the history (OLMo-core uses 6 over 128).",
     )
     factor: float | None = Field(
-        None, ge=1, description="Fire when value > factor x the history's `baseline` (Megatron uses 10)."
+        None,
+        ge=1,
+        allow_inf_nan=False,
+        description="Fire when value > factor x the history's `baseline` (Megatron uses 10).",
     )
     baseline: Literal["median", "max"] = Field(
         "median", description="With `factor`: compare against the history's median or its max."

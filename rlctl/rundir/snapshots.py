@@ -19,11 +19,13 @@ if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run w
 
 
 def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
+    """Where the run's snapshots lie, retried for checkpoint.retry_timeout (a reader's run storage, made
+    ``Storage.for_reading``, lends it its own bounds)."""
     c = cfg.checkpoint
     if c.dir is not None:
-        return Storage(c.dir, c.storage_options, retry_timeout=c.retry_timeout)
+        return run.beside(c.dir, c.storage_options, c.retry_timeout)
     if c.storage_options:
-        return Storage(run.url_of(CHECKPOINTS), c.storage_options, retry_timeout=c.retry_timeout)
+        return run.beside(run.url_of(CHECKPOINTS), c.storage_options, c.retry_timeout)
     return run.child(CHECKPOINTS)
 
 

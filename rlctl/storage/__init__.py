@@ -10,6 +10,12 @@ except absence: FileNotFoundError (on reads) and FileExistsError pass through. T
 up to ``retry_timeout`` seconds; permanent ones (no space, permission denied, 4xx) fail at once. Object
 store clients are set to fail fast so that this budget, not their own retries, governs; and their retry
 jitter draws from a private generator, never from the run's global ``random`` stream.
+
+A read-only command (``inspect``, ``checkpoints``, ``runs``) opens its storage ``Storage.for_reading(url,
+seconds)``: its ``--timeout`` is then both the retry budget and the longest an object-store request may
+wait to connect or for a read, so that an unreachable store answers in about that long; a location
+opened ``beside`` it (the run's checkpoint storage) keeps those bounds. Training keeps its long budget
+(``checkpoint.retry_timeout``), to ride out short outages.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ def _ensure_dir(makedirs: Callable[..., None], path: str) -> None:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from exc
 
 
-def _reopen(url: str, options: dict[str, Any], retry_timeout: float) -> Storage:
-    return Storage(url, options, retry_timeout=retry_timeout)
+def _reopen(url: str, options: dict[str, Any], retry_timeout: float, request_timeout: float | None = None) -> Storage:
+    return Storage(url, options, retry_timeout=retry_timeout, request_timeout=request_timeout)
 
 
 def fsync_path(path: str | os.PathLike[str]) -> None:
@@ -96,23 +102,43 @@ class Storage:
         options: dict[str, Any] | None = None,
         *,
         retry_timeout: float | None = None,
+        request_timeout: float | None = None,
     ):
+        """``retry_timeout``: seconds a transient failure is retried (None: ``default_retry_timeout()``);
+        ``request_timeout``: a reader's bound on each object-store request's connect and read timeouts
+        (``for_reading``)."""
         self.url = str(url).rstrip("/") or "/"
         self.options = dict(options or {})
         self.retry_timeout = default_retry_timeout() if retry_timeout is None else float(retry_timeout)
-        self.fs, self.root = guarded("open", self.url, lambda: open_fs(self.url, dict(options or {})), 0.0)
+        self.request_timeout = request_timeout
+        opened = functools.partial(open_fs, self.url, dict(options or {}), request_timeout)
+        self.fs, self.root = guarded("open", self.url, opened, 0.0)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.is_local = "file" in protocols
         self.in_process = "memory" in protocols  # no other process sees it (memory://)
         if not self.is_local:
             fence_third_party_random()
 
+    @classmethod
+    def for_reading(cls, url: str, seconds: float, options: dict[str, Any] | None = None) -> Storage:
+        """A read-only command's storage (``--timeout``): a store that does not answer is given up on
+        (StorageError) after about ``seconds``: that is the retry budget, and no object-store request
+        waits longer than it to connect or for a read."""
+        return cls(url, options, retry_timeout=seconds, request_timeout=seconds)
+
+    def beside(self, url: str, options: dict[str, Any] | None, retry_timeout: float) -> Storage:
+        """Another location that goes with this one (a run's checkpoint storage): with ``retry_timeout``,
+        or, beside a reader's storage (``for_reading``), with the reader's bounds."""
+        if self.request_timeout is not None:
+            return Storage.for_reading(url, self.request_timeout, options)
+        return Storage(url, options, retry_timeout=retry_timeout)
+
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
     def __reduce__(self):
         # another process (the snapshot writer) opens the same location with the same options
-        return _reopen, (self.url, self.options, self.retry_timeout)
+        return _reopen, (self.url, self.options, self.retry_timeout, self.request_timeout)
 
     def path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts) if parts else self.root
@@ -125,6 +151,7 @@ class Storage:
         sub.url, sub.fs, sub.is_local = self.url_of(*parts), self.fs, self.is_local
         sub.options, sub.in_process = self.options, self.in_process
         sub.root, sub.retry_timeout = self.path(*parts), self.retry_timeout
+        sub.request_timeout = self.request_timeout
         return sub
 
     def with_retry_timeout(self, seconds: float) -> Storage:

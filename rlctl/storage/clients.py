@@ -76,9 +76,10 @@ S3_CLIENT_DEFAULTS = {
 }
 
 
-def _fast_failing(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float | None = None) -> dict[str, Any]:
     """For S3, botocore's timeouts and retries set short (where neither the caller nor fsspec's config
-    chose them), so that a dead endpoint fails in seconds and our retry budget governs."""
+    chose them), so that a dead endpoint fails in seconds and our retry budget governs; a reader's
+    ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them."""
     if protocol not in ("s3", "s3a"):
         return options
     configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
@@ -87,15 +88,19 @@ def _fast_failing(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
         **configured,
         **(options.get("config_kwargs") or {}),
     }
+    if request_timeout:  # (0: a reader that retries nothing; its requests keep their own timeouts)
+        for key in ("connect_timeout", "read_timeout"):
+            chosen[key] = min(float(chosen.get(key) or request_timeout), request_timeout)
     return {
         **options,
         "config_kwargs": copy.deepcopy(chosen),
     }  # botocore writes into the retries dict
 
 
-def open_fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = None) -> tuple[Any, str]:
+    """The filesystem and root path of ``url``; object-store clients set to fail fast (``_fast_failing``)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options))
+    fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
     return fs, root
