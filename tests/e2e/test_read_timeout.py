@@ -96,3 +96,22 @@ def test_a_local_run_whose_snapshot_store_refuses_keeps_the_readers_timeout(refu
         assert result.returncode == 12, (args, result.returncode, result.stderr[-2000:])
         assert result.stderr.startswith(f"Error: cannot list {snaps}: endpoint {refused} unreachable"), result.stderr
         assert seconds < 8, (args, seconds)
+
+
+def test_a_store_that_accepts_and_never_answers_is_given_up_on_within_the_timeout(tmp_path, monkeypatch):
+    """A server that takes connections and never answers: each request's read timeout (60 s for
+    training) is bounded by --timeout as well, not only the retries."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+        silent = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        monkeypatch.setitem(
+            fsspec.config.conf, "s3", {"client_kwargs": {"endpoint_url": silent}, "key": "k", "secret": "s"}
+        )
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        began = time.monotonic()
+        result = invoke("inspect", f"s3://rlctl-silent-{uuid.uuid4().hex[:8]}/run", "--timeout", "2")
+        seconds = time.monotonic() - began
+    assert result.returncode == 12, (result.returncode, result.stderr[-2000:])
+    assert f"endpoint {silent} timed out" in result.stderr, result.stderr
+    assert seconds < 8, seconds
