@@ -62,7 +62,7 @@ DRILLS = {
 
 
 def cell_dir(out: Path, lr: float, seed: int, policy: str | None) -> Path:
-    return out / f"lr{lr:g}-seed{seed}-{policy or 'none'}"
+    return out / f"lr{lr:g}-seed{seed}-{Path(policy).stem if policy else 'none'}"
 
 
 def run_cell(
@@ -163,7 +163,7 @@ def main() -> None:
         run = cell_dir(args.out, lr, seed, policy)
         c = read_cell(run)
         line = (
-            f"{lr:>7g} {seed:>4} {policy or '-':>8} {c['exit']:>4} {c['last_step']:>5} {c['rollbacks']:>6} "
+            f"{lr:>7g} {seed:>4} {Path(policy).stem if policy else '-':>8} {c['exit']:>4} {c['last_step']:>5} {c['rollbacks']:>6} "
             f"{c['adjusts']:>6} {c['final_reward']:>7.3f}"
         )
         if policy is None:  # what the policy (and --compare's) would have done on this run
