@@ -298,7 +298,8 @@ class Lease:
 def owner_fence(run: Storage, owner: str) -> Callable[[], None]:
     """A fence for a rank that does not hold the lease itself: it raises LeaseError once the run's lease
     is no longer ``owner``'s (taken over, or gone), and StorageError once a store of this process has
-    been failing for the run's retry budget."""
+    been failing for the run's retry budget (counted from now: a rank's outages are its run's)."""
+    OUTAGES.clear()
 
     def check() -> None:
         held = read_lease(run)

@@ -2,11 +2,11 @@
 retry loop that turns any backend's failure into one ``StorageError`` sentence, and the outage clock
 that every writer of the process shares.
 
-An outage starts with the first transient failure of a store (an object store's bucket: scheme and
-host of the URL; local paths have none) and ends with the first answer from it (a success, a missing
-file, a refusal). Every retry loop gives up at the earlier of its own budget and the outage's start plus
-that budget, so writers that meet the same outage one after another (a heartbeat, a metrics flush, a
-snapshot commit, the flushes on the way out) never add up their budgets. ``OUTAGES.overdue(budget)``
+An outage of a store (an object store's bucket: scheme and host of the URL; local paths have none)
+begins with the first attempt that fails transiently (at that attempt's start, never before the store
+last answered) and ends with the store's next answer (a success, a missing file, a refusal). Every retry loop gives up once its budget has passed since the outage began, so
+writers that meet the same outage one after another (a heartbeat, a metrics flush, a snapshot commit,
+the flushes on the way out) never add up their budgets. ``OUTAGES.overdue(budget)``
 says when one has lasted longer than the run's budget: the run's fence then ends it (exit 12).
 """
 
@@ -169,13 +169,15 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
     """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
-    ``budget`` seconds after the earlier of this call's start and its store's outage's (``OUTAGES``,
-    shared by every writer of the process); any other failure, or the last one, becomes a StorageError
-    "cannot ACTION URL: cause". ``passthrough`` and StorageError (from a nested call) are raised as they are."""
+    ``budget`` seconds after its store's outage began (``OUTAGES``, one clock for every writer of the
+    process: the first transient failure since the store last answered; on a local path, this call's
+    start); any other failure, or the last one, becomes a StorageError "cannot ACTION URL: cause".
+    ``passthrough`` and StorageError (from a nested call) are raised as they are."""
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
+        tried = time.monotonic()
         try:
             result = fn()
         except StorageError:
@@ -186,29 +188,57 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise  # a bug in rlctl (a TypeError in a storage call...): exit 1 with its traceback
+            disarm_files(exc)
             if not is_transient(exc):
                 if _service_error(exc) is not None:
                     OUTAGES.answered(url)
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
-            _wait_or_give_up(action, url, exc, budget, start, attempt)
+            _wait_or_give_up(action, url, exc, budget, (start, tried), attempt)
         else:
             OUTAGES.answered(url)
             return result
 
 
-def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, start: float, attempt: int) -> None:
-    """After a transient failure: sleep the backoff, or raise the StorageError that gives up (its
-    ``outage`` the store's outage, for a process that did not see it)."""
-    outage = OUTAGES.failed(url, f"cannot {action} {url}: {describe(exc)}")
-    began = min(start, outage.since) if outage is not None else start
-    left = began + budget - time.monotonic()
+WRITE_MODES = {"wb", "ab", "xb"}
+
+
+def disarm_files(exc: BaseException) -> None:
+    """Mark closed the files for writing that a failed attempt left open (fsspec's, found in the frames
+    of its traceback). s3fs's append file fails in its constructor when the store is out, and fsspec's
+    finalizer would commit the half-built file whenever it is collected, from any thread: an empty
+    object over the real one, or, in the filesystem's event loop, a traceback on stderr."""
+    for e in causes(exc):
+        tb = e.__traceback__
+        while tb is not None:
+            for value in list(tb.tb_frame.f_locals.values()):
+                if _open_for_writing(value):
+                    value.closed = True
+            tb = tb.tb_next
+
+
+def _open_for_writing(value: object) -> bool:
+    names = {c.__name__ for c in type(value).__mro__}
+    return (
+        "AbstractBufferedFile" in names
+        and getattr(value, "mode", None) in WRITE_MODES
+        and not getattr(value, "closed", True)
+    )
+
+
+def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times: tuple, attempt: int) -> None:
+    """After a transient failure of the attempt begun at ``times[1]`` of a call begun at ``times[0]``:
+    sleep the backoff, or raise the StorageError that gives up (with ``outage``, the store's outage, for
+    a process that did not see it)."""
+    start, tried = times
+    outage = OUTAGES.failed(url, f"cannot {action} {url}: {describe(exc)}", tried)
+    left = (outage.since if outage is not None else start) + budget - time.monotonic()
     if left > 0:
         delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
         time.sleep(min(delay, left))
         return
-    tried = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
+    count = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
     earlier = f", {outage.store} having failed since {outage.began()}" if outage and outage.since < start else ""
-    error = StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {tried}{earlier}")
+    error = StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {count}{earlier}")
     error.outage = outage
     raise error from exc
 
@@ -251,6 +281,9 @@ class Outage:
         )
 
 
+FORGOTTEN_AFTER = 600.0  # seconds without a failure after which a store's next failure begins a new outage
+
+
 class Outages:
     """This process's open outages, one per store: begun by the first transient failure, ended by the
     store's first answer. Thread-safe."""
@@ -258,23 +291,31 @@ class Outages:
     def __init__(self):
         self._lock = threading.Lock()
         self._open: dict[str, Outage] = {}
+        self._answered: dict[str, float] = {}  # when each store last answered
 
-    def failed(self, url: str, failure: str) -> Outage | None:
-        """A transient failure of ``url``: its store's outage, begun now unless one is open (None for a
-        local path)."""
+    def failed(self, url: str, failure: str, tried: float) -> Outage | None:
+        """A transient failure of ``url`` in an attempt begun at ``tried``: its store's outage (None for a
+        local path), begun then unless one is open, and never before the store's last answer (an
+        attempt that took minutes did not meet an outage that long)."""
         store = store_of(url)
         if store is None:
             return None
-        now = time.monotonic()
+        began = max(tried, self._answered.get(store, tried))
         with self._lock:
             known = self._open.get(store)
-            outage = self._open[store] = Outage(store, known.since if known else now, now, failure)
+            if known is not None and tried - known.last > FORGOTTEN_AFTER:
+                known = None  # met again after a long silence: a new outage (a test's, a notebook's)
+            since = min(known.since, began) if known else began
+            outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
         return outage
 
     def answered(self, url: str) -> None:
         """The store of ``url`` answered: its outage, if any, is over."""
         store = store_of(url)
-        if store is not None and store in self._open:  # (a cheap look first: this runs on every success)
+        if store is None:
+            return
+        self._answered[store] = time.monotonic()
+        if store in self._open:  # (a cheap look first: this runs on every success)
             with self._lock:
                 self._open.pop(store, None)
 
@@ -299,6 +340,7 @@ class Outages:
         """Forget every outage (a run's lease counts from its own start)."""
         with self._lock:
             self._open.clear()
+            self._answered.clear()
 
 
 OUTAGES = Outages()  # the process's

@@ -1,12 +1,19 @@
 """An object store that stalls or goes away, for real: moto's S3 server on loopback, paused with SIGSTOP
 (requests hang) or killed (connections refused). Storage calls retry within their budget and then end
 in one sentence; a short stall is survived (by the calls and by the lease); the run's global random
-stream is never touched; the CLI exits 12 with one line and no traceback."""
+stream is never touched; the CLI exits 12 with one line and no traceback.
+
+A run on S3 whose server is killed at one of several moments (mid-step, mid-commit, during a metrics
+flush, during a heartbeat) ends with exit 12 within ``checkpoint.retry_timeout`` plus a step of the kill,
+whatever was writing then: one outage clock for every writer of the process (rlctl/storage/failures.py),
+a lease whose renewals the storage failed is an outage, not a takeover. The server records every request
+(moto's recorder), so that it can come back with its objects, as a real store would, and the run resume."""
 
 import hashlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -18,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from rlctl.errors import LeaseError, StorageError
+from rlctl.errors import ExitCode, StorageError
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
 from rlctl.storage import Storage
 
-from helpers import run_cli
+from helpers import SMALL, run_cli, spawn_start
 
 BUCKET = "rlctl-outage"
 
@@ -30,18 +37,24 @@ BUCKET = "rlctl-outage"
 class MotoServer:
     """moto_server in its own process, so that it can be paused, resumed and killed."""
 
-    def __init__(self):
-        server_bin = Path(sys.executable).parent / "moto_server"
-        if not server_bin.exists():
+    def __init__(self, recording: Path | None = None):
+        self.bin = Path(sys.executable).parent / "moto_server"
+        if not self.bin.exists():
             pytest.skip("moto[server] is not installed")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        record = {"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": str(recording)} if recording else {}
+        self.env = {**os.environ, **record}
+        self.start()
+
+    def start(self):
         self.proc = subprocess.Popen(
-            [str(server_bin), "-H", "127.0.0.1", "-p", str(self.port)],
+            [str(self.bin), "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self.env,
         )
         deadline = time.time() + 60
         while True:
@@ -53,6 +66,21 @@ class MotoServer:
                     self.stop()
                     raise RuntimeError("moto_server did not start") from None
                 time.sleep(0.1)
+
+    def kill(self) -> float:
+        """Kill the server (connections are refused from now on); the moment it died."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        return time.monotonic()
+
+    def come_back(self):
+        """A new server on the same port with every object the killed one held: its recorded requests
+        replayed (call it once nothing else talks to the server)."""
+        record = Path(self.env["MOTO_RECORDER_FILEPATH"])
+        record.write_text("".join(json.dumps(r) + "\n" for r in _records(record.read_text())))
+        self.start()
+        replay = urllib.request.Request(f"{self.url}/moto-api/recorder/replay-recording", method="POST")
+        urllib.request.urlopen(replay, timeout=120).close()
 
     def options(self, timeout: float = 1.0) -> dict:
         """s3fs options; short botocore timeouts so that a paused server costs a second per attempt."""
@@ -78,6 +106,19 @@ class MotoServer:
         self.resume()
         self.proc.kill()
         self.proc.wait(timeout=30)
+
+
+def _records(text: str) -> list[dict]:
+    """The requests moto's recorder wrote: JSON objects one after another (its threads' lines can run
+    into each other), up to the one the kill cut short (a request the killed server never answered)."""
+    decoder, records, at = json.JSONDecoder(), [], 0
+    while (at := re.compile(r"\s*").match(text, at).end()) < len(text):
+        try:
+            record, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            break
+        records.append(record)
+    return records
 
 
 @pytest.fixture
@@ -121,7 +162,9 @@ def test_a_stall_shorter_than_the_budget_is_survived_and_a_longer_one_is_one_sen
     assert st.read_bytes("metrics.jsonl") == b'{"step": 1}\n'
 
 
-def test_the_lease_survives_a_short_stall_and_is_lost_after_a_long_one(moto):
+def test_the_lease_survives_a_short_stall_and_a_long_one_stops_the_writer_as_an_outage(moto):
+    """Renewals that the storage failed for the lease timeout lose the lease as a storage outage (exit
+    12: requeue and resume), never as a takeover (10 is for a lease.json that names another writer)."""
     st = Storage(f"s3://{BUCKET}/leased", moto.options(timeout=0.5), retry_timeout=5)
     lease = Lease(st, timeout=4.0, heartbeat=0.2).acquire()
     try:
@@ -138,8 +181,11 @@ def test_the_lease_survives_a_short_stall_and_is_lost_after_a_long_one(moto):
 
         moto.pause()
         time.sleep(5.0)
-        with pytest.raises(LeaseError, match=r"lost the lease of .*: no heartbeat succeeded for \d+ s"):
+        with pytest.raises(
+            StorageError, match=r"^cannot renew the lease of .*: no heartbeat succeeded for \d+ s"
+        ) as info:
             lease.check()
+        assert info.value.exit_code == ExitCode.STORAGE and "timed out" in info.value.message
         moto.resume()
         time.sleep(0.5)
         assert not lease.held
@@ -175,33 +221,132 @@ def test_cli_on_a_dead_endpoint_exits_12_with_one_line(moto):
         assert f"endpoint {moto.url} unreachable (EndpointConnectionError); gave up after" in lines[0]
 
 
-def test_a_run_whose_object_store_goes_away_ends_12_and_resumes_with_nothing_lost(moto, tmp_path):
-    """Snapshots on S3; the server is paused after the first commit and stays paused: the later
-    snapshots fail within their budget, the run ends with exit 12 and one sentence (not `completed`);
-    once the store is back, `resume` continues from the committed snapshot to the end."""
-    from helpers import SMALL, events_of, metrics_of, spawn_start, wait_for
+# -- a run on S3 whose server is killed at one moment or another --------------------------------------
 
-    run, url = tmp_path / "run", f"s3://{BUCKET}/snaps"
-    cfg = tmp_path / "cfg.yaml"
-    opts = moto.options()
-    cfg.write_text(json.dumps({"checkpoint": {"dir": url, "storage_options": opts, "every": 1, "retry_timeout": 2}}))
-    total = ["--set", "trainer.total_steps=3"]
-    proc = spawn_start(run, *SMALL, *total, config=cfg, faults="sleep@1=4")
+BUDGET = 6.0  # the runs' checkpoint.retry_timeout
+STEP = 2.0  # one step, with room (the tiny model's take well under a second here)
+SEEN = 1.0  # from the decision to the sentence on stderr
+EXIT = 5.0  # the interpreter's exit after it (its last garbage collection alone takes seconds on 2 cores)
 
-    def committed(step):
-        return lambda: any(e.get("event") == "snapshot_committed" and e.get("step") == step for e in events_of(run))
 
-    wait_for(committed(1), proc)
-    moto.pause()
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 12, err[-3000:]
-    assert "Traceback" not in err and f"s3://{BUCKET}/snaps" in err, err[-3000:]
-    assert "the last committed snapshot is step 1" in err, err[-3000:]
-    assert not [e for e in events_of(run) if e["event"] == "completed"]
-    assert {e["step"] for e in events_of(run) if e["event"] == "snapshot_failed"} >= {3}
+class KilledRun:
+    """``rlctl start`` of a run on the server, its stderr lines timed as they come, and what the test
+    reads of the run on the server to choose the moment of the kill."""
 
-    moto.resume()
-    r = run_cli("resume", str(run))
+    def __init__(self, server: MotoServer, moment: str, tmp_path: Path):
+        import s3fs
+
+        drills, settings, _ = MOMENTS[moment]
+        self.url, self.env = f"s3://{BUCKET}/{moment}", _s3_env(server)
+        self.fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
+        config = tmp_path / "config.yaml"
+        config.write_text(json.dumps({"checkpoint": {"every": 2, "retry_timeout": BUDGET}}))
+        trainer = {"trainer.total_steps": 12, "trainer.lease_heartbeat": 0.5, **settings}
+        sets = [arg for key, value in trainer.items() for arg in ("--set", f"{key}={value}")]
+        self.proc = spawn_start(self.url, *SMALL, *sets, config=config, faults=drills, env=self.env)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_until(self, ready) -> None:
+        waited = time.monotonic()
+        while not ready(self):
+            assert self.proc.poll() is None, "\n".join(line for _, line in self.lines[-40:])
+            assert time.monotonic() - waited < 180, "the moment never came"
+            time.sleep(0.1)
+
+    def end(self) -> tuple[int, list[tuple[float, str]]]:
+        """Its exit code (once it exited) and its stderr lines, timed."""
+        code = self.proc.wait(timeout=180)
+        self._reader.join(timeout=30)
+        return code, self.lines
+
+    def printed(self, text: str) -> bool:
+        return any(line.startswith(text) for _, line in self.lines)
+
+    def rows(self, name: str) -> list[dict]:
+        self.fs.invalidate_cache()
+        try:
+            return [json.loads(line) for line in self.fs.cat(f"{self.url}/{name}").splitlines()]
+        except FileNotFoundError:
+            return []
+
+    def committed(self, step: int) -> bool:
+        return any(e["event"] == "snapshot_committed" and e["step"] == step for e in self.rows("events.jsonl"))
+
+    def sleeping_after(self, step: int) -> bool:
+        """The sleep drill after ``step`` fired (recorded before it sleeps; no snapshot is in flight)."""
+        return any(e["event"] == "drill_fired" and e["step"] == step for e in self.rows("events.jsonl"))
+
+    def uploaded(self, step: int) -> bool:
+        """The files of the snapshot of ``step`` are on the server, its manifest is not."""
+        snapshot = f"{self.url}/checkpoints/step-{step:06d}"
+        self.fs.invalidate_cache()
+        return self.fs.exists(f"{snapshot}/state.pt") and not self.fs.exists(f"{snapshot}/manifest.json")
+
+
+# moment: (fault drills, settings, ready to kill). The heartbeat beats every 0.5 s unless said.
+MOMENTS = {
+    # the heartbeat meets the outage first: the run sleeps after step 1, its lease timing out with the
+    # retry budget (as the defaults do: 120 s both), the case that ended with exit 10 after 241 s
+    "heartbeat": ("sleep@1=2", {"trainer.lease_timeout": BUDGET}, lambda r: r.sleeping_after(1)),
+    # a metrics flush meets it first: killed in the same sleep with no heartbeat due; step 2's snapshot
+    # flushes the buffered rows before anything else is written
+    "metrics-flush": ("sleep@1=1", {"trainer.lease_heartbeat": 30.0}, lambda r: r.sleeping_after(1)),
+    # mid-step: a moment of step 3 (longer steps: 48 new tokens), after step 2 was shown
+    "mid-step": ("", {"rollout.max_new_tokens": 48}, lambda r: r.printed("step 2/")),
+    # mid-commit: the files of step 4's snapshot are uploaded, its manifest is held back 3 s
+    "mid-commit": ("commit_delay@4=3", {}, lambda r: r.uploaded(4)),
+}
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_a_run_on_s3_whose_server_is_killed_ends_12_within_the_budget(moment, tmp_path):
+    server = MotoServer(recording=tmp_path / "requests.jsonl")
+    try:
+        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).makedirs()
+        run = KilledRun(server, moment, tmp_path)
+        run.wait_until(MOMENTS[moment][2])
+        time.sleep(random.Random().uniform(0.05, 0.25) if moment == "mid-step" else 0)
+        killed = server.kill()
+        code, lines = run.end()
+        _assert_ended_for_the_outage(moment, code, lines, killed, run.url)
+        if moment == "mid-commit":  # the store comes back with its objects: the resume loses nothing
+            server.come_back()
+            _assert_resumes_with_nothing_lost(run)
+    finally:
+        server.stop()
+
+
+def _s3_env(server: MotoServer) -> dict[str, str]:
+    return {"FSSPEC_S3": json.dumps(server.options()), "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _assert_ended_for_the_outage(moment: str, code: int, lines: list, killed: float, url: str) -> None:
+    """Exit 12 (a storage outage: requeue and resume), never 10 (another writer), in one sentence that
+    says what failed and since when, within the budget and a step of the kill."""
+    err = "\n".join(line for _, line in lines)
+    exited = time.monotonic() - killed
+    assert code == ExitCode.STORAGE, err[-3000:]
+    errors = [(at, line) for at, line in lines if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    said, sentence = errors[0][0] - killed, errors[0][1]
+    print(f"{moment}: killed -> error said {said:.1f} s, -> exit {exited:.1f} s")
+    outage = rf"storage outage: s3://{BUCKET} has failed for \d+ s since \d\d:\d\d:\d\dZ, longer than the retry"
+    lease = rf"cannot renew the lease of {url}: no heartbeat succeeded for \d+ s, .* \(the storage failed, no other"
+    assert re.match(rf"Error: ({outage}|{lease})", sentence), sentence
+    assert said <= BUDGET + STEP + SEEN, f"said {said:.1f} s after the kill: {sentence}"
+    assert exited <= BUDGET + STEP + SEEN + EXIT, f"exited {exited:.1f} s after the kill"
+
+
+def _assert_resumes_with_nothing_lost(run: KilledRun) -> None:
+    assert not run.committed(4) and run.committed(2)
+    r = run_cli("resume", run.url, env=run.env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [row["step"] for row in metrics_of(run)] == [1, 2, 3]
-    assert [e for e in events_of(run) if e["event"] == "completed"][-1]["step"] == 3
+    assert "continuing from step 2" in r.stderr, r.stderr[-3000:]
+    assert [row["step"] for row in run.rows("metrics.jsonl")] == list(range(1, 13))
+    assert [e["step"] for e in run.rows("events.jsonl") if e["event"] == "completed"] == [12]
