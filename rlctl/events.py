@@ -7,6 +7,7 @@ value. The names are part of rlctl's interface (cron scripts and trackers read t
 # how a run begins and continues
 START = "start"
 RESUME = "resume"
+STARTED_OVER = "started_over"  # a resume that found no snapshot ever committed trains again from step 0
 LEASE_TAKEN_OVER = "lease_taken_over"
 UNCOMMITTED_REMOVED = "uncommitted_removed"
 PROMPTS_FILTERED = "prompts_filtered"

@@ -2,8 +2,10 @@
 
 ``start_run`` checks what can be checked before any work, then takes its run directory: a new one, or
 one whose earlier start never trained a step. ``resume_run`` applies the allowed ``--set`` changes and
-chooses the snapshots to try: a run that never trained starts over, one that trained but has no usable
-snapshot is refused (never trained again silently from step 0). Both then train while holding the
+chooses the snapshots to try (``plan_resume``): a run that never committed a snapshot starts over from
+step 0 (it is seeded: it trains the same steps again; the rows it wrote move aside, said by a warning
+and a ``started_over`` event), one whose snapshots were committed but none is usable now is refused
+(never trained again silently from step 0). Both then train while holding the
 run's lease and fenced by it: the one rank in this process, or several handed over to ``rlctl.ranks``
 (local processes or Ray actors), which this process follows while rank 0 writes the events and metrics.
 
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlctl import events as names
-from rlctl.checkpoint.catalog import SnapshotInfo, parse_step_spec
+from rlctl.checkpoint.catalog import Catalog, SnapshotInfo, parse_step_spec
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows
@@ -27,7 +29,7 @@ from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
 from rlctl.ranks.stops import STOPS, Stopped
-from rlctl.ranks.worker import train_rank
+from rlctl.ranks.worker import start_snapshot_writer, stop_snapshot_writer, train_rank
 from rlctl.rundir.directory import (
     claim_run_dir,
     last_step,
@@ -35,11 +37,12 @@ from rlctl.rundir.directory import (
     refuse_used_run_dir,
     run_storage,
 )
+from rlctl.rundir.history import abandon_rows_after, ever_committed, turn_tag
 from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.rundir.record import RunRecord
-from rlctl.rundir.selection import ResumePlan, Selection, select
+from rlctl.rundir.selection import ResumePlan, select
 from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
@@ -48,20 +51,20 @@ from rlctl.storage import Storage
 def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
     run = run_storage(url, cfg)
     refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
-    _preflight(cfg)
-    reporter = reporter or SilentReporter()
-    _trackers_need_a_local_run_dir(run, cfg)
-    run.makedirs()
-    with _lease(run, cfg) as lease:
-        reused = claim_run_dir(run, cfg)
-        if reused:
-            reporter.note(f"reusing {url}: its earlier start never trained a step")
-        with _recording(run, cfg, lease) as events:
-            events.emit(
-                {"event": names.START, "total_steps": cfg.trainer.total_steps, **({"reused": True} if reused else {})}
-            )
-            snapshot_catalog(run, cfg, events).remove_uncommitted()
-            return _train(run, cfg, events, reporter, None, lease)
+    with _snapshot_writer(run, cfg):
+        _preflight(cfg)
+        reporter = reporter or SilentReporter()
+        _trackers_need_a_local_run_dir(run, cfg)
+        run.makedirs()
+        with _lease(run, cfg) as lease:
+            reused = claim_run_dir(run, cfg)
+            if reused:
+                reporter.note(f"reusing {url}: its earlier start never trained a step")
+            with _recording(run, cfg, lease) as events:
+                reused_field = {"reused": True} if reused else {}
+                events.emit({"event": names.START, "total_steps": cfg.trainer.total_steps, **reused_field})
+                snapshot_catalog(run, cfg, events).remove_uncommitted()
+                return _train(run, cfg, events, reporter, None, lease)
 
 
 def resume_run(
@@ -75,10 +78,16 @@ def resume_run(
     parse_step_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
+    with _snapshot_writer(run, cfg, unless=_ended_complete(run, cfg)):
+        return _resume(run_storage(url, cfg), cfg, spec, changes, force, reporter or SilentReporter())
+
+
+def _resume(
+    run: Storage, cfg: RunConfig, spec: str, changes: dict[str, Any], force: bool, reporter: Reporter
+) -> dict[str, Any]:
+    """``resume_run`` once the config is read: the preflight, then under the lease the plan, and training."""
     _preflight(cfg)
-    run = run_storage(url, cfg)
     _trackers_need_a_local_run_dir(run, cfg)
-    reporter = reporter or SilentReporter()
     with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
         if lease.taken_over is not None:
             events.emit({"event": names.LEASE_TAKEN_OVER, "previous": lease.taken_over})
@@ -86,11 +95,40 @@ def resume_run(
         removed = catalog.remove_uncommitted()
         if removed:
             events.emit({"event": names.UNCOMMITTED_REMOVED, "steps": removed})
-        plan = _plan(run, cfg, select(catalog, spec, "--from"), changes, reporter)
+        plan = plan_resume(run, cfg, catalog, spec, changes, reporter, events)
         if plan is None:
             reporter.note(f"run already complete ({cfg.trainer.total_steps} steps); nothing to do")
             return run_summary(run, cfg)
         return _train(run, cfg, events, reporter, plan, lease)
+
+
+def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
+    """Start the snapshot writer process of a run that this process will train (one rank) before this
+    process imports torch (``start_snapshot_writer``); ``start_run`` stops it when the run ends. For a
+    command that imports the engine before it calls ``start_run``."""
+    if cfg.world_size == 1:
+        start_snapshot_writer(run_storage(url, cfg), cfg)
+
+
+@contextlib.contextmanager
+def _snapshot_writer(run: Storage, cfg: RunConfig, unless: bool = False) -> Iterator[None]:
+    """For a run trained in this process (one rank), its snapshot writer process started at once
+    (``start_snapshot_writer``: it imports torch while this process does, before the preflight), and
+    stopped when the run ends, trained or turned away (no snapshot is in flight by then). ``unless``:
+    none is started (the run is most likely complete: its writer would only import)."""
+    started = not unless and cfg.world_size == 1 and start_snapshot_writer(run, cfg)
+    try:
+        yield
+    finally:
+        if started:
+            stop_snapshot_writer()
+
+
+def _ended_complete(run: Storage, cfg: RunConfig) -> bool:
+    """Whether events.jsonl's last outcome is ``completed`` at the total steps (``_completed`` decides)."""
+    last = RunRecord(run).last_outcome() or {}
+    step = last.get("step")
+    return last.get("event") == names.COMPLETED and isinstance(step, int) and step >= cfg.trainer.total_steps
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -116,25 +154,49 @@ def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:
 
 
 # -- which snapshot ------------------------------------------------------------------------------------
-def _plan(
-    run: Storage, cfg: RunConfig, selection: Selection, changes: dict[str, Any], reporter: Reporter
+def plan_resume(
+    run: Storage,
+    cfg: RunConfig,
+    catalog: Catalog,
+    spec: str,
+    changes: dict[str, Any],
+    reporter: Reporter,
+    events: EventLog,
 ) -> ResumePlan | None:
-    """The plan to train from (the usable snapshots ``selection`` chose, best first, each one it skips
-    said; none: start over), or None when ``--from latest`` finds the run complete. A run that trained
-    steps but has no usable snapshot is refused: it would train them again from step 0."""
+    """The plan to train from (the usable snapshots ``spec`` chooses in ``catalog``, best first, each one
+    it skips said; none: the run starts over, ``_start_over``), or None when ``--from latest`` finds the
+    run complete."""
+    selection = select(catalog, spec, "--from")
     if selection.wanted == "latest" and _completed(run, cfg, list(selection.candidates)):
         return None
     selection.skip(reporter.note)
     if not selection.usable:
-        trained = last_step(run)
-        if trained:
-            raise SnapshotError(
-                f"no usable snapshot in {selection.url}, but the run trained {trained} step(s): "
-                "resuming would train them again from step 0. Start a new run (rlctl start), or set "
-                "checkpoint.every so that a run can resume"
-            )
-        reporter.note("no snapshot yet: the run never trained a step; starting it over")
+        _start_over(run, catalog, reporter, events)
     return ResumePlan.of(selection, changes)
+
+
+def _start_over(run: Storage, catalog: Catalog, reporter: Reporter, events: EventLog) -> None:
+    """No usable snapshot: the run starts over from step 0 when it never committed one (killed before
+    its first commit, or one that never snapshots). It is seeded, so it trains the same steps again: the
+    rows it wrote move to metrics.abandoned.jsonl (tagged as a resume from step 0), said by a warning and
+    a ``started_over`` event. A run whose snapshots were committed, none usable now, is refused
+    (SnapshotError): starting it over would silently throw away what it had kept."""
+    trained = last_step(run)
+    if not trained:
+        reporter.note("no snapshot yet: the run never trained a step; starting it over")
+        return
+    if ever_committed(run, catalog.storage):
+        raise SnapshotError(
+            f"no usable snapshot in {catalog.storage.url}, though the run committed snapshots before and "
+            f"trained {trained} step(s); resuming would train them again from step 0 (rlctl checkpoints "
+            f"{run.url} says why each is not usable; rlctl start begins a new run)"
+        )
+    moved = abandon_rows_after(run, -1, turn_tag(names.RESUME, from_step=0, started_over=True))
+    events.emit({"event": names.STARTED_OVER, "trained": trained, "abandoned_metric_rows": moved})
+    reporter.note(
+        f"warning: no snapshot was ever committed; starting the run over from step 0 (it trained {trained} "
+        f"step(s); {moved} metric row(s) moved to metrics.abandoned.jsonl)"
+    )
 
 
 def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> bool:
@@ -199,10 +261,12 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
     """Record a stop that came before a trainer could take it (before training began, or while a step waited
     on a reward URL's backoff) as a preemption; the error that says so."""
     try:
-        usable = [i for i in snapshot_catalog(run, cfg).scan() if i.usable]
+        catalog = snapshot_catalog(run, cfg)
+        usable = [i for i in catalog.scan() if i.usable]
         trained = last_step(run)
+        kept = bool(usable) or ever_committed(run, catalog.storage)
     except Exception:  # the storage is failing too: say what is known
-        usable, trained = [], 0
+        usable, trained, kept = [], 0, True
     last = usable[-1] if usable else None
     _record(
         events,
@@ -215,8 +279,8 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
     )
     if last is not None:
         where = f"the last committed snapshot is {last.name}"
-    elif trained:
-        where = "the run has no committed snapshot to resume from"
+    elif trained and kept:
+        where = "the run has no usable snapshot to resume from"
     else:
         where = "no snapshot yet; resume will start over"
     when = "before the step in progress finished" if trained else "before training began"

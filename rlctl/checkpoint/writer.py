@@ -1,7 +1,10 @@
 """The snapshot writer process: serialization, hashing, writing and upload outside the training
 process, so none of it holds the training process's GIL.
 
-One writer process per training process, started at its first snapshot and kept (``writer()``). The
+One writer process per training process, started early and kept (``writer()``): as the run starts, so
+that its own imports (torch's reductions, and what its starter names: ``start(preload)``) overlap the
+training process's imports and the loading of the models rather than wait for the first snapshot, or
+else at the first snapshot. The
 training thread hands it a ``WriteJob`` pickled with torch's multiprocessing reductions: the tensors of
 the deferred state dicts are moved into shared memory the first time (their storage stays there, in
 place, for the rest of the run) and from then on only their handles are sent, a few KB. The writer
@@ -26,7 +29,9 @@ blocked read in the manager's commit thread; everything else runs in the writer.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -38,12 +43,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlctl.checkpoint.job import WriteJob, Written, finish
 
 SHM_DIR = "/dev/shm"
+REDUCTIONS = "torch.multiprocessing.reductions"  # what every job's tensors are rebuilt with
 _SHM_MARGIN = 64 << 20  # free shared memory left over after moving a storage there
 _PR_SET_PDEATHSIG = 1
 
@@ -183,9 +189,12 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self) -> None:
+    def start(self, preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """Start the writer unless it runs (call on a thread that lives as long as the run: the writer
-        dies with the thread that started it)."""
+        dies with the thread that started it). Before its first job it imports torch's reductions and
+        ``preload``: modules (``package.module``) or functions to call (``package.module:function``),
+        what the jobs' state dicts name that the training process imports its own way; ``env``: variables
+        it runs with besides this process's."""
         with self._lock:
             if self.alive():
                 return
@@ -193,8 +202,10 @@ class WriterProcess:
             ours, theirs = socket.socketpair()
             # the writer unpickles what this process pickles: it imports from where this process does
             path = os.pathsep.join(p or os.getcwd() for p in sys.path)
-            env = {**os.environ, "PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+            own = {"PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, **(env or {}), **own}
             cmd = [sys.executable, "-m", "rlctl.checkpoint.writer", str(theirs.fileno()), str(os.getpid())]
+            cmd += [REDUCTIONS, *preload]
             # its own session: a stop signal for the trainer's process group (Slurm, Ctrl-C) never reaches
             # it, not even while it starts (it dies with its parent, PR_SET_PDEATHSIG)
             self._proc = subprocess.Popen(
@@ -249,6 +260,15 @@ class WriterProcess:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def stop(self) -> None:
+        """Stop the writer at once, whatever it is importing (call when no job is in flight: a run ended)."""
+        with self._lock:
+            self._close_conn()
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.wait()
+                self._proc = None
 
     def close(self) -> None:
         """Stop the writer (it finishes nothing: call when no job runs)."""
@@ -392,7 +412,7 @@ def _sendable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def main(fd: int, parent: int) -> None:
+def main(fd: int, parent: int, preload: Sequence[str] = ()) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before we could ask to die with it
         return
@@ -404,8 +424,21 @@ def main(fd: int, parent: int) -> None:
     os.nice(10)
     conn = multiprocessing.connection.Connection(fd)
     multiprocessing.current_process().authkey = conn.recv_bytes()  # torch's shared fds come through it
+    _import_all(preload)
     _serve(conn)
 
 
+def _import_all(names: Sequence[str]) -> None:
+    """Import ``names`` (``module``, or ``module:function`` to call) now, while the training process
+    does its own imports and loads its models (a job waits in the pipe meanwhile); one that fails is
+    left for the first job to import, and to say why."""
+    for name in names:
+        module, _, function = name.partition(":")
+        with contextlib.suppress(Exception):
+            imported = importlib.import_module(module)
+            if function:
+                getattr(imported, function)()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

@@ -44,8 +44,7 @@ def _start(
 ) -> None:
     from rlctl.commands.progress import StepProgress
     from rlctl.config import load_config
-    from rlctl.engine.preflight import check_config_names
-    from rlctl.run import start_run
+    from rlctl.run import start_run, start_snapshot_writer_early
 
     flags = [f"trainer.nproc={nproc}"] if nproc else []
     if ray_address:
@@ -53,8 +52,11 @@ def _start(
         if ray_address != "local":
             flags.append(f"cluster.address={ray_address}")
     cfg = load_config(config, flags + list(overrides))
-    check_config_names(cfg)  # a missing file the config names is told as a mistake in it, before any progress line
     run_dir = run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    start_snapshot_writer_early(cfg, run_dir)  # it imports torch beside this process, which does so next
+    from rlctl.engine.preflight import check_config_names
+
+    check_config_names(cfg)  # a missing file the config names is told as a mistake in it, before any progress line
     with StepProgress(run_dir) as progress:
         summary = start_run(cfg, run_dir, reporter=progress)
     progress.print_summary(summary)

@@ -22,6 +22,7 @@ import yaml
 
 from rlctl import events as names
 from rlctl.checkpoint.snapshots import SnapshotManager
+from rlctl.checkpoint.writer import writer as snapshot_writer
 from rlctl.config import RunConfig, validate_config
 from rlctl.errors import Halted, LeaseError, Preempted, RlctlError
 from rlctl.metrics import EventLog, read_rows
@@ -32,7 +33,7 @@ from rlctl.ranks.stops import STOPS, on_stop_signals
 from rlctl.rundir.layout import METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.rundir.selection import ResumePlan
-from rlctl.rundir.snapshots import snapshot_manager
+from rlctl.rundir.snapshots import checkpoint_storage, snapshot_manager
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 
@@ -40,6 +41,13 @@ if TYPE_CHECKING:
     from rlctl.trackers import Trackers
 
 Fence = Callable[[], None]  # raises (LeaseError) once this process may no longer write the run
+
+# What the snapshot writer process imports as it starts, besides torch: DeepSpeed, whose objects the
+# engines' optimizer state dicts hold, imported as the trainer imports it (``import_deepspeed``), with
+# its CPU accelerator whatever the run's device (the writer never touches one, and need not wait for
+# this process to choose it)
+WRITER_PRELOAD = ("rlctl.engine.runtime:import_deepspeed",)
+WRITER_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 # -- the session -------------------------------------------------------------------------------------
@@ -94,11 +102,13 @@ def _build_trainer(
     fence: Fence | None,
     trackers: Trackers | None = None,
 ):
-    """This process as a rank of the run (device, threads, seeds, process group), its policies (built
+    """This process as a rank of the run: its snapshot writer process first (unless it runs already:
+    ``start_snapshot_writer``), then device, threads, seeds and process group, its policies (built
     once: the snapshot manager keeps what they may roll back to, the trainer judges by them), its
     snapshot manager (with the rank's collectives and the fence), then the trainer. Rank 0's events
     also reach the reporter (a failed snapshot is said at once) and its rows the trackers; the fence is
     checked before every step."""
+    start_snapshot_writer(run, cfg)
     from rlctl.engine.runtime import open_rank  # heavy: torch, DeepSpeed, transformers
     from rlctl.engine.trainer import Trainer
 
@@ -129,6 +139,27 @@ def _build_trainer(
         cfg, run, context, snapshots=snapshots, guard=guard, on_step=on_step, on_event=on_event, fence=fence
     )
     return trainer, snapshots
+
+
+def start_snapshot_writer(run: Storage, cfg: RunConfig) -> bool:
+    """Start this process's snapshot writer process now, before the rank is set up, when the run's
+    snapshots are written there (it snapshots, with checkpoint.writer process, to storage that other
+    processes see): it imports torch and DeepSpeed (``WRITER_PRELOAD``) while this process imports its
+    own and loads the models, not in the first snapshot's time. Whether it runs; one that cannot start
+    now is tried again at the first snapshot, which says what fails."""
+    c = cfg.checkpoint
+    if not c.every or c.writer != "process" or checkpoint_storage(run, cfg).in_process:
+        return False
+    try:
+        snapshot_writer().start(WRITER_PRELOAD, WRITER_ENV)
+    except OSError:
+        return False
+    return True
+
+
+def stop_snapshot_writer() -> None:
+    """Stop this process's snapshot writer process (a run trained here ended: no snapshot is in flight)."""
+    snapshot_writer().stop()
 
 
 def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:

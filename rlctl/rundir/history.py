@@ -1,5 +1,6 @@
 """Turning a run away from the steps after N: a resume from an older snapshot, or a rollback; and
-whether a policy acted after N (then a resume from N does not replay the steps after it exactly).
+whether a policy acted after N (then a resume from N does not replay the steps after it exactly); and
+whether the run ever committed a snapshot (a run that never did starts over when it resumes).
 
 Nothing is deleted: the metric rows of the later steps move to ``metrics.abandoned.jsonl`` (each tagged
 with the resume or rollback that turned away from it) and the later snapshots to
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from rlctl import events
+from rlctl.checkpoint.layout import MANIFEST, QUARANTINE, step_of
 from rlctl.metrics import encode_row, parse_rows, read_rows, split_after_step
 from rlctl.rundir.layout import ABANDONED, EVENTS, METRICS
 
@@ -62,3 +64,16 @@ def policy_acted_after(run: Storage, step: int) -> bool:
         e.get("event") in acted and isinstance(at := e.get("step", e.get("from_step")), int) and at > step
         for e in read_rows(run, EVENTS)
     )
+
+
+def ever_committed(run: Storage, checkpoints: Storage) -> bool:
+    """Whether the run ever committed a snapshot: a step directory with a manifest is on its checkpoint
+    storage ``checkpoints`` (usable or not), one was quarantined there, or events.jsonl records a
+    commit. One that never did (killed before its first commit, or that never snapshots:
+    checkpoint.every 0) has nothing a resume could lose by starting it over from step 0."""
+    if any(e.get("event") == events.SNAPSHOT_COMMITTED for e in read_rows(run, EVENTS)):
+        return True
+    if checkpoints.listdir(QUARANTINE):
+        return True
+    steps = [name for name in checkpoints.listdir() if step_of(name) is not None]
+    return any(checkpoints.exists(name, MANIFEST) for name in steps)
