@@ -1,0 +1,47 @@
+"""The snapshot writer process imports what its jobs need as it starts, before any job (so the first
+snapshot does not wait for torch and DeepSpeed), in the environment it was started with; ``stop`` ends it
+at once, even in the middle of those imports. A real writer process."""
+
+import os
+import time
+
+from rlctl.checkpoint.writer import WriterProcess
+
+MARKER = """
+import os, sys
+def note():
+    with open(os.environ["PRELOAD_NOTE"], "a") as fh:
+        fh.write(f"called torch={'torch.multiprocessing.reductions' in sys.modules}\\n")
+with open(os.environ["PRELOAD_NOTE"], "a") as fh:
+    fh.write(f"imported accelerator={os.environ.get('DS_ACCELERATOR')}\\n")
+"""
+
+
+def test_the_writer_imports_torch_and_its_preload_before_any_job(tmp_path, monkeypatch):
+    (tmp_path / "preload_marker.py").write_text(MARKER)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the writer imports from where this process does
+    note = tmp_path / "note.txt"
+    writer = WriterProcess()
+    writer.start(["preload_marker", "preload_marker:note"], env={"PRELOAD_NOTE": str(note), "DS_ACCELERATOR": "cpu"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(note.read_text().splitlines() if note.exists() else []) < 2:
+            time.sleep(0.05)
+        assert note.read_text().splitlines() == ["imported accelerator=cpu", "called torch=True"]
+        assert writer.alive()  # and waiting for its first job
+    finally:
+        writer.stop()
+    assert not writer.alive()
+
+
+def test_stop_ends_a_writer_in_the_middle_of_its_imports(tmp_path, monkeypatch):
+    """A run turned away before it trains stops its early writer at once, whatever it is importing."""
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    writer = WriterProcess()
+    writer.start(["slow_import"])
+    pid = writer.pid
+    time.sleep(0.5)
+    t0 = time.time()
+    writer.stop()
+    assert time.time() - t0 < 5 and not writer.alive() and not os.path.exists(f"/proc/{pid}")
