@@ -27,9 +27,9 @@ def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) ->
 
     Idempotent: a run that is already complete exits 0 without training, so a requeued Slurm job can
     always call `rlctl resume RUN --from latest`. Only safe keys may change with --set (total steps,
-    lr, KL coefficient, ...); each change is recorded in events.jsonl. A run that never trained a step
-    starts over; one that trained steps but has no usable snapshot exits 11. A SIGTERM or SIGUSR1 at any
-    moment ends it with exit 75.
+    lr, KL coefficient, ...); each change is recorded in events.jsonl. A run that never committed a
+    snapshot starts over from step 0 (its rows move to metrics.abandoned.jsonl); one whose snapshots were
+    committed but none is usable exits 11. A SIGTERM or SIGUSR1 at any moment ends it with exit 75.
     """
     with stops_from_the_start():
         _resume(run_dir, from_, overrides, force)
