@@ -336,11 +336,11 @@ def _assert_ended_for_the_outage(moment: str, code: int, lines: list, killed: fl
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
     said, sentence = errors[0][0] - killed, errors[0][1]
     print(f"{moment}: killed -> error said {said:.1f} s, -> exit {exited:.1f} s")
+    assert said <= BUDGET + STEP + SEEN, f"said {said:.1f} s after the kill: {sentence}"
+    assert exited <= BUDGET + STEP + SEEN + EXIT, f"exited {exited:.1f} s after the kill"
     outage = rf"storage outage: s3://{BUCKET} has failed for \d+ s since \d\d:\d\d:\d\dZ, longer than the retry"
     lease = rf"cannot renew the lease of {url}: no heartbeat succeeded for \d+ s, .* \(the storage failed, no other"
     assert re.match(rf"Error: ({outage}|{lease})", sentence), sentence
-    assert said <= BUDGET + STEP + SEEN, f"said {said:.1f} s after the kill: {sentence}"
-    assert exited <= BUDGET + STEP + SEEN + EXIT, f"exited {exited:.1f} s after the kill"
 
 
 def _assert_resumes_with_nothing_lost(run: KilledRun) -> None:
