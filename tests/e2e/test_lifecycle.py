@@ -142,7 +142,7 @@ def test_from_banana_is_a_usage_error(tmp_path):
     assert "Invalid value for '--from': expected latest, last-good, best, step-N or N; got 'banana'" in r.stderr
 
 
-def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retrained(tmp_path):
+def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_starts_over(tmp_path):
     run = tmp_path / "run"
     proc = spawn_start(run, *SMALL, steps=4, faults="sleep@2=120")
     code, err = stop_when(proc, lambda: len(metrics_of(run)) >= 2, sig=signal.SIGINT)
@@ -152,11 +152,12 @@ def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_is_not_retraine
     code, line = check(run)
     assert code == CHECK_CODES["interrupted"] == 46 and line.startswith("INTERRUPTED")
 
-    r = run_cli("resume", str(run))
-    assert r.returncode == ExitCode.SNAPSHOT == 11, r.stderr
-    assert "no usable snapshot" in r.stderr and "the run trained 2 step(s)" in r.stderr
-    assert [row["step"] for row in metrics_of(run)] == [1, 2]  # nothing trained again
-    assert "resume" not in kinds(run)
+    r = run_cli("resume", str(run))  # it never committed a snapshot (it takes none): it starts over, said
+    assert r.returncode == 0, r.stderr
+    assert "warning: no snapshot was ever committed; starting the run over from step 0 (it trained 2" in r.stderr
+    assert [row["step"] for row in metrics_of(run)] == [1, 2, 3, 4]
+    assert [row["step"] for row in metrics_of(run, "metrics.abandoned.jsonl")] == [1, 2]
+    assert "started_over" in kinds(run) and kinds(run)[-2:] == ["resume", "completed"]
 
 
 def test_a_failed_snapshot_is_said_at_once_and_check_warns(tmp_path):

@@ -54,9 +54,10 @@ def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
         assert "no space left on device" in r.stderr and "the run is not complete" in r.stderr
         assert [e["step"] for e in events_of(run, "snapshot_failed")] == [1, 2]
         assert not events_of(run, "completed") and not any(disk.glob("step-*"))  # nothing half-written left
-        r = run_cli("resume", str(run))  # trained steps, no snapshot: never "nothing to do", never step 0 again
-        assert r.returncode == ExitCode.SNAPSHOT == 11, r.stderr
-        assert [row["step"] for row in metrics_of(run)] == [1, 2]
+        r = run_cli("resume", str(run))  # no snapshot ever committed: it starts over, on a disk still full
+        assert r.returncode == ExitCode.STORAGE == 12, r.stderr  # never "nothing to do"
+        assert "starting the run over from step 0 (it trained 2 step(s)" in r.stderr
+        assert [row["step"] for row in metrics_of(run, "metrics.abandoned.jsonl")] == [1, 2]
 
 
 def test_max_failures_in_a_row_stop_the_run_at_once(tmp_path):
