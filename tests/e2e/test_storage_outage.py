@@ -236,7 +236,7 @@ class KilledRun:
     def __init__(self, server: MotoServer, moment: str, tmp_path: Path):
         import s3fs
 
-        drills, settings, _ = MOMENTS[moment]
+        drills, settings, _ = MOMENTS.get(moment, STALL)
         self.url, self.env = f"s3://{BUCKET}/{moment}", _s3_env(server)
         self.fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
         config = tmp_path / "config.yaml"
@@ -302,6 +302,8 @@ MOMENTS = {
     # mid-commit: the files of step 4's snapshot are uploaded, its manifest is held back 3 s
     "mid-commit": ("commit_delay@4=3", {}, lambda r: r.uploaded(4)),
 }
+# a stall, not a kill, while the run sleeps after step 1; it sleeps again after step 3, past the budget
+STALL = (f"sleep@1=1,sleep@3={BUDGET:g}", {"trainer.total_steps": 4}, None)
 
 
 @pytest.mark.parametrize("moment", list(MOMENTS))
@@ -318,6 +320,26 @@ def test_a_run_on_s3_whose_server_is_killed_ends_12_within_the_budget(moment, tm
         if moment == "mid-commit":  # the store comes back with its objects: the resume loses nothing
             server.come_back()
             _assert_resumes_with_nothing_lost(run)
+    finally:
+        server.stop()
+
+
+def test_a_run_on_s3_rides_out_a_stall_shorter_than_the_budget(tmp_path):
+    """The server stops answering for half the budget while the run sleeps after step 1 (its heartbeat
+    and its metrics flush failing meanwhile) and comes back: the run goes on to its end, past the time
+    the outage would have been overdue, nothing lost, no snapshot failed."""
+    server = MotoServer()
+    try:
+        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).makedirs()
+        run = KilledRun(server, "stall", tmp_path)
+        run.wait_until(lambda r: r.sleeping_after(1))
+        server.pause()
+        time.sleep(BUDGET / 2)
+        server.resume()
+        code, lines = run.end()
+        assert code == 0, "\n".join(line for _, line in lines[-40:])
+        assert [row["step"] for row in run.rows("metrics.jsonl")] == [1, 2, 3, 4]
+        assert [e["step"] for e in run.rows("events.jsonl") if e["event"] == "snapshot_committed"] == [2, 4]
     finally:
         server.stop()
 
