@@ -21,9 +21,9 @@ A commit either happens or the run hears about it: every failed snapshot is a ``
 event (``rlctl.checkpoint.failure_count``), ``max_failures`` in a row end the run with a StorageError, and
 ``wait()`` says whether the last snapshot was committed. A snapshot that failed because its store has
 been out for the retry budget (in the writer process, too) counts as the process's outage
-(``rlctl.storage.failures.OUTAGES``): the run's fence ends the run at its next check. Whatever the background commit raises, and
-what the ``fence`` raises right before a manifest would be written (a lost lease), reaches the training
-thread at its next ``save()`` or ``wait()``.
+(``rlctl.storage.failures.OUTAGES``): the run's fence ends the run at its next check. Whatever the
+background commit raises, and what the ``fence`` raises right before a manifest would be written (a
+lost lease), reaches the training thread at its next ``save()`` or ``wait()``.
 """
 
 from __future__ import annotations

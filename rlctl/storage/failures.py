@@ -4,10 +4,11 @@ that every writer of the process shares.
 
 An outage of a store (an object store's bucket: scheme and host of the URL; local paths have none)
 begins with the first attempt that fails transiently (at that attempt's start, never before the store
-last answered) and ends with the store's next answer (a success, a missing file, a refusal). Every retry loop gives up once its budget has passed since the outage began, so
-writers that meet the same outage one after another (a heartbeat, a metrics flush, a snapshot commit,
-the flushes on the way out) never add up their budgets. ``OUTAGES.overdue(budget)``
-says when one has lasted longer than the run's budget: the run's fence then ends it (exit 12).
+last answered) and ends with the store's next answer (a success, a missing file, a refusal). Every
+retry loop gives up once its budget has passed since the outage began, so writers that meet the same
+outage one after another (a heartbeat, a metrics flush, a snapshot commit, the flushes on the way out)
+never add up their budgets. ``OUTAGES.overdue(budget)`` says when one has lasted the run's budget: the
+run's fence then ends it (exit 12).
 """
 
 from __future__ import annotations
@@ -169,10 +170,10 @@ def is_storage_failure(exc: BaseException) -> bool:
 
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
     """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
-    ``budget`` seconds after its store's outage began (``OUTAGES``, one clock for every writer of the
-    process: the first transient failure since the store last answered; on a local path, this call's
-    start); any other failure, or the last one, becomes a StorageError "cannot ACTION URL: cause".
-    ``passthrough`` and StorageError (from a nested call) are raised as they are."""
+    ``budget`` seconds after its store's outage began (``OUTAGES``: one clock for every writer of the
+    process; on a local path, this call's start); any other failure, or the last one, becomes a
+    StorageError "cannot ACTION URL: cause". ``passthrough`` and StorageError (from a nested call) are
+    raised as they are."""
     start = time.monotonic()
     attempt = 0
     while True:

@@ -77,6 +77,13 @@ def test_an_outage_never_begins_before_the_store_last_answered():
     assert before <= outage.since <= time.monotonic()
 
 
+def test_a_store_met_again_after_a_long_silence_begins_a_new_outage():
+    clock, url, t = Outages(), "s3://bucket-a/run/metrics.jsonl", time.monotonic()
+    clock.failed(url, "cannot append", tried=t)
+    assert clock.failed(url, "cannot append", tried=t + 500).since == t
+    assert clock.failed(url, "cannot append", tried=t + 1200).since == t + 1200
+
+
 def test_overdue_once_the_budget_has_passed_since_the_outage_began():
     clock, url = Outages(), "s3://bucket-a/run/events.jsonl"
     assert clock.overdue(5.0) is None
