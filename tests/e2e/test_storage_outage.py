@@ -29,7 +29,7 @@ from rlctl.errors import ExitCode, StorageError
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
 from rlctl.storage import Storage
 
-from helpers import SMALL, run_cli, spawn_start
+from helpers import SMALL, metrics_of, run_cli, spawn_start
 
 BUCKET = "rlctl-outage"
 
@@ -230,17 +230,23 @@ EXIT = 5.0  # the interpreter's exit after it (its last garbage collection alone
 
 
 class KilledRun:
-    """``rlctl start`` of a run on the server, its stderr lines timed as they come, and what the test
-    reads of the run on the server to choose the moment of the kill."""
+    """``rlctl start`` of a run on the server (or of a local run whose snapshots go there, when the
+    settings name a ``checkpoint.dir``), its stderr lines timed as they come, and what the test reads of
+    the run to choose the moment of the kill."""
 
     def __init__(self, server: MotoServer, moment: str, tmp_path: Path):
         import s3fs
 
         drills, settings, _ = MOMENTS.get(moment, STALL)
-        self.url, self.env = f"s3://{BUCKET}/{moment}", _s3_env(server)
+        local = "checkpoint.dir" in settings
+        self.url, self.env = str(tmp_path / "run") if local else f"s3://{BUCKET}/{moment}", _s3_env(server)
         self.fs = s3fs.S3FileSystem(**server.options(), skip_instance_cache=True)
         config = tmp_path / "config.yaml"
-        config.write_text(json.dumps({"checkpoint": {"every": 2, "retry_timeout": BUDGET}}))
+        self.staging = tmp_path / "staging"  # (where snapshots bound for the server are staged)
+        self.staging.mkdir()
+        checkpoint = {"every": 2, "retry_timeout": BUDGET, "staging_dir": str(self.staging)}
+        checkpoint.update({"storage_options": server.options()} if local else {})
+        config.write_text(json.dumps({"checkpoint": checkpoint}))
         trainer = {"trainer.total_steps": 12, "trainer.lease_heartbeat": 0.5, **settings}
         sets = [arg for key, value in trainer.items() for arg in ("--set", f"{key}={value}")]
         self.proc = spawn_start(self.url, *SMALL, *sets, config=config, faults=drills, env=self.env)
@@ -269,6 +275,8 @@ class KilledRun:
         return any(line.startswith(text) for _, line in self.lines)
 
     def rows(self, name: str) -> list[dict]:
+        if "://" not in self.url:
+            return metrics_of(self.url, name)
         self.fs.invalidate_cache()
         try:
             return [json.loads(line) for line in self.fs.cat(f"{self.url}/{name}").splitlines()]
@@ -281,6 +289,10 @@ class KilledRun:
     def sleeping_after(self, step: int) -> bool:
         """The sleep drill after ``step`` fired (recorded before it sleeps; no snapshot is in flight)."""
         return any(e["event"] == "drill_fired" and e["step"] == step for e in self.rows("events.jsonl"))
+
+    def staged(self, step: int) -> bool:
+        """The snapshot of ``step`` is being staged for the writer process (its staging directory exists)."""
+        return any(self.staging.glob(f"rlctl-step-{step:06d}-*"))
 
     def uploaded(self, step: int) -> bool:
         """The files of the snapshot of ``step`` are on the server, its manifest is not."""
@@ -301,6 +313,10 @@ MOMENTS = {
     "mid-step": ("", {"rollout.max_new_tokens": 48}, lambda r: r.printed("step 2/")),
     # mid-commit: the files of step 4's snapshot are uploaded, its manifest is held back 3 s
     "mid-commit": ("commit_delay@4=3", {}, lambda r: r.uploaded(4)),
+    # mid-upload, a local run whose snapshots go to the server: step 4's snapshot is staged and handed to
+    # the writer process, which holds it a second, then meets the outage alone (the training process hears
+    # of it from the snapshot)
+    "mid-upload": ("write_delay@4=1", {"checkpoint.dir": f"s3://{BUCKET}/snaps"}, lambda r: r.staged(4)),
 }
 # a stall, not a kill, while the run sleeps after step 1; it sleeps again after step 3, past the budget
 STALL = (f"sleep@1=1,sleep@3={BUDGET:g}", {"trainer.total_steps": 4}, None)
