@@ -17,7 +17,7 @@ import pytest
 
 from rlctl.errors import ExitCode, StorageError
 from rlctl.metrics import JsonlLog
-from rlctl.rundir.lease import Lease
+from rlctl.rundir.lease import Lease, owner_fence
 from rlctl.storage import Storage
 from rlctl.storage.failures import OUTAGES, Outage, Outages, guarded, note_outage, store_of
 
@@ -162,6 +162,18 @@ def test_the_fence_ends_the_run_once_any_store_is_out_for_the_budget(tmp_path):
         )
         OUTAGES.answered("s3://rlctl-snapshots/run/step-000002/manifest.json")
         lease.check()
+
+
+def test_a_ranks_fence_ends_it_too(tmp_path):
+    """Rank 0 of several writes the run under the driver's lease (``owner_fence``): an outage its own
+    writers met ends it with exit 12 as well."""
+    run = Storage(str(tmp_path), retry_timeout=0.5)
+    with Lease(run, heartbeat=0.1).acquire() as lease:
+        fence = owner_fence(run, lease.owner)
+        fence()
+        _timed(lambda: _refused("rlctl-rank", retry_timeout=0.5).read_bytes("events.jsonl"))
+        with pytest.raises(StorageError, match="^storage outage: s3://rlctl-rank has failed for "):
+            fence()
 
 
 def test_an_outage_from_before_the_lease_is_not_the_runs(tmp_path):
