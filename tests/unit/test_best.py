@@ -194,7 +194,7 @@ class Notes:
 
 
 def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
-    from rlctl.run import _plan
+    from rlctl.run import plan_resume
     from rlctl.rundir.selection import ResumePlan, select
 
     run, notes = Storage(str(tmp_path / "run")), Notes()
@@ -209,7 +209,7 @@ def test_resume_from_best_chooses_the_first_usable_of_the_best_alone(tmp_path):
     save(m, 5)
     assert steps(m.catalog.scan()) == [1, 2, 3, 5]  # the three best and the newest; keep_last 1 evicted 4
     run.write_bytes("checkpoints/step-000002/state.pt", b"")
-    restore = _plan(run, cfg, select(m.catalog, "best", "--from"), {}, notes)
+    restore = plan_resume(run, cfg, m.catalog, "best", {}, notes, events=None)  # (events: for a start-over)
     assert restore == ResumePlan("best", ("step-000003",), 3, {})  # never 1 after it
     (skipped,) = notes.lines
     assert skipped.startswith("warning: skipping snapshot step-000002: file state.pt has 0 bytes; the manifest says")
