@@ -78,7 +78,7 @@ def resume_run(
     parse_step_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
-    with _snapshot_writer(run, cfg, unless=_ended_complete(run, cfg)):
+    with _snapshot_writer(run, cfg, unless=_completed_step(run, cfg) is not None):
         return _resume(run_storage(url, cfg), cfg, spec, changes, force, reporter or SilentReporter())
 
 
@@ -124,11 +124,12 @@ def _snapshot_writer(run: Storage, cfg: RunConfig, unless: bool = False) -> Iter
             stop_snapshot_writer()
 
 
-def _ended_complete(run: Storage, cfg: RunConfig) -> bool:
-    """Whether events.jsonl's last outcome is ``completed`` at the total steps (``_completed`` decides)."""
+def _completed_step(run: Storage, cfg: RunConfig) -> int | None:
+    """The step of events.jsonl's last outcome when it is ``completed`` at the total steps, else None."""
     last = RunRecord(run).last_outcome() or {}
     step = last.get("step")
-    return last.get("event") == names.COMPLETED and isinstance(step, int) and step >= cfg.trainer.total_steps
+    done = last.get("event") == names.COMPLETED and isinstance(step, int) and step >= cfg.trainer.total_steps
+    return step if done else None
 
 
 def _preflight(cfg: RunConfig) -> None:
@@ -202,9 +203,8 @@ def _start_over(run: Storage, catalog: Catalog, reporter: Reporter, events: Even
 def _completed(run: Storage, cfg: RunConfig, candidates: list[SnapshotInfo]) -> bool:
     """Whether the run's last recorded outcome is ``completed`` at its total steps, with its final
     snapshot committed (when it snapshots at all): only then is there nothing to resume."""
-    last = RunRecord(run).last_outcome() or {}
-    step = last.get("step")
-    if last.get("event") != names.COMPLETED or not isinstance(step, int) or step < cfg.trainer.total_steps:
+    step = _completed_step(run, cfg)
+    if step is None:
         return False
     snapshots_kept = cfg.checkpoint.every > 0 or any(c.committed for c in candidates)
     return not snapshots_kept or any(c.usable and c.step >= step for c in candidates)

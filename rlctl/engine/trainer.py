@@ -86,7 +86,8 @@ class Trainer:
         self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
         self.fence = fence
         self.emit = on_event or (lambda event: None)
-        faults.configure(cfg.faults, faults.fired_in(read_rows(run, EVENTS)), self.emit)  # once in the run
+        fired = faults.fired_in(read_rows(run, EVENTS)) if cfg.faults else ()  # (the log read for drills only)
+        faults.configure(cfg.faults, fired, self.emit)  # once in the run
         self.guard = guard
         if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
             raise ConfigError(
