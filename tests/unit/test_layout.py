@@ -21,7 +21,7 @@ FLOORS = [
     ("rlctl.rundir",),
     ("rlctl.config",),
     ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
-    ("rlctl.algos",),
+    ("rlctl.algos", "rlctl.tools"),
     ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
     ("rlctl.errors", "rlctl.events", "rlctl.numbers", "rlctl"),
 ]

@@ -1,0 +1,144 @@
+"""``rollout.multi_turn``: conversations in which the model calls tools between its turns.
+
+The shape and values are checked here; whether a tool's module imports, what its signature says and
+whether the chat template renders a tool message incrementally are the preflight's questions
+(``rlctl.engine.preflight``), so a run's saved config reads anywhere without importing a tool. A tool
+file (``tools_file``) is read and inlined when the config is loaded (``load.inline_tool_file``), as a
+policy file is: the run directory never depends on where it lived.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlctl.config.strict import Strict
+from rlctl.tools.formats import FORMATS
+
+ToolFormat = Literal["hermes", "qwen3_coder"]  # FORMATS' names (tests/unit/test_tool_formats.py keeps them equal)
+TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+NOT_YET = "is not available yet (issue 29): only plain functions (`function: module:function`) are"
+
+
+def check_import_path(v: str, what: str) -> str:
+    """``module:attribute``, else a ValueError naming ``what`` it should be."""
+    module, sep, attribute = v.partition(":")
+    if not sep or not module or not attribute:
+        raise ValueError(f"expected 'module:{what}', got {v!r}")
+    return v
+
+
+class ToolConfig(Strict):
+    function: str | None = Field(
+        None,
+        description="A plain Python function as `module:function`, run in a worker process per call; its JSON "
+        "schema is read from its signature (type hints) and docstring (first paragraph: the description; an "
+        "Args: section: each parameter's).",
+    )
+    stateful: str | None = Field(
+        None,
+        description="A stateful tool as `module:Class` with create / call / release per trajectory (not "
+        "available yet: refused).",
+    )
+    name: str | None = Field(
+        None, description="The name the model calls it by (default: the function's name); also in tool/<name>/calls."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _module_function(cls, v: str | None) -> str | None:
+        return None if v is None else check_import_path(v, "function")
+
+    @field_validator("name")
+    @classmethod
+    def _metric_name(cls, v: str | None) -> str | None:
+        if v is not None and not (v and set(v) <= TOOL_NAME_CHARS):
+            raise ValueError(f"expected letters, digits, '_' or '-' (it becomes a metric name), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _a_function(self) -> ToolConfig:
+        if self.stateful is not None:
+            raise ValueError(f"a stateful tool class ('stateful: {self.stateful}') {NOT_YET}")
+        if self.function is None:
+            raise ValueError("give the tool's 'function' (module:function)")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The tool's name: its own, else the function's."""
+        return self.name if self.name is not None else (self.function or "").partition(":")[2]
+
+
+class MultiTurnConfig(Strict):
+    max_turns: int = Field(
+        4, ge=1, description="Assistant turns per conversation at most; a call in the last one is not run."
+    )
+    max_tool_response_tokens: int = Field(
+        256,
+        ge=1,
+        description="A tool's answer is cut to this many tokens (of the model's tokenizer) before the model sees it.",
+    )
+    max_total_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Tokens after the prompt at most, the model's and the tools' together; the model's own are "
+        "capped by rollout.max_new_tokens over all its turns.",
+    )
+    tool_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds one tool call may run; its worker process is then killed (CPU-bound code "
+        "included) and the model is told it timed out.",
+    )
+    max_parallel_calls: int = Field(
+        1,
+        ge=1,
+        description="Tool calls run per assistant turn at most (the rest are answered with an error). With 1, "
+        "generation stops at the end of the first call; above 1, at the end of the turn.",
+    )
+    tool_workers: int = Field(2, ge=1, description="Worker processes of each rank that run tool calls (concurrently).")
+    format: ToolFormat = Field(
+        "hermes",
+        description='How the model writes a call: hermes (<tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>) or qwen3_coder (<tool_call><function=NAME><parameter=ARG>VALUE</parameter></function>"
+        "</tool_call>).",
+    )
+    tools: list[ToolConfig] = Field(
+        default_factory=list, description="The tools the model may call (with those of tools_file)."
+    )
+    tools_file: str | None = Field(
+        None,
+        description="A YAML file holding a list of tools (as in `tools`), read and inlined into `tools` when the "
+        "config is loaded.",
+    )
+    environment: str | None = Field(
+        None,
+        description="An environment as `module:Class` (reset / step -> observation, reward, done) answering "
+        "each turn instead of tools (not available yet: refused).",
+    )
+
+    @field_validator("environment")
+    @classmethod
+    def _no_environment_yet(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_import_path(v, "Class")
+            raise ValueError(f"an environment ('{v}') {NOT_YET}")
+        return v
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> MultiTurnConfig:
+        names = [t.label for t in self.tools]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tool names must be unique (repeated: {', '.join(dupes)}); set 'name' to tell them apart")
+        if self.tools_file is not None:
+            raise ValueError(
+                f"tools_file ({self.tools_file}) is read when a config file is loaded (rlctl start CONFIG); "
+                "here, list the tools under 'tools'"
+            )
+        if not self.tools:
+            raise ValueError("declare at least one tool ('tools' or 'tools_file')")
+        if self.format not in FORMATS:  # the Literal above and the registry drifted apart
+            raise ValueError(f"unknown tool-call format '{self.format}'; valid: {', '.join(FORMATS.names)}")
+        return self

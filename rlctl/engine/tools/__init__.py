@@ -1,0 +1,1 @@
+"""Running tool calls: worker processes per rank (``pool``) and what each runs (``worker``)."""

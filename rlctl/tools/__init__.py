@@ -1,0 +1,15 @@
+"""What a tool author and the rollout share, with no torch and no process in it: the tool-call formats
+(``formats``: how a model writes a call, one parsing function each), the JSON schema of a tool read from
+its signature and docstring and the check of a call's arguments against it (``schema``), and
+``ToolUnavailable``, which a tool raises when what it stands on (a service, a sandbox) is down: that is
+no mistake of the model's, and the trajectory is left out of the update."""
+
+from __future__ import annotations
+
+
+class ToolUnavailable(Exception):
+    """Raised by a tool whose infrastructure failed (not the model's call): the trajectory that made the
+    call is masked out of the update and counted in ``tool/unavailable_frac``."""
+
+
+__all__ = ["ToolUnavailable"]

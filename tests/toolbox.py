@@ -1,0 +1,64 @@
+"""Tools the multi-turn tests call, in worker processes: real functions, each showing one outcome."""
+
+import os
+import time
+from typing import Literal
+
+from rlctl.tools import ToolUnavailable
+
+CAPITALS = {"france": "paris", "peru": "lima", "italy": "rome", "japan": "tokyo"}
+
+
+def lookup(country: str) -> str:
+    """The capital of a country.
+
+    Args:
+        country: The country's name, in lower case.
+    """
+    return CAPITALS.get(country.strip().lower(), "unknown")
+
+
+def add(a: int, b: float = 0.0, mode: Literal["plain", "abs"] = "plain") -> float:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number,
+            which may be a fraction.
+        mode: plain, or abs for the absolute value.
+    """
+    return abs(a + b) if mode == "abs" else a + b
+
+
+def spin(seconds: float) -> str:
+    """Burn CPU for a while (pure Python: no sleep, no I/O), then say when it started."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return f"spun {n}"
+
+
+def fail(x: int) -> str:
+    """Always raises, as a buggy tool would."""
+    raise ValueError(f"bad x {x}")
+
+
+def down() -> str:
+    """A service that is down."""
+    raise ToolUnavailable("the lookup service is down")
+
+
+def crash() -> str:
+    """Kills its own process, as a segfault would."""
+    os._exit(3)
+
+
+def words(n: int) -> str:
+    """n words."""
+    return " ".join(f"word{i}" for i in range(n))
+
+
+def pid() -> int:
+    """The worker's process id."""
+    return os.getpid()
