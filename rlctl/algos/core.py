@@ -253,14 +253,19 @@ def reinforce_plus_plus_baseline_advantage(inp: AdvantageInputs) -> tuple[torch.
 
 
 def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """(B, T) rewards -> (B, T) G_t = sum_{k>=t} gamma^(k-t) r_k over real tokens; 0 on padding (the sum
-    restarts at a masked position, as verl's reset "after EOS")."""
+    """(B, T) rewards -> (B, T) G_t = sum_{k>=t} gamma^(k-t) r_k over the real tokens k of the row; 0 on
+    masked positions. A masked hole inside a response (a tool's or the environment's tokens of a multi-turn
+    conversation) passes the running return on unchanged, as current verl carries it across tool tokens
+    (PRs 7278 and 7300; it restarted at every masked token before): only the padding after the last real
+    token, where nothing follows, starts from 0. The hole is no step of the policy, so it is not discounted
+    either (as GAE skips it): with gamma 1 this is verl's sum exactly; a row with holes gives the returns of
+    the same row with its holes cut out."""
     keep = mask.bool()
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, torch.zeros_like(running))
-        out[:, t] = running
+        running = torch.where(keep[:, t], rewards[:, t] + gamma * running, running)
+        out[:, t] = torch.where(keep[:, t], running, torch.zeros_like(running))
     return out
 
 
