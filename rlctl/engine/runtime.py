@@ -271,7 +271,7 @@ def check_rollout_device(device: str, backend: str) -> None:
 MUON = "deepspeed.runtime.zero.muon.original_muon"  # DeepSpeed's Muon optimizer, which rlctl never uses
 
 
-def import_deepspeed():
+def import_deepspeed(muon: bool = True):
     """DeepSpeed, imported without its two slow side trips (each 1.5 to 4 s at every start of every rank):
 
     * its autotuner imports MLflow when MLflow is installed; it is hidden for that import only (rlctl
@@ -280,7 +280,8 @@ def import_deepspeed():
       every ZeRO optimizer imports that module (for an ``isinstance`` check). It is imported here first
       with torch's documented ``TORCHDYNAMO_DISABLE=1`` set for that import only, which turns the
       decorator into a no-op: Muon's Newton-Schulz kernel stays uncompiled, and nothing runs it (rlctl's
-      optimizer is always torch's AdamW). Nothing else is compiled differently.
+      optimizer is always torch's AdamW). Nothing else is compiled differently. ``muon=False`` leaves
+      that module out, for a process that builds no optimizer (``import_deepspeed_for_state``).
     """
     if "deepspeed" not in sys.modules:
         hidden = "mlflow" not in sys.modules
@@ -291,8 +292,17 @@ def import_deepspeed():
         finally:
             if hidden and sys.modules.get("mlflow", 0) is None:
                 del sys.modules["mlflow"]
-    _import_muon_uncompiled()  # (also where something imported DeepSpeed before: it imports Muon lazily)
+    if muon:
+        _import_muon_uncompiled()  # (also where something imported DeepSpeed before: it imports Muon lazily)
     return sys.modules["deepspeed"]
+
+
+def import_deepspeed_for_state():
+    """DeepSpeed for a process that only unpickles and writes its engines' state dicts (the snapshot
+    writer): the classes those hold (the loss scaler, ZeRO's stage enum, tensor fragments) import on
+    demand; the Muon module, which no state dict names, stays out (importing it, even uncompiled, pulls
+    in torch._dynamo: about 1.5 s of CPU at every start of every writer)."""
+    return import_deepspeed(muon=False)
 
 
 def _import_muon_uncompiled() -> None:

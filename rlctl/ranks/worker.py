@@ -43,10 +43,10 @@ if TYPE_CHECKING:
 Fence = Callable[[], None]  # raises (LeaseError) once this process may no longer write the run
 
 # What the snapshot writer process imports as it starts, besides torch: DeepSpeed, whose objects the
-# engines' optimizer state dicts hold, imported as the trainer imports it (``import_deepspeed``), with
-# its CPU accelerator whatever the run's device (the writer never touches one, and need not wait for
-# this process to choose it)
-WRITER_PRELOAD = ("rlctl.engine.runtime:import_deepspeed",)
+# engines' optimizer state dicts hold, imported as the trainer imports it less the optimizer module it
+# never builds (``import_deepspeed_for_state``), with its CPU accelerator whatever the run's device (the
+# writer never touches one, and need not wait for this process to choose it)
+WRITER_PRELOAD = ("rlctl.engine.runtime:import_deepspeed_for_state",)
 WRITER_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
