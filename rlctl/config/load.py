@@ -22,7 +22,7 @@ from rlctl.errors import ConfigError
 from rlctl.policies.actions import AdjustAction, RollbackAction
 from rlctl.policies.loader import load_policies, resolve_policy_path
 from rlctl.policies.schema import Rule, rule_metrics
-from rlctl.yamlsrc import Origins, explain, read_yaml
+from rlctl.yamlsrc import Origins, explain, origin_for, read_yaml
 
 PACKAGED = Path(__file__).parent.parent / "configs"  # configs shipped with rlctl, picked by a bare name
 BUILTIN_CONFIG = PACKAGED / "builtin.yaml"  # what `rlctl start` runs without a CONFIG
@@ -39,6 +39,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         key, value = parse_set(item)
         _set_path(data, key, value)
         origins[key] = f"--set {item}"
+    inline_tool_file(data, origins, source.parent)
     cfg = validate_config(data, origins)
     return inline_policies(cfg, source.parent)
 
@@ -88,6 +89,36 @@ def validate_config(data: dict[str, Any], origins: Origins | None = None) -> Run
     except ValidationError as exc:
         raise ConfigError(explain(exc, origins, RunConfig, "invalid config")) from None
     return cfg.read_from(Provenance("invalid config", origins))
+
+
+TOOLS = ("rollout", "multi_turn")
+
+
+def inline_tool_file(data: dict[str, Any], origins: Origins, base_dir: Path) -> None:
+    """``rollout.multi_turn.tools_file`` read (relative to the config's folder, then the working directory)
+    and its ``tools`` appended to ``rollout.multi_turn.tools``, each key's origin its line in that file;
+    the file's name dropped, so the run directory never depends on where it lived."""
+    section = data.get("rollout", {}).get("multi_turn") if isinstance(data.get("rollout"), dict) else None
+    if not isinstance(section, dict) or section.get("tools_file") is None:
+        return
+    name = Path(str(section["tools_file"])).expanduser()
+    path = base_dir / name if not name.is_absolute() and (base_dir / name).is_file() else name
+    where = f"'rollout.multi_turn.tools_file'{origin_for((*TOOLS, 'tools_file'), origins)}"
+    try:
+        content, file_origins = read_yaml(path, "tool file")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    extra = content.get("tools")
+    if set(content) != {"tools"} or not isinstance(extra, list):
+        raise ConfigError(f"{where}: {path} must hold one key, 'tools', a list of tools (as rollout.multi_turn.tools)")
+    tools = section.get("tools") or []
+    if not isinstance(tools, list):
+        return  # the field's own error names it
+    for key, origin in file_origins.items():
+        if key[0] == "tools" and len(key) > 1 and key[1].isdigit():
+            origins[(*TOOLS, "tools", str(len(tools) + int(key[1])), *key[2:])] = origin
+    section["tools"] = [*tools, *extra]
+    section["tools_file"] = None
 
 
 def inline_policies(cfg: RunConfig, base_dir: Path | None) -> RunConfig:

@@ -156,6 +156,20 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _multi_turn_is_chat(self) -> RunConfig:
+        if self.rollout.multi_turn is not None and not self.data.apply_chat_template:
+            raise ValueError(
+                "rollout.multi_turn renders the conversation with the chat template: set data.apply_chat_template "
+                "to true"
+            )
+        if self.rollout.multi_turn is not None:
+            raise ValueError(
+                "rollout.multi_turn is not available yet (issue 29): its rollout is built and tested "
+                "(rlctl.engine.rollout.multi_turn) but the trainer does not run it yet"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _validation_has_prompts(self) -> RunConfig:
         validates = self.trainer.val_every > 0 or self.trainer.val_before_train
         if self.checkpoint.keep_best is not None and not self.trainer.val_every:

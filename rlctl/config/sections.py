@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.config.strict import Strict
 
 
@@ -192,10 +193,30 @@ class RolloutConfig(Strict):
         "val_temperature > 0.",
     )
 
+    multi_turn: MultiTurnConfig | None = Field(
+        None,
+        description="Conversations in which the model calls tools between its turns (hf backend; needs "
+        "data.apply_chat_template). Not available yet (refused). Empty: one completion per prompt.",
+    )
+
     @model_validator(mode="after")
     def _greedy_is_one(self) -> RolloutConfig:
         if self.val_samples > 1 and self.val_temperature == 0:
             raise ValueError("val_samples > 1 needs val_temperature > 0 (greedy decoding gives one answer)")
+        return self
+
+    @model_validator(mode="after")
+    def _multi_turn_fits(self) -> RolloutConfig:
+        mt = self.multi_turn
+        if mt is None:
+            return self
+        if self.backend != "hf":
+            raise ValueError(f"multi_turn is not available with backend {self.backend} yet (issue 29): use backend hf")
+        if mt.max_total_tokens < self.max_new_tokens:
+            raise ValueError(
+                f"multi_turn.max_total_tokens ({mt.max_total_tokens}) must be at least max_new_tokens "
+                f"({self.max_new_tokens}): the model's tokens are part of it"
+            )
         return self
 
     @field_validator("stop")

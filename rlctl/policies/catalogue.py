@@ -71,6 +71,18 @@ METRICS: dict[str, str] = {
     "response/degenerate_frac": "share of responses dominated by one token or one short n-gram",
     "dynamic_sampling/rounds": "generation rounds dynamic sampling needed to fill the batch",
     "dynamic_sampling/kept_groups": "groups with a score spread that dynamic sampling kept",
+    # multi-turn conversations with tools (rollout: multi_turn)
+    "multi_turn/num_turns/mean": "mean number of the model's turns per conversation",
+    "multi_turn/num_turns/max": "most turns of the model in one conversation of the step",
+    "multi_turn/max_turns_reached_frac": "share of conversations that still called a tool in their last allowed turn",
+    "multi_turn/env_token_frac": "share of the tokens after the prompts that tools and the chat template wrote (masked)",
+    "multi_turn/template_drift_frac": "share of conversations whose ids differ from the whole conversation re-rendered",
+    "multi_turn/infra_masked_frac": "share of conversations masked out of the update after a tool's infrastructure failed",
+    "tool/calls/mean": "tool calls the model tried per conversation (well-formed or not)",
+    "tool/error_frac": "share of tool calls whose tool raised an exception (told to the model)",
+    "tool/invalid_call_frac": "share of tool calls that were malformed, named no tool or had bad arguments",
+    "tool/timeout_frac": "share of tool calls stopped at their timeout (multi_turn: tool_timeout_s), their worker killed",
+    "tool/unavailable_frac": "share of tool calls whose tool raised ToolUnavailable or whose worker died",
     # throughput
     "perf/throughput": "tokens per second of the step",
     "perf/tokens_seen": "tokens trained on so far in the run",
@@ -85,7 +97,8 @@ PATTERNS: dict[str, str] = {
     "val/score/best@<n>": "over validation prompts, the mean of each prompt's best score of n answers",
     "val/<data_source>/score/mean": "mean validation score of the prompts of one data_source",
     "critic/score/<name>/mean": "mean score of one reward source (reward.sources: its name) over the step's responses",
-    "timing_s/<phase>": "seconds the step spent in a phase (gen, old_log_prob, ref, values, update_actor, ...)",
+    "tool/<name>/calls": "well-formed calls of one tool (multi_turn tools: its name) in the step",
+    "timing_s/<phase>": "seconds the step spent in a phase (gen, old_log_prob, ref, values, update_actor, tools, ...)",
 }
 
 

@@ -1,0 +1,34 @@
+"""The tools of ``rollout.multi_turn``: each function imported (in the trainer's process, once) for its JSON
+schema; a name that does not import is a ConfigError naming the key, before any work (the preflight)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlctl.config.multi_turn import MultiTurnConfig
+from rlctl.engine.reward import _import, call_user_code
+from rlctl.errors import ConfigError
+from rlctl.tools.schema import function_schema
+
+
+@dataclass(frozen=True)
+class Tools:
+    schemas: dict[str, dict[str, Any]]  # name -> the chat template's tool schema
+    functions: dict[str, str]  # name -> module:function, run by the worker processes
+
+
+def load_tools(mt: MultiTurnConfig) -> Tools:
+    schemas, functions = {}, {}
+    for i, tool in enumerate(mt.tools):
+        key = f"'rollout.multi_turn.tools[{i}].function'"
+        module_name, _, fn_name = tool.function.partition(":")
+        module = call_user_code(f"tool '{tool.function}': importing module '{module_name}'", _import, module_name)
+        if module is None:
+            raise ConfigError(f"{key}: cannot import module '{module_name}' (No module named '{module_name}')")
+        fn = getattr(module, fn_name, None)
+        if not callable(fn):
+            raise ConfigError(f"{key}: module '{module_name}' has no function '{fn_name}'")
+        schemas[tool.label] = function_schema(fn, tool.label)
+        functions[tool.label] = tool.function
+    return Tools(schemas, functions)

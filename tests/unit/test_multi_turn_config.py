@@ -1,0 +1,70 @@
+"""rollout.multi_turn's config: strict, its sentences located; a tool file inlined where the config is
+loaded (its keys located in it); what is not wired yet refused with a sentence saying so."""
+
+import pytest
+
+from rlctl.config import load_config
+from rlctl.config.multi_turn import MultiTurnConfig, ToolConfig
+from rlctl.errors import ConfigError
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_values_and_shapes_are_checked():
+    assert MultiTurnConfig(tools=[{"function": "toolbox:lookup"}]).tools[0].label == "lookup"
+    bad = [
+        ({"tools": []}, "declare at least one tool"),
+        ({"tools": [{"function": "toolbox"}]}, "expected 'module:function', got 'toolbox'"),
+        ({"tools": [{"function": "a:f"}, {"function": "b:f"}]}, "tool names must be unique (repeated: f)"),
+        ({"tools": [{"function": "a:f", "name": "f/x"}]}, "it becomes a metric name"),
+        ({"tools": [{"stateful": "a:Box"}]}, "a stateful tool class ('stateful: a:Box') is not available yet"),
+        ({"tools": [{"function": "a:f"}], "environment": "a:Env"}, "an environment ('a:Env') is not available yet"),
+        ({"tools": [{"function": "a:f"}], "format": "json"}, "hermes"),
+        ({"tools": [{"function": "a:f"}], "tool_timeout_s": 0}, "greater than 0"),
+    ]
+    for data, sentence in bad:
+        with pytest.raises(ValueError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
+            MultiTurnConfig.model_validate(data)
+    assert ToolConfig(function="a:f", name="g").label == "g"
+
+
+def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):
+    write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n  - function: toolbox\n")
+    cfg = write(
+        tmp_path / "run.yaml",
+        "data: {apply_chat_template: true}\nrollout:\n  multi_turn:\n    tools_file: tools.yaml\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert err.value.message == (
+        "invalid config: 'rollout.multi_turn.tools.1.function' (tools.yaml line 3): expected 'module:function', "
+        "got 'toolbox'."
+    )
+    write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n")
+    with pytest.raises(ConfigError) as err:  # well formed, and refused until the trainer runs it
+        load_config(cfg)
+    assert "multi_turn is not available yet (issue 29)" in err.value.message
+    write(tmp_path / "tools.yaml", "- function: toolbox:lookup\n")
+    with pytest.raises(ConfigError, match="tools_file' \\(run.yaml line 4\\): tools.yaml must be a mapping"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match="tools_file' \\(run.yaml line 4\\): tool file not found"):
+        load_config(write(cfg, cfg.read_text().replace("tools.yaml", "nope.yaml")))
+
+
+def test_multi_turn_needs_the_chat_template_and_the_hf_backend(tmp_path):
+    tools = "rollout: {multi_turn: {tools: [{function: 'toolbox:lookup'}]}"
+    with pytest.raises(ConfigError, match="set data.apply_chat_template to true"):
+        load_config(write(tmp_path / "a.yaml", tools + "}\n"))
+    with pytest.raises(ConfigError, match="multi_turn is not available with backend vllm yet"):
+        load_config(write(tmp_path / "b.yaml", tools + ", backend: vllm}\ndata: {apply_chat_template: true}\n"))
+    with pytest.raises(ConfigError, match=r"max_total_tokens \(16\) must be at least max_new_tokens \(256\)"):
+        load_config(
+            write(
+                tmp_path / "c.yaml",
+                tools.replace("multi_turn: {", "multi_turn: {max_total_tokens: 16, ")
+                + "}\ndata: {apply_chat_template: true}\n",
+            )
+        )

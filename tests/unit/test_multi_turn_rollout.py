@@ -1,0 +1,90 @@
+"""The multi-turn rollout on the HF backend with a real tiny model over a real BPE chat tokenizer and real
+tools in worker processes: a turn's calls are answered as template increments (masked), malformed calls
+and exceptions go back to the model as errors, an infrastructure failure masks the conversation whole,
+answers are cut in tokens, and a generated batch keeps the model's log-probs aligned with its mask."""
+
+import pytest
+import torch
+from chat_tokenizer import tool_model_dir
+
+from rlctl.config import RunConfig
+from rlctl.config.multi_turn import MultiTurnConfig
+from rlctl.engine.actor import Actor
+from rlctl.engine.model import load_tokenizer
+from rlctl.engine.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
+from rlctl.engine.tools.loader import load_tools
+
+TOOLS = [
+    {"function": "toolbox:lookup"},
+    {"function": "toolbox:fail"},
+    {"function": "toolbox:down"},
+    {"function": "toolbox:words"},
+]
+
+
+@pytest.fixture(scope="module")
+def rollout(runtime, tmp_path_factory):
+    model_dir = tool_model_dir(tmp_path_factory.mktemp("tool-model"))
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"apply_chat_template": True, "max_prompt_length": 400},
+            "trainer": {"prompts_per_step": 2},
+            "algorithm": {"group_size": 2},
+            "rollout": {"max_new_tokens": 48},
+        }
+    )
+    mt = MultiTurnConfig(tools=TOOLS, max_turns=3, max_total_tokens=400, max_tool_response_tokens=100, tool_timeout_s=5)
+    r = MultiTurnRollout(cfg, Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), mt, load_tools(mt))
+    yield r
+    r.close()
+
+
+def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):
+    chat, tok = rollout.chat, rollout.tokenizer
+    calls = (
+        '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>',
+        '<tool_call>{"name": "fail", "arguments": {"x": 1}}</tool_call>',
+        '<tool_call>{"name": "lookup", "arguments": {"nation": "peru"}}</tool_call>',
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"name": "words", "arguments": {"n": 80}}</tool_call>',
+        '<tool_call>{"name": "down", "arguments": {}}</tool_call>',
+        "no call, the answer is lima",
+    )
+    convs = [Conversation("capital of peru?", (i, 0)) for i in range(len(calls))]
+    turns = [chat.encode(c) for c in calls]
+    for c, t in zip(convs, turns):
+        c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
+    stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
+    rollout._answer(convs, turns, 0, stats)
+    said = [tok.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)]
+    assert "<tool_response>\nlima\n</tool_response>" in said[0]
+    assert "error: ValueError: bad x 1 (at toolbox.py line" in said[1]
+    assert "error: lookup has no argument 'nation'; its arguments are: country" in said[2]
+    assert "error: the tool call is not valid JSON" in said[3]
+    answer = said[4].split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+    assert len(chat.encode(answer)) == 100 and answer.startswith("word0 word1")  # cut to 100 tokens
+    assert "error: the lookup service is down" in said[5]
+    assert said[6] == "" and convs[6].done  # no call: the conversation is over
+    assert all(c.model == [True] * len(t) + [False] * (len(c.ids) - len(t)) for c, t in zip(convs, turns))
+    assert [c.infra_failed for c in convs] == [False] * 5 + [True, False]
+    assert (stats.calls, stats.errors, stats.invalid, stats.unavailable, stats.timeouts) == (6, 1, 2, 1, 0)
+    assert stats.by_name == {"lookup": 1, "fail": 1, "down": 1, "words": 1}
+    batch = rollout._batch(rollout.encode(["capital of peru?"] * 7), convs)
+    assert batch.response_mask[5].sum() == 0 and batch.response_mask[0].sum() == len(turns[0])  # masked whole
+    assert (batch.attention_mask[:, batch.prompt_len :].sum(-1) == torch.tensor([len(c.ids) for c in convs])).all()
+    assert rollout.decode(batch)[6] == "no call, the answer is lima" and rollout.decode(batch)[5] == ""
+
+
+def test_generated_conversations_keep_log_probs_aligned_with_the_mask(rollout):
+    seqs = rollout.generate(["capital of peru?", "capital of italy?"] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+    again = rollout.generate(["capital of peru?", "capital of italy?"] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], step=1)
+    assert torch.equal(seqs.input_ids, again.input_ids)  # seeded per conversation and turn
+    mask = seqs.response_mask.bool()
+    assert mask.any() and (mask <= seqs.attention_mask[:, seqs.prompt_len :].bool()).all()
+    lp, _ = rollout.actor.log_probs(seqs, rollout.cfg.rollout.temperature)
+    assert torch.allclose(lp[mask], seqs.rollout_log_probs[mask], atol=1e-4)
+    assert (seqs.rollout_log_probs[~mask] == 0).all()
+    metrics = rollout.take_metrics()
+    assert set(metrics) == set(rollout.reductions) and rollout.take_metrics() == {}
+    assert metrics["multi_turn/num_turns/mean"] >= 1 and metrics["tool/lookup/calls"] >= 0
