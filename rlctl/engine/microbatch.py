@@ -5,7 +5,8 @@ when unset), in batch order. Or a token budget (``actor.max_tokens_per_micro_bat
 ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``): the sequences sorted by length, longest
 first, and cut so that no micro-batch's padded size (its rows x its longest prompt plus its longest
 response) exceeds the budget; each micro-batch then drops the prompt columns that are padding in all
-its rows and the response columns past its longest response. Sequences of like length travel
+its rows and the response columns past its longest response (a response's extent: up to its last
+attended token, the tools' tokens of a multi-turn response included). Sequences of like length travel
 together, so the padding every forward and backward computes shrinks to what is left inside a
 micro-batch. A sequence longer than the budget is a micro-batch of its own. The ranks agree on a
 count (the largest any rank needs; the others split their largest micro-batches), because every
@@ -84,7 +85,7 @@ def by_count(start: int, stop: int, size: int) -> list[slice]:
 def by_tokens(sizes: tuple[list[int], list[int]], start: int, stop: int, budget: int) -> list[list[int]]:
     """Rows ``start:stop`` sorted by length (longest first; ties keep batch order) and cut so that each
     micro-batch's padded size, rows x (longest prompt + longest response), stays within ``budget``.
-    ``sizes``: every row's prompt and response lengths (``lengths``)."""
+    ``sizes``: every row's prompt length and response extent (``lengths``)."""
     prompt, response = sizes
     order = sorted(range(start, stop), key=lambda i: -(prompt[i] + response[i]))
     groups: list[list[int]] = []
@@ -112,9 +113,20 @@ def split_to(groups: list[list[int]], count: int) -> list[list[int]]:
 
 
 def lengths(seqs: Sequences) -> tuple[list[int], list[int]]:
-    """Each sequence's real prompt tokens and response tokens."""
+    """Each sequence's real prompt tokens and the extent of its response: the columns up to its last
+    attended token. The columns a forward needs, whatever the loss trains on: a multi-turn response
+    holds the tools' tokens (attended, masked out of the loss) between the model's, so its trained
+    count (``trained``) can be far below its extent."""
     prompt = seqs.attention_mask[:, : seqs.prompt_len].sum(-1).tolist()
-    return prompt, seqs.response_mask.sum(-1).tolist()
+    attended = seqs.attention_mask[:, seqs.prompt_len :].bool()
+    columns = torch.arange(1, attended.shape[1] + 1, device=attended.device)
+    return prompt, (attended * columns).amax(-1).tolist() if attended.shape[1] else [0] * len(seqs)
+
+
+def trained(seqs: Sequences) -> list[int]:
+    """Each sequence's response tokens that the loss trains on (``response_mask``): what weighs a
+    micro-batch's token mean."""
+    return seqs.response_mask.sum(-1).tolist()
 
 
 def plan(
@@ -147,10 +159,12 @@ def weigh(
     seqs: Sequences, sizes: tuple[list[int], list[int]], cut: list, pieces: float, world: int, total: Callable
 ) -> list[MicroBatch]:
     """The micro-batches of one mini-batch (``cut``: their rows, a slice or a list each) with their
-    columns, weights and sizes (``sizes``: every row's prompt and response lengths)."""
+    columns, weights and sizes (``sizes``: every row's prompt length and response extent, ``lengths``).
+    The token weights count the trained tokens (``trained``); the columns and sizes, the attended ones."""
     prompt, response = sizes
+    counts = trained(seqs)
     members = [list(range(*r.indices(len(seqs)))) if isinstance(r, slice) else r for r in cut]
-    tokens = [sum(response[i] for i in m) for m in members]
+    tokens = [sum(counts[i] for i in m) for m in members]
     all_tokens, all_rows = total(sum(tokens)), total(sum(len(m) for m in members))
     out = []
     for index, (rows, m, tok) in enumerate(zip(cut, members, tokens)):
@@ -162,6 +176,7 @@ def weigh(
             response_to = max(1, max(response[i] for i in m))
         tw = tok * pieces * world / all_tokens if all_tokens else 1.0
         sw = len(m) * pieces * world / all_rows
-        real, padded = tok + sum(prompt[i] for i in m), len(m) * (seqs.prompt_len - prompt_from + response_to)
+        real = sum(prompt[i] + response[i] for i in m)
+        padded = len(m) * (seqs.prompt_len - prompt_from + response_to)
         out.append(MicroBatch(rows, prompt_from, response_to, tw, sw, pieces, index, len(cut), real, padded))
     return out

@@ -66,3 +66,21 @@ def test_fixed_micro_batches_keep_every_column_and_weigh_one():
     [mbs] = microbatch.plan(seqs, 4, micro_batch=2, max_tokens=None, world=1, total=lambda n: n, most=lambda n: n)
     assert [mb.rows for mb in mbs] == [slice(0, 2), slice(2, 4)] and all(mb.pieces == 2 for mb in mbs)
     assert all(mb.seq_weight == 1.0 for mb in mbs) and mbs[0].seqs(seqs).input_ids.shape == (2, 16)
+
+
+def test_a_response_with_holes_keeps_its_columns_and_weighs_its_trained_tokens():
+    """A multi-turn response: the model's tokens, the tools' (attended, masked out of the loss), the
+    model's again. Its columns are its extent, not its trained count; its weight is its trained count."""
+    seqs = batch([2, 3, 2], [9, 2, 3])
+    seqs.response_mask[0, 2:7] = 0  # row 0: 4 trained tokens over 9 attended columns
+    prompt, response = microbatch.lengths(seqs)
+    assert response == [9, 2, 3] and microbatch.trained(seqs) == [4, 2, 3]
+    [mbs] = microbatch.plan(seqs, 3, micro_batch=None, max_tokens=12, world=1, total=lambda n: n, most=lambda n: n)
+    [holed] = [mb for mb in mbs if 0 in mb.rows.tolist()]
+    assert holed.rows.tolist() == [0] and holed.response_to == 9  # 2 + 9 > 12 / 2: alone, nothing cut
+    part = holed.seqs(seqs)
+    assert part.attention_mask.sum().item() == seqs.attention_mask[0].sum().item() == 11
+    assert holed.tokens(seqs.response_mask).sum().item() == 4
+    assert holed.token_weight == 4 * len(mbs) / 9  # 4 of the batch's 9 trained tokens
+    assert holed.real_size == 11 and holed.padded_size == 11
+    assert sum(mb.token_weight for mb in mbs) == len(mbs)
