@@ -21,6 +21,13 @@ class TrainerConfig(Strict):
     num_threads: int = Field(
         1, ge=1, description="torch intra-op threads on CPU (one per process avoids oversubscription)."
     )
+    deterministic: bool = Field(
+        False,
+        description="Deterministic kernels (torch.use_deterministic_algorithms, warn-only; "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set; cuDNN deterministic, no autotuning): on a GPU a resumed or "
+        "rolled-back run then repeats an uninterrupted one bit for bit. Some kernels run slower; one without a "
+        "deterministic version warns on stderr. The CPU is deterministic without it.",
+    )
     lease_timeout: float = Field(
         120.0,
         gt=0,

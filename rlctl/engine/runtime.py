@@ -348,6 +348,22 @@ def init_distributed(backend: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's fixed workspace for deterministic results (PyTorch's randomness notes)
+
+
+def deterministic_kernels() -> None:
+    """``trainer.deterministic``: the settings under which CUDA computes a step bit for bit the same in
+    every process, so a resumed run repeats an uninterrupted one (set before the first cuBLAS call):
+    ``CUBLAS_WORKSPACE_CONFIG`` (unless already set), ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` (an op without a deterministic kernel warns once rather than stopping the run;
+    uninitialised memory is filled), cuDNN's deterministic algorithms and no cuDNN autotuning. The CPU
+    kernels rlctl runs are deterministic already."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -363,9 +379,11 @@ class RankContext:
 
 
 def open_rank(cfg: RunConfig) -> RankContext:
-    """Set this process up as a rank of the run described by ``cfg``: device, dtype and threads, the
-    rollout backend's device check, every seed, then the process group (joined where a launcher set
-    one up, else a world of one). Before any model is built."""
+    """Set this process up as a rank of the run described by ``cfg``: deterministic kernels where asked
+    for, device, dtype and threads, the rollout backend's device check, every seed, then the process
+    group (joined where a launcher set one up, else a world of one). Before any model is built."""
+    if cfg.trainer.deterministic:
+        deterministic_kernels()
     runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
     check_rollout_device(runtime.kind, cfg.rollout.backend)
     seed_everything(cfg.seed)
