@@ -55,6 +55,15 @@ def start(run_dir, *args: str, config=None, steps: int | None = None, every: int
     return run_cli("start", *_start_args(run_dir, config, steps, every), *args, env=env, **kw)
 
 
+def start_here(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, env=None):
+    """``start`` run in this process (``invoke``, from the repository's root): the same run, row for row and
+    byte for byte (the resume tests compare such runs with resumed ones made in subprocesses), without the
+    start of a new interpreter and its imports (about 5 s of CPU). For reference runs only: a run with
+    drills (RLCTL_FAULTS fire once per process), signals or a rank of its own needs ``start``."""
+    with contextlib.chdir(REPO):
+        return invoke("start", *_start_args(run_dir, config, steps, every), *args, env=env)
+
+
 def spawn_start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, **kw):
     """``start`` left running (a Popen): ``kw`` as for spawn (faults, env)."""
     return spawn("start", *_start_args(run_dir, config, steps, every), *args, **kw)

@@ -1,11 +1,12 @@
 """Each algorithm of the family, end to end on the built-in task: finite metrics, and the reward of the
-last 10 steps clearly above that of the first 10 (the installed `rlctl`, real DeepSpeed)."""
+last 10 steps clearly above that of the first 10 (`rlctl start`'s entry point in this process, real
+DeepSpeed: the runs of the CLI in subprocesses are the other e2e tests')."""
 
 import math
 
 import pytest
 
-from helpers import metrics_of, run_cli, start
+from helpers import metrics_of, run_cli, start_here
 
 # GRPO, the default, is test_e2e.py's test_demo_learns: the same command and the same assertions
 VARIANTS = {
@@ -55,7 +56,7 @@ VARIANTS = {
 def test_variant_learns(tmp_path, name):
     steps = 80
     sets = [f"trainer.total_steps={steps}", *VARIANTS[name]]
-    r = start(tmp_path / name, *[a for s in sets for a in ("--set", s)])
+    r = start_here(tmp_path / name, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / name)
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
@@ -91,7 +92,7 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
         "actor.zero_stage=3",
     ]
     run = tmp_path / "run"
-    r = start(run, *[a for s in sets for a in ("--set", s)])
+    r = start_here(run, *[a for s in sets for a in ("--set", s)])  # resumed below in a process of its own
     assert r.returncode == 0, r.stderr
     first = metrics_of(run)
     r = run_cli("resume", str(run), "--from", "step-3")
@@ -116,7 +117,7 @@ def test_dynamic_sampling_short_batch_is_topped_up(tmp_path):
         "algorithm.dynamic_sampling.max_gen_batches=1",
         "actor.micro_batch_size=32",
     ]
-    r = start(tmp_path / "r", *[a for s in sets for a in ("--set", s)])
+    r = start_here(tmp_path / "r", *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / "r")
     assert any(row["dynamic_sampling/kept_groups"] < 16 for row in rows)  # the short case happened

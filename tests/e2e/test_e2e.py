@@ -8,7 +8,7 @@ import yaml
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, metrics_of, start
+from helpers import SMALL, metrics_of, start, start_here
 
 REQUIRED = [
     "step",
@@ -63,7 +63,7 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
     separate pass): every metric finite, the policy drifts from the reference and the ratio from 1."""
     run_dir = tmp_path / "kl"
     sets = ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "actor.zero_stage=3", "algorithm.ppo_epochs=2"]
-    r = start(run_dir, *SMALL, *[a for s in [*sets, "actor.mini_batch_size=8"] for a in ("--set", s)], steps=6)
+    r = start_here(run_dir, *SMALL, *[a for s in [*sets, "actor.mini_batch_size=8"] for a in ("--set", s)], steps=6)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 6
@@ -94,7 +94,7 @@ def test_user_model_data_and_reward(tmp_path, tiny_model_dir):
     """)
     )
     run_dir = tmp_path / "math"
-    r = start(run_dir, config=cfg)
+    r = start_here(run_dir, config=cfg)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 3 and all(0 <= row["critic/score/mean"] <= 1 for row in rows)

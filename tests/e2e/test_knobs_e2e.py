@@ -9,7 +9,7 @@ import signal
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn_start, stable, start, wait_for
+from helpers import SMALL, events_of, metrics_of, run_cli, spawn_start, stable, start, start_here, wait_for
 
 
 def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
@@ -30,7 +30,7 @@ def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
         )
     )
     run = tmp_path / "run"
-    r = start(run, *SMALL, config=cfg)
+    r = start_here(run, *SMALL, config=cfg)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["actor/kl_coef"] for row in rows] == [0.0] * 4 + [0.001] * 6  # 0 for the first 40%

@@ -17,7 +17,7 @@ import yaml
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn_start, start, wait_for
+from helpers import SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn_start, start_here, wait_for
 
 
 def last_event(run_dir):
@@ -104,7 +104,7 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(pr
 def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempted_while_building, tmp_path):
     run = tmp_path / "run"
     # a mistake found before any work: nothing is created, so the fixed command just runs
-    r = start(run, *SMALL, "--set", "reward.function=no_such_module:fn", steps=2)
+    r = start_here(run, *SMALL, "--set", "reward.function=no_such_module:fn", steps=2)
     assert r.returncode == ExitCode.CONFIG and not run.exists(), r.stderr
     assert "cannot import module 'no_such_module'" in r.stderr and "Traceback" not in r.stderr
 
@@ -112,7 +112,7 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
     preempted, code, err = preempted_while_building
     assert code == 75, err
     run = copy_of(preempted, tmp_path)
-    r = start(run, *SMALL, "--set", "seed=7", steps=2)
+    r = start_here(run, *SMALL, "--set", "seed=7", steps=2)
     assert r.returncode == 0, r.stderr
     assert f"reusing {run}: its earlier start never trained a step" in r.stderr
     assert kinds(run) == ["start", "preempted", "start", "completed"] and events_of(run)[2]["reused"] is True
@@ -121,7 +121,7 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
 
     # a directory whose run trained is never started over (nor written to)
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "events.jsonl")}
-    r = start(run, *SMALL, steps=2)
+    r = start_here(run, *SMALL, steps=2)
     assert r.returncode == ExitCode.CONFIG and "already holds a run that trained 2 step(s)" in r.stderr
     assert {name: (run / name).read_bytes() for name in before} == before
 

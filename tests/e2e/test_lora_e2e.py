@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, hf_weights_sha256, kill_and_resume, metrics_of, run_cli, stable, start
+from helpers import SMALL, completed_hash, hf_weights_sha256, kill_and_resume, metrics_of, run_cli, stable, start_here
 
 COMMON = [
     *SMALL,
@@ -34,7 +34,7 @@ def dir_bytes(path) -> int:
 
 def test_lora_run_snapshots_the_adapter_resumes_exactly_and_exports(tmp_path):
     ref = tmp_path / "ref"
-    r = start(ref, *COMMON)
+    r = start_here(ref, *COMMON)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(ref)
     assert len(rows) == 6 and rows[-1]["actor/kl_loss"] > 0  # the adapter moved off the base (k1: ~0 at first)

@@ -23,6 +23,7 @@ from helpers import (
     spawn_start,
     stable,
     start,
+    start_here,
     wait_for,
 )
 
@@ -31,6 +32,8 @@ BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4"
 VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]
 COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", *VAL]
 RAY = ["--nproc", "2", "--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
+# the 2-rank ZeRO-3 runs micro-batch by token budget (test_token_budget_...); ZeRO-2's take one per rank
+BUDGET = {2: [], 3: ["--set", "actor.max_tokens_per_micro_batch=40"]}
 # files of both ranks that a 2-rank snapshot's manifest lists
 RANK_FILES = (
     "state.pt",
@@ -75,7 +78,7 @@ def one_rank(tmp_path_factory):
     out = {}
     for stage in (2, 3):
         run = tmp_path_factory.mktemp("one") / f"z{stage}"
-        r = start(run, *COMMON, "--set", f"actor.zero_stage={stage}")
+        r = start_here(run, *COMMON, "--set", f"actor.zero_stage={stage}")
         assert r.returncode == 0, r.stderr
         out[stage] = run
     return out
@@ -83,13 +86,13 @@ def one_rank(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_local(tmp_path_factory):
-    """Uninterrupted local 2-rank runs by ZeRO stage, made on first use."""
+    """Uninterrupted local 2-rank runs by ZeRO stage (``BUDGET``), made on first use."""
     runs = {}
 
     def get(stage: int):
         if stage not in runs:
             run = tmp_path_factory.mktemp("two") / f"z{stage}"
-            r = start(run, "--nproc", "2", *COMMON, "--set", f"actor.zero_stage={stage}")
+            r = start(run, "--nproc", "2", *COMMON, "--set", f"actor.zero_stage={stage}", *BUDGET[stage])
             assert r.returncode == 0, r.stderr
             assert r.stdout == f"{run}\n"  # data only: the ranks' chatter stays on stderr
             runs[stage] = run
@@ -167,17 +170,13 @@ def _ranks_alive(run) -> bool:
     return False
 
 
-def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(tmp_path, one_rank):
+def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(one_rank, two_local):
     """Micro-batches by token budget under ZeRO-3 on two ranks: each rank sorts its share by length and
     cuts it by the budget, the ranks agree on one count (a rank that needs fewer splits its largest, since
     every forward gathers parameters and every backward reduces together), and the no-grad passes go by
     the same budget. The run takes the 1-rank run's gradient at step 1 (token-mean is exact whatever the
-    cut) and stays close to it."""
-    run = tmp_path / "budget"
-    budget = ["--set", "actor.max_tokens_per_micro_batch=40", "--set", "actor.zero_stage=3"]
-    r = start(run, "--nproc", "2", *COMMON, *budget)
-    assert r.returncode == 0, r.stderr
-    close_to_one_rank(metrics_of(run), metrics_of(one_rank[3]))
+    cut) and stays close to it. (The run is the ZeRO-3 reference of the Ray test.)"""
+    close_to_one_rank(metrics_of(two_local(3)), metrics_of(one_rank[3]))
 
 
 def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank, two_local):
@@ -187,7 +186,7 @@ def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank
     ZeRO-2's two ranks are proven by the local SIGKILL test, and placement does not depend on the stage."""
     pytest.importorskip("ray")
     stage = 3
-    common = [*COMMON, *RAY, "--set", f"actor.zero_stage={stage}"]
+    common = [*COMMON, *RAY, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
     ref = two_local(stage)
     run = tmp_path / "preempted"
     proc = spawn_start(run, *common, faults="sleep@3=120")

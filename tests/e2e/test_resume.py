@@ -23,7 +23,7 @@ from helpers import (
     spawn,
     spawn_start,
     stable,
-    start,
+    start_here,
     wait_for,
 )
 
@@ -43,7 +43,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
         "actor.zero_stage=3",
     ]
     ref = tmp_path / "ref"
-    assert start(ref, *common).returncode == 0
+    assert start_here(ref, *common).returncode == 0
 
     run = tmp_path / "killed"
     r = kill_and_resume(run, common, 4)
@@ -125,7 +125,7 @@ def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
 def finished(tmp_path_factory):
     """An uninterrupted 6-step run with a snapshot every 2 steps; each test that changes it works on a copy."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    r = start(run, *SMALL, steps=6, every=2)
+    r = start_here(run, *SMALL, steps=6, every=2)
     assert r.returncode == 0, r.stderr
     return run
 

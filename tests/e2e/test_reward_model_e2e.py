@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, save_reward_model, stable, start
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, save_reward_model, stable, start_here
 
 
 def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
@@ -27,7 +27,7 @@ def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
     args = [str(path), *SMALL]
 
     ref = tmp_path / "ref"
-    done = start(ref, *SMALL, config=path)
+    done = start_here(ref, *SMALL, config=path)
     assert done.returncode == 0, done.stderr
     rows = metrics_of(ref)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

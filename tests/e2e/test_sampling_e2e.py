@@ -2,7 +2,7 @@
 snapshot and resumed ends bit-identical to an uninterrupted one (the truncated sampler regenerates the
 same rollouts), and the rollout's log-probs still equal the actor's (both untruncated)."""
 
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, stable, start
+from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, stable, start_here
 
 
 def test_truncated_sampling_resumes_exactly(tmp_path):
@@ -20,7 +20,7 @@ def test_truncated_sampling_resumes_exactly(tmp_path):
         'rollout.stop=["e", "a"]',
     ]
     ref = tmp_path / "ref"
-    r = start(ref, *common)
+    r = start_here(ref, *common)
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "killed"

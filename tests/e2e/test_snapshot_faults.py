@@ -12,7 +12,7 @@ import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, invoke, metrics_of, run_cli, small_tmpfs, spawn_start, start, wait_for
+from helpers import SMALL, events_of, invoke, metrics_of, run_cli, small_tmpfs, spawn_start, start, start_here, wait_for
 
 
 def listed(run_dir):
@@ -86,7 +86,7 @@ def test_a_stop_whose_snapshot_failed_says_so_and_exits_resume_me(tmp_path):
 
 def test_garbage_manifest_is_quarantined_and_resume_falls_back_saying_why(tmp_path):
     run = tmp_path / "run"
-    r = start(run, *SMALL, steps=4, every=2)
+    r = start_here(run, *SMALL, steps=4, every=2)
     assert r.returncode == 0, r.stderr
     newest = run / "checkpoints" / "step-000004"
     files = sorted(p.relative_to(newest) for p in newest.rglob("*") if p.is_file())
