@@ -39,6 +39,13 @@ def spin(seconds: float) -> str:
     return f"spun {n}"
 
 
+def span(seconds: float) -> str:
+    """Burn CPU for a while; the monotonic clock (one for every process) when it began and ended."""
+    start = time.monotonic()
+    spin(seconds)
+    return f"{start} {time.monotonic()}"
+
+
 def fail(x: int) -> str:
     """Always raises, as a buggy tool would."""
     raise ValueError(f"bad x {x}")

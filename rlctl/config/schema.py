@@ -162,11 +162,6 @@ class RunConfig(Strict):
                 "rollout.multi_turn renders the conversation with the chat template: set data.apply_chat_template "
                 "to true"
             )
-        if self.rollout.multi_turn is not None:
-            raise ValueError(
-                "rollout.multi_turn is not available yet (issue 29): its rollout is built and tested "
-                "(rlctl.engine.rollout.multi_turn) but the trainer does not run it yet"
-            )
         return self
 
     @model_validator(mode="after")

@@ -203,7 +203,7 @@ class RolloutConfig(Strict):
     multi_turn: MultiTurnConfig | None = Field(
         None,
         description="Conversations in which the model calls tools between its turns (hf backend; needs "
-        "data.apply_chat_template). Not available yet (refused). Empty: one completion per prompt.",
+        "data.apply_chat_template). Empty: one completion per prompt.",
     )
 
     @model_validator(mode="after")

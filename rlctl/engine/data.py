@@ -98,21 +98,22 @@ class Prompts:
                 print(f.note(), file=sys.stderr)
 
 
-def load_prompts(cfg: RunConfig, tokenizer) -> Prompts:
+def load_prompts(cfg: RunConfig, tokenizer, tools: list[dict[str, Any]] | None = None) -> Prompts:
     """The training and (when the run validates) validation prompts, with the chat template checked
     (``check_chat_template``) and, under ``data.filter_overlong_prompts``, the overlong prompts dropped: the
-    same every time for the same files, tokenizer and config."""
+    same every time for the same files, tokenizer and config. ``tools``: the schemas of
+    ``rollout.multi_turn``'s tools, which the template renders into every prompt (their length counts)."""
     data = cfg.data
     check_chat_template(tokenizer, data, model_name(cfg))
     rows = load_rows(data, cfg.seed)
     val = load_val_rows(data, cfg.seed, rows) if cfg.validates else None  # the split ignores the filter
     if not data.filter_overlong_prompts:
         return Prompts(rows, val, [])
-    train, filtered = drop_overlong(rows, tokenizer, data, "data.path", data.path or "the built-in task")
+    train, filtered = drop_overlong(rows, tokenizer, data, "data.path", data.path or "the built-in task", tools)
     if val is None:
         return Prompts(train, None, [filtered])
     val_source = data.val_path or "the built-in task's held-out split"
-    val, val_filtered = drop_overlong(val, tokenizer, data, "data.val_path", val_source)
+    val, val_filtered = drop_overlong(val, tokenizer, data, "data.val_path", val_source, tools)
     return Prompts(train, val, [filtered, val_filtered])
 
 
@@ -122,23 +123,30 @@ def prompt_messages(cfg: DataConfig, prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": cfg.system_prompt}, user] if cfg.system_prompt is not None else [user]
 
 
-def prompt_texts(tokenizer, cfg: DataConfig, prompts: list[str]) -> list[str]:
+def prompt_texts(
+    tokenizer, cfg: DataConfig, prompts: list[str], tools: list[dict[str, Any]] | None = None
+) -> list[str]:
     """The text the model is given for each prompt: the prompt itself, or (data.apply_chat_template) the
-    chat template's rendering of its ``prompt_messages``, ending where the assistant's answer begins.
-    Encode it with ``add_special_tokens=not cfg.apply_chat_template`` (a template writes its own)."""
+    chat template's rendering of its ``prompt_messages`` (with the ``tools``' schemas, under
+    rollout.multi_turn), ending where the assistant's answer begins. Encode it with
+    ``add_special_tokens=not cfg.apply_chat_template`` (a template writes its own)."""
     if not cfg.apply_chat_template:
         return list(prompts)
     return [
-        tokenizer.apply_chat_template(prompt_messages(cfg, p), tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            prompt_messages(cfg, p), tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         for p in prompts
     ]
 
 
-def prompt_lengths(tokenizer, cfg: DataConfig, prompts: list[str], chunk: int = 1024) -> list[int]:
+def prompt_lengths(
+    tokenizer, cfg: DataConfig, prompts: list[str], chunk: int = 1024, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Each prompt's length in tokens as the rollout encodes it (``prompt_texts``, untruncated)."""
     lengths: list[int] = []
     for i in range(0, len(prompts), chunk):
-        texts = prompt_texts(tokenizer, cfg, prompts[i : i + chunk])
+        texts = prompt_texts(tokenizer, cfg, prompts[i : i + chunk], tools)
         ids = tokenizer(
             texts, add_special_tokens=not cfg.apply_chat_template, return_attention_mask=False, verbose=False
         )["input_ids"]
@@ -147,11 +155,12 @@ def prompt_lengths(tokenizer, cfg: DataConfig, prompts: list[str], chunk: int = 
 
 
 def drop_overlong(
-    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, key: str, source: str
+    rows: list[dict[str, Any]], tokenizer, cfg: DataConfig, key: str, source: str, tools=None
 ) -> tuple[list[dict[str, Any]], Filtered]:
-    """The rows whose prompt fits in ``data.max_prompt_length`` tokens, in their order, and the count of
-    the others; an InputError naming ``key``, ``source`` and the limit when none fits."""
-    lengths = prompt_lengths(tokenizer, cfg, [row[cfg.prompt_key] for row in rows])
+    """The rows whose prompt (with the ``tools``' schemas) fits in ``data.max_prompt_length`` tokens, in
+    their order, and the count of the others; an InputError naming ``key``, ``source`` and the limit when
+    none fits."""
+    lengths = prompt_lengths(tokenizer, cfg, [row[cfg.prompt_key] for row in rows], tools=tools)
     limit = cfg.max_prompt_length
     kept = [row for row, n in zip(rows, lengths) if n <= limit]
     if not kept:
@@ -167,13 +176,17 @@ def check_prompt_template(cfg: RunConfig) -> None:
     chat template, or the tokenizer of ``model.path``; the trainer checks the tokenizer it loads again."""
     if not cfg.data.apply_chat_template:
         return
+    check_chat_template(config_tokenizer(cfg), cfg.data, model_name(cfg))
+
+
+def config_tokenizer(cfg: RunConfig):
+    """The tokenizer the run will load (the built-in model's, or that of ``model.path``), for the
+    preflight's checks; no weights are read."""
     from rlctl.engine.model import build_char_tokenizer, load_tokenizer
 
     if cfg.model.path is None:
-        tokenizer = build_char_tokenizer()
-    else:
-        tokenizer = load_tokenizer(Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
-    check_chat_template(tokenizer, cfg.data, model_name(cfg))
+        return build_char_tokenizer()
+    return load_tokenizer(Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
 
 
 def model_name(cfg: RunConfig) -> str:

@@ -83,10 +83,11 @@ class Experience:
 
     def rollout_batch(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
         """``_rollout_rounds``, and with ``reward.sources`` each source's mean score over the completions
-        scored for the step (every round of dynamic sampling) as ``critic/score/<name>/mean``."""
+        scored for the step (every round of dynamic sampling) as ``critic/score/<name>/mean``, and the
+        rollout backend's own metrics of those rounds (``take_metrics``; reduced as its ``reductions``)."""
         with recording(self.reward_fn) as per_source:
             seqs, scores, sampling = self._rollout_rounds(step)
-        return seqs, scores, {**sampling, **per_source}
+        return seqs, scores, {**sampling, **per_source, **self.rollout.take_metrics()}
 
     def _rollout_rounds(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
         """Generate and score one batch: its sequences, (B,) scores and the dynamic sampling metrics.

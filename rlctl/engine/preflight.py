@@ -6,8 +6,10 @@ It checks, in seconds and without loading weights: the dataset files can be read
 trackers are installed; the device asked for
 is there (``device: cuda`` without a GPU) and takes ``model.dtype`` (fp16 on a CPU without oneDNN fp16), with a device for every local rank; the storage of
 ``checkpoint.dir`` has its filesystem installed; the model directory has a config and weights, and its
-context holds ``data.max_prompt_length + rollout.max_new_tokens``; the tokenizer has the chat template
-that ``data.apply_chat_template`` / ``data.system_prompt`` ask for; every reward function (the one of
+context holds ``data.max_prompt_length + rollout.max_new_tokens`` (``rollout.multi_turn.max_total_tokens``
+in a multi-turn run); the tokenizer has the chat template
+that ``data.apply_chat_template`` / ``data.system_prompt`` ask for; every tool of ``rollout.multi_turn``
+imports and has a schema, and the chat template renders its messages incrementally; every reward function (the one of
 ``reward.function``, or each function source of ``reward.sources``) imports and is callable; every
 reward model's directory holds a one-label sequence classifier, weights and a tokenizer (not loaded). A reward URL
 is not contacted here (a server may come up with the run): the schema checks its syntax (http/https and
@@ -30,7 +32,7 @@ from fsspec.core import split_protocol
 
 from rlctl.config import RunConfig
 from rlctl.config.provenance import Problem
-from rlctl.engine.data import check_prompt_template
+from rlctl.engine.data import check_prompt_template, config_tokenizer, model_name
 from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
 from rlctl.engine.reward.sources import load_reward
 from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device, resolve_dtype
@@ -46,7 +48,22 @@ def check_before_start(cfg: RunConfig) -> None:
     check_checkpoint_storage(cfg)
     check_models(cfg)
     check_prompt_template(cfg)
+    check_multi_turn(cfg)
     load_reward(cfg.reward)  # imports each function source; contacts no URL
+
+
+def check_multi_turn(cfg: RunConfig) -> None:
+    """Under ``rollout.multi_turn``: every tool imports and its schema reads (a ConfigError naming its key),
+    and the chat template renders the prompt with the tools' schemas and a tool's answer as increments
+    (a ConfigError, exit 3, for one that cannot)."""
+    mt = cfg.rollout.multi_turn
+    if mt is None:
+        return
+    from rlctl.engine.rollout.chat import ChatIncrements
+    from rlctl.engine.tools.loader import load_tools
+
+    tools = load_tools(mt)
+    ChatIncrements(config_tokenizer(cfg), list(tools.schemas.values()), model_name(cfg))
 
 
 def check_config_names(cfg: RunConfig) -> None:
@@ -183,9 +200,15 @@ def check_context(cfg: RunConfig, limit: tuple[str, int] | None, model: str) -> 
     if limit is None:  # the model declares no limit: nothing to check against
         return
     key, positions = limit
-    prompt, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    mt = cfg.rollout.multi_turn  # a conversation: the tools' tokens and the model's after the prompt
+    after, new = (
+        ("rollout.multi_turn.max_total_tokens", mt.max_total_tokens)
+        if mt
+        else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+    )
+    prompt = cfg.data.max_prompt_length
     if prompt + new > positions:
         raise ConfigError(
-            f"'data.max_prompt_length' ({prompt}) + 'rollout.max_new_tokens' ({new}) = {prompt + new} tokens "
+            f"'data.max_prompt_length' ({prompt}) + '{after}' ({new}) = {prompt + new} tokens "
             f"exceed the {positions} positions of {model} ({key}); lower them to fit"
         )

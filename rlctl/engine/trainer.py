@@ -37,6 +37,8 @@ from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
+from rlctl.engine.tools.loader import Tools, load_tools
+from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
@@ -100,7 +102,9 @@ class Trainer:
         reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
-        prompts = load_prompts(cfg, self.tokenizer)  # filtered before the cursor numbers the rows
+        self.tools, self.tool_pool = self._tools()
+        schemas = list(self.tools.schemas.values()) if self.tools is not None else None  # prompts render them
+        prompts = load_prompts(cfg, self.tokenizer, schemas)  # filtered before the cursor numbers the rows
         prompts.announce(self.emit, self.dist.is_main)
         self.data = PromptCursor(prompts.train, cfg.seed, cfg.data.shuffle)
         self._build_models()
@@ -127,6 +131,14 @@ class Trainer:
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
 
+    def _tools(self) -> tuple[Tools | None, ToolPool | None]:
+        """Under rollout.multi_turn: its tools, and the rank's pool of tool workers (each started at its first
+        call; closed when training ends, ``train``)."""
+        mt = self.cfg.rollout.multi_turn
+        if mt is None:
+            return None, None
+        return load_tools(mt), ToolPool(mt.tool_workers, mt.tool_timeout_s)
+
     def _build_models(self) -> None:
         """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
         No optimizer step while a snapshot still reads the weights: the modules wait at its fence."""
@@ -141,7 +153,14 @@ class Trainer:
             else None
         )
         self.rollout = make_backend(
-            cfg.rollout.backend, cfg=cfg, actor=self.actor, tokenizer=self.tokenizer, model_dir=self.model_dir
+            cfg.rollout.backend,
+            cfg=cfg,
+            actor=self.actor,
+            tokenizer=self.tokenizer,
+            model_dir=self.model_dir,
+            tools=self.tools,
+            pool=self.tool_pool,
+            emit=self.emit,
         )
 
     def ensure_reference(self) -> None:
@@ -266,6 +285,8 @@ class Trainer:
             self._finish(passed, healthy)
         finally:
             self.metrics.close()
+            if self.tool_pool is not None:  # however training ends (a dead trainer's workers see EOF and exit)
+                self.tool_pool.close()
         if self.stop_signal is not None:
             raise Preempted(
                 f"stopped by {self.stop_signal} after step {self.state.step}; {self._stop_outcome()}. "
@@ -433,6 +454,7 @@ class Trainer:
             **BATCH_METRICS,
             **SAMPLING_METRICS,
             **metrics_of(self.experience.reward_fn),  # each reward source's mean (reward.sources)
+            **self.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
             **STEP_METRICS,
             **{key: MAX for key in rest if key.startswith("timing_s/")},
         }  # a step takes its slowest rank's time

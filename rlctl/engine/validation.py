@@ -67,6 +67,7 @@ class Validator:
             self._score_prompts(mine[start:end], counted[start:end], sums)
         totals = self.dist.reduce_row(sums, dict.fromkeys(sums, SUM))
         self.rollout.forget_cache()  # the next training step samples as if there had been no validation
+        self.rollout.take_metrics()  # and its rollout metrics (turns, tool calls) are its own
         return self._metrics(totals)
 
     def _empty_sums(self) -> dict[str, float]:

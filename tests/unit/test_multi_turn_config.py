@@ -1,5 +1,6 @@
 """rollout.multi_turn's config: strict, its sentences located; a tool file inlined where the config is
-loaded (its keys located in it); what is not wired yet refused with a sentence saying so."""
+loaded (its keys located in it); what is not built yet (stateful tools, environments, the vllm backend)
+refused with a sentence saying so."""
 
 import pytest
 
@@ -43,10 +44,9 @@ def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):
         "invalid config: 'rollout.multi_turn.tools.1.function' (tools.yaml line 3): expected 'module:function', "
         "got 'toolbox'."
     )
-    write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n")
-    with pytest.raises(ConfigError) as err:  # well formed, and refused until the trainer runs it
-        load_config(cfg)
-    assert "multi_turn is not available yet (issue 29)" in err.value.message
+    write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n  - {function: toolbox:add, name: plus}\n")
+    tools = load_config(cfg).rollout.multi_turn.tools  # well formed: inlined, in order
+    assert [(t.function, t.label) for t in tools] == [("toolbox:lookup", "lookup"), ("toolbox:add", "plus")]
     write(tmp_path / "tools.yaml", "- function: toolbox:lookup\n")
     with pytest.raises(ConfigError, match="tools_file' \\(run.yaml line 4\\): tools.yaml must be a mapping"):
         load_config(cfg)

@@ -13,6 +13,7 @@ from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
 from rlctl.engine.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
 from rlctl.engine.tools.loader import load_tools
+from rlctl.engine.tools.pool import ToolPool
 
 TOOLS = [
     {"function": "toolbox:lookup"},
@@ -35,9 +36,8 @@ def rollout(runtime, tmp_path_factory):
         }
     )
     mt = MultiTurnConfig(tools=TOOLS, max_turns=3, max_total_tokens=400, max_tool_response_tokens=100, tool_timeout_s=5)
-    r = MultiTurnRollout(cfg, Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), mt, load_tools(mt))
-    yield r
-    r.close()
+    with ToolPool(mt.tool_workers, mt.tool_timeout_s) as pool:
+        yield MultiTurnRollout(cfg, Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), mt, load_tools(mt), pool)
 
 
 def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):

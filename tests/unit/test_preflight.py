@@ -198,3 +198,54 @@ def test_it_loads_no_weights(monkeypatch, tiny_model_dir):
     check_before_start(
         config(model={"path": str(tiny_model_dir)}, data={"max_prompt_length": 8}, rollout={"max_new_tokens": 8})
     )
+
+
+@pytest.fixture
+def tool_model(tmp_path):
+    """A model directory with a real BPE tokenizer whose chat template renders tools (ChatML, Hermes)."""
+    from chat_tokenizer import tool_model_dir
+
+    return tool_model_dir(tmp_path / "tool-model")
+
+
+def multi_turn(model_dir, tools=({"function": "toolbox:lookup"},), **mt):
+    return config(
+        model={"path": str(model_dir)},
+        data={"apply_chat_template": True, "max_prompt_length": 400},
+        rollout={"max_new_tokens": 32, "multi_turn": {"tools": list(tools), "max_total_tokens": 200, **mt}},
+    )
+
+
+def test_multi_turn_tools_and_template_are_checked_before_any_work(tool_model):
+    check_before_start(multi_turn(tool_model))
+    with pytest.raises(ConfigError) as err:
+        check_before_start(multi_turn(tool_model, [{"function": "toolbox:lookup"}, {"function": "toolbox:nope"}]))
+    assert err.value.message == "'rollout.multi_turn.tools[1].function': module 'toolbox' has no function 'nope'"
+    assert err.value.exit_code == ExitCode.CONFIG == 3
+    with pytest.raises(ConfigError, match=r"tools\[0\].function': cannot import module 'no_such_tools'"):
+        check_before_start(multi_turn(tool_model, [{"function": "no_such_tools:f"}]))
+
+
+def test_a_chat_template_that_cannot_render_increments_is_exit_3_before_any_work(tool_model):
+    from chat_tokenizer import NOT_INCREMENTAL
+
+    tok = json.loads((tool_model / "tokenizer_config.json").read_text())
+    tok["chat_template"] = NOT_INCREMENTAL
+    (tool_model / "tokenizer_config.json").write_text(json.dumps(tok))
+    for extra in ("chat_template.jinja",):  # a template file, where transformers saved one, wins over the json
+        (tool_model / extra).unlink(missing_ok=True)
+    with pytest.raises(ConfigError) as err:
+        check_before_start(multi_turn(tool_model))
+    assert err.value.exit_code == ExitCode.CONFIG == 3
+    assert err.value.message.startswith("'rollout.multi_turn': the chat template of ") and "incrementally" in (
+        err.value.message
+    )
+
+
+def test_a_conversation_must_fit_the_models_context(tool_model):
+    with pytest.raises(ConfigError) as err:
+        check_before_start(multi_turn(tool_model, max_total_tokens=700))
+    assert err.value.message == (
+        "'data.max_prompt_length' (400) + 'rollout.multi_turn.max_total_tokens' (700) = 1100 tokens exceed the "
+        "1024 positions of the model in " + str(tool_model) + " (max_position_embeddings); lower them to fit"
+    )

@@ -14,7 +14,8 @@ the untruncated softmax(logits / T), the distribution the actor's old and new lo
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rlctl.engine.batch import Sequences
 from rlctl.engine.rollout.seeds import sample_seed
@@ -23,7 +24,13 @@ __all__ = ["RolloutBackend", "make_backend", "sample_seed"]
 
 
 class RolloutBackend(Protocol):
+    reductions: dict[str, str]  # how the ranks reduce each metric of ``take_metrics``
+
     def sync_weights(self) -> None: ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """The backend's own metrics of what it generated since the last call (a multi-turn rollout's
+        turns and tool calls), as one row; {} for single-turn generation."""
 
     def generate(
         self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
@@ -36,14 +43,32 @@ class RolloutBackend(Protocol):
         after a restore: validation leaves no trace in training."""
 
 
-def make_backend(name: str, **kwargs) -> RolloutBackend:
+def make_backend(
+    name: str,
+    *,
+    cfg,
+    actor,
+    tokenizer,
+    model_dir=None,
+    tools=None,
+    pool=None,
+    emit: Callable[[dict[str, Any]], None] | None = None,
+) -> RolloutBackend:
+    """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn (hf only: the schema
+    refuses the rest) the multi-turn rollout, with the run's ``tools`` (``engine.tools.loader``), the
+    rank's ``pool`` of tool workers (its owner closes it) and the trainer's event emitter ``emit``."""
+    if name == "hf" and cfg.rollout.multi_turn is not None:
+        from rlctl.engine.rollout.multi_turn import MultiTurnRollout
+
+        if tools is None or pool is None:
+            raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
+        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit)
     if name == "hf":
         from rlctl.engine.rollout.hf import HFRollout
 
-        kwargs.pop("model_dir", None)  # generates with the actor's own module
-        return HFRollout(**kwargs)
+        return HFRollout(cfg, actor, tokenizer)  # generates with the actor's own module (no model_dir)
     if name == "vllm":
         from rlctl.engine.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(**kwargs)
+        return VLLMRollout(cfg, actor, tokenizer, model_dir)
     raise KeyError(f"unknown rollout backend '{name}'; valid: hf, vllm")

@@ -209,9 +209,14 @@ class HFRollout:
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         self.eos_ids = sorted({tokenizer.eos_token_id, *eos})
         self.stops = StopStrings(tokenizer, cfg.rollout.stop)
+        self.reductions: dict[str, str] = {}  # single-turn generation has no metrics of its own
 
     def sync_weights(self) -> None:
         """The backend generates with the actor's own module: its weights are always current."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """None of its own: a completion's metrics are the batch's (``experience.batch_metrics``)."""
+        return {}
 
     def forget_cache(self) -> None:
         """Nothing is cached across calls (the KV cache lives for one generation)."""

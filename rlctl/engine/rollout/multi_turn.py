@@ -92,9 +92,10 @@ class ToolStats:
 
 
 class MultiTurnRollout(HFRollout):
-    def __init__(self, cfg: RunConfig, actor, tokenizer, mt: MultiTurnConfig, tools: Tools, emit=None):
+    def __init__(self, cfg: RunConfig, actor, tokenizer, mt: MultiTurnConfig, tools: Tools, pool: ToolPool, emit=None):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
-        (``engine.tools.loader``); ``emit`` receives the ``template_drift`` events."""
+        (``engine.tools.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
+        receives the ``template_drift`` events."""
         super().__init__(cfg, actor, tokenizer)
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
@@ -102,13 +103,10 @@ class MultiTurnRollout(HFRollout):
         self.chat = ChatIncrements(tokenizer, list(schemas.values()), cfg.model.path or "the built-in model")
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
-        self.pool = ToolPool(mt.tool_workers, mt.tool_timeout_s)
+        self.pool = pool
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
         self._metrics: list[dict[str, float]] = []
-
-    def close(self) -> None:
-        self.pool.close()
 
     def decode(self, seqs: Sequences) -> list[str]:
         """The text of each conversation's last turn of the model (its last run of trained tokens, eos
@@ -148,12 +146,19 @@ class MultiTurnRollout(HFRollout):
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
-        for turn in range(self.mt.max_turns):
-            live = [i for i, c in enumerate(convs) if not c.done]
-            if not live:
-                break
-            turns = self._generate_turn([prompt_ids[i] for i in live], [convs[i] for i in live], step, turn, t)
-            self._answer([convs[i] for i in live], turns, turn, stats)
+        module = self.actor.module
+        was_training = module.training
+        module.eval()
+        try:  # gathered once for all the turns (ZeRO-3): ranks may take different numbers of turns
+            with self.actor.full_parameters():
+                for turn in range(self.mt.max_turns):
+                    live = [i for i, c in enumerate(convs) if not c.done]
+                    if not live:
+                        break
+                    turns = self._generate_turn([prompt_ids[i] for i in live], [convs[i] for i in live], step, turn, t)
+                    self._answer([convs[i] for i in live], turns, turn, stats)
+        finally:
+            module.train(was_training)
         self._metrics.append(self._row(convs, stats, step))
         return self._batch(enc, convs)
 
@@ -183,14 +188,8 @@ class MultiTurnRollout(HFRollout):
         attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows], device=ids.device)
         seeds = [sample_seed(self.cfg.seed, step, *c.seed, turn=turn) for c in convs]
         sampler = SeededGumbelSampler(seeds, t, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
-        module = self.actor.module
-        was_training = module.training
-        module.eval()
-        try:
-            with self.actor.full_parameters():
-                out, lps, kept = decode(module, ids, attn, max(budgets), self.eos_ids, pad, sampler, self.turn_stops)
-        finally:
-            module.train(was_training)
+        module = self.actor.module  # in eval mode, its parameters gathered (``generate``)
+        out, lps, kept = decode(module, ids, attn, max(budgets), self.eos_ids, pad, sampler, self.turn_stops)
         mask = response_mask_for(out, self.eos_ids, kept if self.turn_stops else None)
         new = []
         for k, (c, budget) in enumerate(zip(convs, budgets)):

@@ -3,6 +3,8 @@ schema; a name that does not import is a ConfigError naming the key, before any 
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,10 @@ class Tools:
 
 
 def load_tools(mt: MultiTurnConfig) -> Tools:
+    """Every tool of ``mt`` imported (the working directory importable, as for a reward function and in
+    the workers) and its schema read; a ConfigError naming the tool's key for one that is not there."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     schemas, functions = {}, {}
     for i, tool in enumerate(mt.tools):
         key = f"'rollout.multi_turn.tools[{i}].function'"

@@ -115,7 +115,9 @@ class ToolPool:
             try:
                 outcome, text = conn.recv()
             except (EOFError, OSError):
-                code = self._workers[slot].process.exitcode
+                process = self._workers[slot].process
+                process.join(timeout=5)  # its pipe may close before it is reaped
+                code = process.exitcode
                 outcome, text = UNAVAILABLE, f"the tool's worker process died (exit code {code})"
                 self._drop(slot)
             results[index] = CallResult(outcome, text, now - started)
