@@ -43,3 +43,36 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# -- the first GPU run (docs/gpu-check.md) ---------------------------------------------------------------
+# The wheels a GPU image with torch, transformers, peft and accelerate lacks, for CPython 3.12 on x86-64,
+# at this venv's versions: DeepSpeed built here without ops (py3-none-any: nothing to compile there), the
+# others downloaded as binaries, one version each, into .whl/ (ignored). Fails over $(WHL_LIMIT_MIB) MiB.
+.PHONY: gpu-wheels gpu-check
+WHL := .whl
+WHL_LIMIT_MIB := 60
+GPU_WHEELS := hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions orjson
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+VERSION_OF = $$($(PY) -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' $(1))
+
+gpu-wheels:
+	@test -x $(PY) || { echo "no $(PY): run make venv first" >&2; exit 1; }
+	rm -rf $(WHL) && mkdir -p $(WHL)
+	@set -e; pins="$(foreach p,deepspeed $(GPU_WHEELS),$(p)==$(call VERSION_OF,$(p)))"; echo "pins: $$pins"; \
+		DS_BUILD_OPS=0 DS_ACCELERATOR=cuda $(PY) -m pip wheel -q --no-deps --no-build-isolation \
+			--no-binary deepspeed -w $(WHL) $${pins%% *}; \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			$(addprefix --platform ,$(GPU_PLATFORMS)) -d $(WHL) $${pins#* }
+	@ls -1 $(WHL)
+	@names=$$(ls $(WHL) | cut -d- -f1 | tr 'A-Z_' 'a-z-' | sort); \
+		test "$$(echo "$$names" | uniq | wc -l)" -eq "$$(ls $(WHL) | wc -l)" || { echo "two versions of one package" >&2; exit 1; }; \
+		test "$$(ls $(WHL) | wc -l)" -eq $(words deepspeed $(GPU_WHEELS)) || { echo "a wheel is missing" >&2; exit 1; }
+	@size=$$(du -sb $(WHL) | cut -f1); echo "$(WHL): $$size bytes"; \
+		test "$$size" -le $$(( $(WHL_LIMIT_MIB) * 1048576 )) || { echo "$(WHL) is over $(WHL_LIMIT_MIB) MiB" >&2; exit 1; }
+
+# On the GPU machine, from the repository root, with those wheels (or rlctl's dependencies) installed:
+# `make gpu-check OUT=DIR` writes DIR/report.json and DIR/summary.txt; exit 1 when a check failed.
+GPU_PYTHON ?= python3
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=DIR" >&2; exit 2; }
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT)

@@ -351,15 +351,17 @@ def init_distributed(backend: str) -> None:
 CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's fixed workspace for deterministic results (PyTorch's randomness notes)
 
 
-def deterministic_kernels() -> None:
+def deterministic_kernels(kind: str) -> None:
     """``trainer.deterministic``: the settings under which CUDA computes a step bit for bit the same in
     every process, so a resumed run repeats an uninterrupted one (set before the first cuBLAS call):
     ``CUBLAS_WORKSPACE_CONFIG`` (unless already set), ``torch.use_deterministic_algorithms(True,
-    warn_only=True)`` (an op without a deterministic kernel warns once rather than stopping the run;
-    uninitialised memory is filled), cuDNN's deterministic algorithms and no cuDNN autotuning. The CPU
-    kernels rlctl runs are deterministic already."""
+    warn_only=True)`` (an op without a deterministic kernel warns once rather than stopping the run),
+    cuDNN's deterministic algorithms and no cuDNN autotuning. Uninitialised memory is filled on a GPU or
+    NPU only: on the CPU, whose kernels rlctl runs are deterministic already, the fill of every
+    ``torch.empty`` (DeepSpeed's ZeRO buckets at every step) made a tiny model's update 20-50x slower."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = kind != "cpu"
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
 
@@ -379,12 +381,12 @@ class RankContext:
 
 
 def open_rank(cfg: RunConfig) -> RankContext:
-    """Set this process up as a rank of the run described by ``cfg``: deterministic kernels where asked
-    for, device, dtype and threads, the rollout backend's device check, every seed, then the process
-    group (joined where a launcher set one up, else a world of one). Before any model is built."""
-    if cfg.trainer.deterministic:
-        deterministic_kernels()
+    """Set this process up as a rank of the run described by ``cfg``: device, dtype and threads,
+    deterministic kernels where asked for, the rollout backend's device check, every seed, then the
+    process group (joined where a launcher set one up, else a world of one). Before any model is built."""
     runtime = setup_runtime(cfg.device, cfg.model.dtype, cfg.trainer.num_threads)
+    if cfg.trainer.deterministic:
+        deterministic_kernels(runtime.kind)
     check_rollout_device(runtime.kind, cfg.rollout.backend)
     seed_everything(cfg.seed)
     init_distributed(runtime.backend)
