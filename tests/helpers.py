@@ -55,13 +55,16 @@ def start(run_dir, *args: str, config=None, steps: int | None = None, every: int
     return run_cli("start", *_start_args(run_dir, config, steps, every), *args, env=env, **kw)
 
 
-def start_here(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, env=None):
+def start_here(run_dir, *args: str, config=None, steps=None, every=None, faults: str = "", env=None):
     """``start`` run in this process (``invoke``, from the repository's root): the same run, row for row and
     byte for byte (the resume tests compare such runs with resumed ones made in subprocesses), without the
-    start of a new interpreter and its imports (about 5 s of CPU). For reference runs only: a run with
-    drills (RLCTL_FAULTS fire once per process), signals or a rank of its own needs ``start``."""
+    start of a new interpreter and its imports (about 5 s of CPU). ``faults``: drills that act on the
+    data (``nan_log_prob``, ``metric``, ``degenerate``), armed in the run's config (``faults``: they fire
+    once per run; RLCTL_FAULTS would fire once per process). A run that is killed, signalled, crashed or
+    held (``sleep``, ``crash``) or has ranks of its own needs ``start`` or ``spawn_start``."""
+    drills = ["--set", f"faults={faults}"] if faults else []
     with contextlib.chdir(REPO):
-        return invoke("start", *_start_args(run_dir, config, steps, every), *args, env=env)
+        return invoke("start", *_start_args(run_dir, config, steps, every), *args, *drills, env=env)
 
 
 def spawn_start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, **kw):

@@ -1,10 +1,10 @@
 """The `!!!!` collapse on a real run: the degenerate drill makes every response of one step a single token
 repeated, the ready-made degeneration policy sees response/degenerate_frac, rolls back, skips the prompts,
-lowers the learning rate, and the run completes healthy (the installed `rlctl`, real DeepSpeed)."""
+lowers the learning rate, and the run completes healthy (`rlctl start` in this process, real DeepSpeed)."""
 
 import json
 
-from helpers import events_of, metrics_of, start
+from helpers import events_of, metrics_of, start_here
 
 
 def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp_path):
@@ -22,7 +22,7 @@ def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp
         )
     )
     run = tmp_path / "run"
-    r = start(run, config=cfg, faults="degenerate@4")
+    r = start_here(run, config=cfg, faults="degenerate@4")
     assert r.returncode == 0, r.stderr
     events = events_of(run)
     (fired,) = [e for e in events if e["event"] == "policy"]

@@ -1,10 +1,21 @@
 """A fault drill fires once per run, whatever its step's verdict: the drills of a run config's `faults`
-on real runs of the installed `rlctl` (a drill that fired is recorded in events.jsonl; a resume or a
-rollback that replays its step does not fire it again)."""
+on real runs (a drill that fired is recorded in events.jsonl; a resume or a rollback that replays its
+step does not fire it again)."""
 
 import signal
 
-from helpers import SMALL, events_of, has_step, metrics_of, run_cli, settled_before, spawn_start, start, wait_for
+from helpers import (
+    SMALL,
+    events_of,
+    has_step,
+    metrics_of,
+    run_cli,
+    settled_before,
+    spawn_start,
+    start,
+    start_here,
+    wait_for,
+)
 
 KL_ROLLBACK = {"rules": [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]}
 
@@ -55,7 +66,7 @@ def test_a_sleep_drill_killed_before_any_snapshot_of_its_step_does_not_sleep_aga
 def test_a_rollback_that_replays_a_sleep_drill_step_does_not_sleep_again(tmp_path):
     run = tmp_path / "run"
     cfg = {"faults": "sleep@3=5,metric@4=actor/ppo_kl:5.0", "policies": [KL_ROLLBACK]}
-    r = start(run, *SMALL, config=cfg, steps=5, every=2)
+    r = start_here(run, *SMALL, config=cfg, steps=5, every=2)
     assert r.returncode == 0, r.stderr
     (rollback,) = events_of(run, "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (4, 2)

@@ -7,7 +7,7 @@ import time
 
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, invoke, metrics_of, spawn_start, start, wait_for
+from helpers import SMALL, invoke, metrics_of, spawn_start, start_here, wait_for
 
 
 def test_every_check_code_from_a_real_run_state(tmp_path):
@@ -21,7 +21,7 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
         return r.returncode, r.stdout
 
     nan = tmp_path / "nan"
-    r = start(nan, *SMALL, "--set", "policies=[policies/default.yaml]", steps=6, every=2, faults="nan_log_prob@3")
+    r = start_here(nan, *SMALL, "--set", "policies=[policies/default.yaml]", steps=6, every=2, faults="nan_log_prob@3")
     assert r.returncode == 0
     assert check(nan)[0] == CHECK_CODES["warning"] == 41
     code, line = check(nan, "--window", "2")  # the firing is older than the window: a healthy completed run
@@ -30,7 +30,7 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     halt = {"rules": [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "halt"}]}]}
     config = {"checkpoint": {"every": 2}, "trainer": {"total_steps": 6}, "policies": [halt]}
     halted = tmp_path / "halted"
-    r = start(halted, *SMALL, config=config, faults="metric@3=actor/ppo_kl:9")
+    r = start_here(halted, *SMALL, config=config, faults="metric@3=actor/ppo_kl:9")
     assert r.returncode == 20
     code, line = check(halted)
     assert code == CHECK_CODES["halted"] == 42 and "by policy rule 'kl'" in line
