@@ -115,6 +115,12 @@ class EchoBackend:
     def forget_cache(self):
         self.forgot = True
 
+    reductions: dict = {}
+
+    def take_metrics(self):
+        self.taken = True  # validation's generations leave no metrics for the next training step
+        return {}
+
 
 def _cfg(**rollout):
     return validate_config(
@@ -145,7 +151,7 @@ def test_validator_metrics_mean_best_at_n_lengths_and_per_source():
     # two chunks of one prompt x 2 samples (a training batch is 1 x 2 sequences); validation's own seeds
     # and temperature
     assert backend.calls == [(2, VAL_STEP, 0.7)] * 3
-    assert v.run() == m and backend.forgot
+    assert v.run() == m and backend.forgot and backend.taken
     assert [s for s in range(1, 6) if v.due(s)] == [2, 4, 5]  # every 2 steps, and the last
 
 
