@@ -11,7 +11,7 @@ from rlctl.errors import ExitCode
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import known_metric
 
-from helpers import SMALL, events_of, invoke, metrics_of, start
+from helpers import SMALL, events_of, invoke, metrics_of, start_here
 
 # two update passes per step (mini-batch 8 of 16 responses), so actor/ppo_kl is not always 0
 SHAPE = [*SMALL, "--set", "actor.mini_batch_size=8"]
@@ -28,7 +28,7 @@ RULES = [
 
 def finished_run(tmp_path_factory, name, config, faults=""):
     run = tmp_path_factory.mktemp(name) / "run"
-    r = start(run, *SHAPE, config=config, faults=faults)
+    r = start_here(run, *SHAPE, config=config, faults=faults)
     assert r.returncode == 0, r.stderr
     return run
 
