@@ -230,3 +230,27 @@ def test_the_rollout_gives_the_model_the_system_prompt_as_load_prompts_measures_
     enc = rollout.encode(["ab=", "c"])
     assert tok.decode(enc["input_ids"][0][enc["attention_mask"][0].bool()]) == "s:sys.u:ab=.a:"
     assert enc["attention_mask"].sum(-1).tolist() == prompt_lengths(tok, cfg.data, ["ab=", "c"]) == [14, 12]
+
+
+def test_multi_turn_prompts_are_measured_with_the_tools_schemas(tmp_path):
+    """The template renders the tools' schemas into every prompt, so the filter counts them: a prompt that
+    fits alone but not with the schemas is dropped (else the rollout's left truncation would cut them)."""
+    from chat_tokenizer import build_chat_tokenizer
+    from toolbox import lookup
+
+    from rlctl.tools.schema import function_schema
+
+    tok = build_chat_tokenizer()
+    tools = [function_schema(lookup, "lookup")]
+    path = str(write_jsonl(tmp_path / "t.jsonl", ["capital of peru?"]))
+
+    def cfg(limit: int) -> RunConfig:
+        return run_config(path=path, apply_chat_template=True, filter_overlong_prompts=True, max_prompt_length=limit)
+
+    [bare] = prompt_lengths(tok, cfg(1000).data, ["capital of peru?"])
+    [with_tools] = prompt_lengths(tok, cfg(1000).data, ["capital of peru?"], tools=tools)
+    assert with_tools > bare + 20
+    assert len(load_prompts(cfg(with_tools), tok, tools).train) == 1
+    assert len(load_prompts(cfg(with_tools - 1), tok).train) == 1  # without the schemas it would fit
+    with pytest.raises(InputError, match="every prompt of 'data.path'"):
+        load_prompts(cfg(with_tools - 1), tok, tools)
