@@ -33,7 +33,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None)
 
 def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
     """The entry point (``rlctl.cli:main``: exit codes, one-sentence errors) run in this process: what
-    ``run_cli`` gives, without the start of a new interpreter, for commands that train nothing."""
+    ``run_cli`` gives, without the start of a new interpreter (read-only commands, refusals, exports, and
+    resumes that no test compares with a run in a fresh process; ``start_here`` for a start)."""
     from click.testing import CliRunner
 
     from rlctl.cli import main

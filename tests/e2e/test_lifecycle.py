@@ -137,7 +137,7 @@ def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_
 
 
 def test_from_banana_is_a_usage_error(tmp_path):
-    r = run_cli("resume", str(tmp_path), "--from", "banana")
+    r = invoke("resume", str(tmp_path), "--from", "banana")
     assert r.returncode == ExitCode.USAGE == 2
     assert "Invalid value for '--from': expected latest, last-good, best, step-N or N; got 'banana'" in r.stderr
 

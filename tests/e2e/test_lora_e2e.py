@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, hf_weights_sha256, kill_and_resume, metrics_of, run_cli, stable, start_here
+from helpers import SMALL, completed_hash, hf_weights_sha256, invoke, kill_and_resume, metrics_of, stable, start_here
 
 COMMON = [
     *SMALL,
@@ -54,12 +54,12 @@ def test_lora_run_snapshots_the_adapter_resumes_exactly_and_exports(tmp_path):
     assert stable(metrics_of(run)) == stable(metrics_of(ref))
 
     merged = tmp_path / "merged"
-    r = run_cli("export", str(run), str(merged))
+    r = invoke("export", str(run), str(merged))
     assert r.returncode == 0 and r.stdout == f"{merged}\n", r.stderr
     assert hf_weights_sha256(merged) == completed_hash(ref)  # the completed hash is the merged model's
 
     adapter = tmp_path / "adapter"
-    r = run_cli("export", str(run), str(adapter), "--adapter-only")
+    r = invoke("export", str(run), str(adapter), "--adapter-only")
     assert r.returncode == 0, r.stderr
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
     from peft import PeftModel

@@ -145,5 +145,5 @@ def test_a_last_step_failing_an_adjust_only_rule_is_committed_but_not_good(tmp_p
     assert r.returncode == 0, r.stderr
     assert [(e["step"], e["good"]) for e in events_of(run, "snapshot_committed")] == [(2, True), (4, False)]
     assert events_of(run, "adjust")[0]["changes"]["actor.lr"]["to"] == 1e-4
-    r = run_cli("resume", str(run))
+    r = invoke("resume", str(run))
     assert r.returncode == 0 and "nothing to do" in r.stderr, r.stderr

@@ -59,7 +59,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
 
     # export consolidates ZeRO-3's partitioned weights into a Hugging Face directory, bit for bit
     out = tmp_path / "hf"
-    r = run_cli("export", str(run), str(out))
+    r = invoke("export", str(run), str(out))
     assert r.returncode == 0 and r.stdout == f"{out}\n", r.stderr
     assert hf_weights_sha256(out) == completed_hash(ref)
 
@@ -149,18 +149,18 @@ def test_corrupt_and_missing_snapshots(finished, tmp_path):
     table = invoke("checkpoints", str(run)).stdout
     assert "step" in table and "committed" in table and "MiB" in table
 
-    r = run_cli("resume", str(run), "--from", "step-6", "--set", "trainer.total_steps=8")
+    r = invoke("resume", str(run), "--from", "step-6", "--set", "trainer.total_steps=8")
     assert r.returncode == ExitCode.SNAPSHOT == 11
     assert "snapshot step-000006 is not usable: file state.pt does not match its sha256 (corrupt)" in r.stderr
 
     (run / "checkpoints" / "step-000002" / "manifest.json").unlink()
     listed = json.loads(invoke("checkpoints", str(run), "--format", "json").stdout)
     assert listed[0]["problem"] == "no manifest: never committed (interrupted or in progress)"
-    r = run_cli("resume", str(run), "--from", "step-2")  # an uncommitted directory is removed, never loaded
+    r = invoke("resume", str(run), "--from", "step-2")  # an uncommitted directory is removed, never loaded
     assert r.returncode == 11 and "no snapshot of step 2" in r.stderr and "usable steps: 4, 6" in r.stderr
     assert not (run / "checkpoints" / "step-000002").exists()
 
-    r = run_cli("resume", str(run), "--from", "latest", "--set", "trainer.total_steps=8")
+    r = invoke("resume", str(run), "--from", "latest", "--set", "trainer.total_steps=8")
     assert r.returncode == 0, r.stderr
     assert "warning: snapshot step-000006 is not usable" in r.stderr and "continuing from step 4" in r.stderr
     assert [row["step"] for row in metrics_of(run)] == list(range(1, 9))
@@ -170,9 +170,9 @@ def test_corrupt_and_missing_snapshots(finished, tmp_path):
 
 def test_resume_set_only_safe_keys_and_lr_change_is_applied(finished, tmp_path):
     run = copy_of(finished, tmp_path)
-    r = run_cli("resume", str(run), "--set", "model.builtin.num_layers=4")
+    r = invoke("resume", str(run), "--set", "model.builtin.num_layers=4")
     assert r.returncode == ExitCode.CONFIG and "'model.builtin.num_layers' cannot change on resume" in r.stderr
-    r = run_cli("resume", str(run), "--set", "trainer.total_steps=8", "--set", "actor.lr=5e-4")
+    r = invoke("resume", str(run), "--set", "trainer.total_steps=8", "--set", "actor.lr=5e-4")
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["actor/lr"] for row in rows] == [2e-3] * 6 + [5e-4] * 2  # the demo's lr, then the new one
@@ -186,7 +186,7 @@ def test_resume_set_only_safe_keys_and_lr_change_is_applied(finished, tmp_path):
 
 
 def test_resume_of_something_that_is_not_a_run(tmp_path):
-    r = run_cli("resume", str(tmp_path))
+    r = invoke("resume", str(tmp_path))
     assert r.returncode == ExitCode.CONFIG and "is not an rlctl run directory" in r.stderr
 
 

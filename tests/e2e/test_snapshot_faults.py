@@ -97,7 +97,7 @@ def test_garbage_manifest_is_quarantined_and_resume_falls_back_saying_why(tmp_pa
     assert rows[1]["problem"] == "manifest.json is not valid JSON (truncated or overwritten?)"
     assert newest.exists()
 
-    r = run_cli("resume", str(run), "--set", "trainer.total_steps=6", env={"COLUMNS": "1000"})  # notes unwrapped
+    r = invoke("resume", str(run), "--set", "trainer.total_steps=6", env={"COLUMNS": "1000"})  # notes unwrapped
     assert r.returncode == 0, r.stderr
     (moved,) = (run / "checkpoints" / "quarantine").iterdir()
     assert moved.name.startswith("step-000004.")
@@ -143,12 +143,12 @@ def test_resume_after_a_rollback_takes_the_policy_state_of_the_restored_step(tmp
     uninterrupted = policy_history(run / "checkpoints" / "step-000006", "watch")
     assert uninterrupted == [1, 2, 3, 4, 5, 6]
 
-    r = run_cli("resume", str(run), "--from", "step-4")
+    r = invoke("resume", str(run), "--from", "step-4")
     assert r.returncode == 0, r.stderr
     assert policy_history(run / "checkpoints" / "step-000006", "watch") == uninterrupted
 
     (run / "policy_state.json").write_text(json.dumps({"step": 4, "version": 1, "engine": 5}))
-    r = run_cli("resume", str(run), "--from", "step-4", env={"COLUMNS": "1000"})
+    r = invoke("resume", str(run), "--from", "step-4", env={"COLUMNS": "1000"})
     assert r.returncode == 0, r.stderr
     assert f"warning: ignoring {run / 'policy_state.json'}: it does not fit this run's policies" in r.stderr
     assert "Traceback" not in r.stderr

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers import events_of, invoke, metrics_of, mlflow_runs, run_cli, start_here, steps_of, tb_scalars, wandb_run
+from helpers import events_of, invoke, metrics_of, mlflow_runs, start_here, steps_of, tb_scalars, wandb_run
 
 VAL = "val/score/mean"
 ALL = ("tensorboard", "wandb", "mlflow")
@@ -90,11 +90,11 @@ def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_expo
     assert best["step"] == best_step(rows, 8)  # retention kept it (keep_last is 1)
 
     out = tmp_path / "exported"
-    r = run_cli("export", str(run), str(out), "--step", "best")
+    r = invoke("export", str(run), str(out), "--step", "best")
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
-    r = run_cli("resume", str(run), "--from", "best", "--set", "trainer.total_steps=9", env=env)
+    r = invoke("resume", str(run), "--from", "best", "--set", "trainer.total_steps=9", env=env)
     assert r.returncode == 0, r.stderr
     resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
     assert (resume["from"], resume["step"]) == ("best", best["step"])
