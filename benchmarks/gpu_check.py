@@ -97,7 +97,7 @@ BF16_PEAK = [
     ("RTX 4090", 165.2),
     ("RTX 3090", 71.0),
 ]
-NONDETERMINISTIC = re.compile(r"(\w[\w:.]*) does not have a deterministic implementation")
+NONDETERMINISTIC = re.compile(r"(\w[\w:.]*) does not have a deterministic implementation")  # torch's warning
 DETERMINISM = [
     "trainer.deterministic: true (rlctl.engine.runtime.deterministic_kernels)",
     "torch.use_deterministic_algorithms(True, warn_only=True)",
@@ -142,19 +142,23 @@ class Size:
     matmul: int  # the side of the square matrix product timed in check 1
     phases: tuple  # ((runs, budget), ...) in the order they run
     budgets: dict  # seconds of the checks that run in this process
+    disk_gib: float  # free disk the runs need in the work folder
 
 
 FULL = Size(
     model=QWEN_05B,
     vocab=151643,
     words=150000,
-    perf=dict(prompts=16, group=4, new_tokens=128, epochs=2),
+    # the HF rollout draws its Gumbel noise on the CPU (a vocabulary's worth per token and sequence): the
+    # update gets its work from 4 PPO epochs over the batch rather than from longer generations
+    perf=dict(prompts=16, group=4, new_tokens=64, epochs=4),
     small=dict(prompts=8, group=4, new_tokens=48, epochs=1),
     lora_rank=16,
     matmul=8192,
     # the timed runs alone: throughput (P) and the synchronous save with gradient checkpointing (S)
-    phases=((("P",), 110), (("R", "K"), 90), (("K+", "L", "F"), 80), (("S",), 70)),
-    budgets={"env": 30, "build": 50, "gpu_tests": 90},
+    phases=((("P",), 95), (("R", "K"), 80), (("K+", "L", "F"), 75), (("S",), 75)),
+    budgets={"env": 25, "build": 45, "gpu_tests": 75},  # 470 s in all, with the phases'
+    disk_gib=25,  # snapshots on disk at once, at most: R's two and K's one (about 7 GB each)
 )
 TINY = Size(
     model=TINY_MODEL,
@@ -167,6 +171,7 @@ TINY = Size(
     # fewest process starts: the reference run (R) stands in for the throughput run (P)
     phases=((("R", "K"), 150), (("K+", "L", "S"), 150)),
     budgets={"env": 60, "build": 60, "gpu_tests": 60},
+    disk_gib=0.1,
 )
 TOTAL_BUDGET = 470  # seconds: 8 minutes, less what Python's start and the report take
 
@@ -240,7 +245,7 @@ class Report:
         data = {
             **self.meta,
             "wall_s": round(time.monotonic() - T0, 1),
-            "passed": not self.failed(),
+            "passed": not self.failed() and not self.meta.get("interrupted"),
             "checks": [c.__dict__ for c in self.checks],
         }
         tmp = self.out / ".report.json.tmp"
@@ -250,9 +255,10 @@ class Report:
 
     def summary(self) -> str:
         m = self.meta
+        verdict = "INTERRUPTED" if m.get("interrupted") else "FAILED" if self.failed() else "PASSED"
         lines = [
-            f"rlctl GPU check ({m['mode']}, device {m['device']}) on {m.get('machine', '?')}: "
-            f"{'PASSED' if not self.failed() else 'FAILED'} in {time.monotonic() - T0:.0f} s",
+            f"rlctl GPU check ({m['mode']}, device {m['device']}) on {m.get('gpu') or m.get('machine')}: "
+            f"{verdict} in {time.monotonic() - T0:.0f} s",
         ]
         for c in self.checks:
             head = f"{c.number:>2} {c.name:<10} {c.status:<7} {c.wall_s:6.1f} s"
@@ -393,7 +399,12 @@ class Sampler:
 
     def __init__(self, cuda: bool):
         self.cuda = cuda and shutil.which("nvidia-smi") is not None
+        self.shm_base, self.gpu_base = 0, 0.0
+
+    def phase_starts(self) -> None:
+        """What is in use before a phase's runs start (this process's own CUDA context among it)."""
         self.shm_base = shm_used()
+        self.gpu_base = (device_used_mib() or 0.0) if self.cuda else 0.0
 
     def tick(self, runs: list[Run]) -> None:
         parents, cmdlines = process_table()
@@ -407,16 +418,29 @@ class Sampler:
             self._gpu(runs)
 
     def _gpu(self, runs: list[Run]) -> None:
-        per_pid = nvidia_smi(["--query-compute-apps=pid,used_memory"])
-        used = {int(p): float(m) for p, m in per_pid if p.strip().isdigit() and _number(m)}
+        """Each run's GPU memory: the sum over its processes where nvidia-smi lists them by this system's
+        process ids; else the whole GPU's use above what it was before the phase (a container that sees
+        other process ids), which is one run's only when it runs alone."""
+        listed = nvidia_smi(["--query-compute-apps=pid,used_memory"])
+        used = {int(p): float(m) for p, m in listed if p.strip().isdigit() and _number(m)}
+        matched = False
         for run in runs:
             mine = [used[p] for p in run.pids if p in used]
             if mine:
+                matched = True
                 run.gpu_peak_mib, run.gpu_source = max(run.gpu_peak_mib or 0.0, sum(mine)), "process"
-            elif not used and run.gpu_source != "process":
-                device = nvidia_smi(["--query-gpu=memory.used"])
-                if device and _number(device[0][0]):
-                    run.gpu_peak_mib, run.gpu_source = max(run.gpu_peak_mib or 0.0, float(device[0][0])), "device"
+        device = None if matched else device_used_mib()
+        if device is None:
+            return
+        for run in runs:
+            if run.gpu_source != "process":
+                run.gpu_peak_mib = max(run.gpu_peak_mib or 0.0, device - self.gpu_base)
+                run.gpu_source = "device" if len(runs) == 1 else f"device, {len(runs)} runs side by side"
+
+
+def device_used_mib() -> float | None:
+    device = nvidia_smi(["--query-gpu=memory.used"])
+    return float(device[0][0]) if device and _number(device[0][0]) else None
 
 
 def _number(text: str) -> bool:
@@ -483,7 +507,7 @@ def shm_used() -> int:
 def run_phase(runs: list[Run], budget: float, sampler: Sampler) -> None:
     """Start the runs side by side and wait for them (reading them every half second), SIGKILLing a run
     when it is due (``kill_after``) and every run still alive past ``budget`` seconds."""
-    sampler.shm_base = shm_used()
+    sampler.phase_starts()
     for run in runs:
         run.start()
     log(f"  runs {', '.join(r.name for r in runs)} started (budget {budget:.0f} s)")
@@ -527,6 +551,7 @@ class Plan:
         self.alias = {} if any("P" in names for names in self.phases) else {"P": "R"}
         self.runs: dict[str, Run] = {}
         self.next_phase = 0
+        self.broken: dict[int, str] = {}  # a phase that could not run: why
 
     def has(self, name: str) -> bool:
         name = self.alias.get(name, name)
@@ -547,19 +572,26 @@ class Plan:
             raise Skip("no model to train: check 2 did not build one")
         phase = self._phase_of(name)
         while self.next_phase <= phase:
-            names, budget = self.phases[self.next_phase], self.budgets[self.next_phase]
+            self._run_phase(self.next_phase)
             self.next_phase += 1
+        run = self.runs.get(self.alias.get(name, name))
+        if run is None:
+            raise Fail(f"run {name} was not started: {self.broken.get(phase)}")
+        return run
+
+    def _run_phase(self, index: int) -> None:
+        names, budget, runs = self.phases[index], self.budgets[index], []
+        try:
             runs = [self._make(n) for n in names]
             self.runs.update({r.name: r for r in runs})
-            try:
-                run_phase(runs, min(budget, max(self.ctx.report.left(), 1.0)), self.sampler)
-            except Exception as exc:  # the runs' checks fail with it; the phases after still run
-                for run in runs:
-                    run.kill()
-                    run.error = f"its phase broke off: {type(exc).__name__}: {exc}"
-                log(f"  phase {', '.join(names)} broke off: {type(exc).__name__}: {exc}")
-            self.free_disk(runs)
-        return self.runs[self.alias.get(name, name)]
+            run_phase(runs, min(budget, max(self.ctx.report.left(), 1.0)), self.sampler)
+        except Exception as exc:  # the runs' checks fail with it; the phases after still run
+            self.broken[index] = f"{type(exc).__name__}: {exc}"
+            for run in runs:
+                run.kill()
+                run.error = f"its phase broke off: {self.broken[index]}"
+            log(f"  phase {', '.join(names)} broke off: {self.broken[index]}")
+        self.free_disk(runs)
 
     def _make(self, name: str) -> Run:
         ctx = self.ctx
@@ -701,6 +733,10 @@ def check_env(ctx: Ctx, fig: dict) -> None:
     )
     if fig["outside_rlctl_bounds"]:
         raise Fail("installed outside rlctl's bounds: " + "; ".join(fig["outside_rlctl_bounds"]))
+    if fig["host"]["work_disk_free_gib"] < ctx.size.disk_gib:
+        raise Fail(
+            f"{fig['host']['work_disk_free_gib']} GiB free in {ctx.work}; the runs' snapshots need {ctx.size.disk_gib}"
+        )
     if ctx.device == "cuda" and not fig["bf16"]:
         raise Fail(f"{fig['gpu']} computes no bf16 natively; the GRPO check trains in bf16")
 
@@ -998,11 +1034,23 @@ def check_resume(ctx: Ctx, fig: dict) -> None:
     resumed = ctx.plan.get("K+")
     fig["resumed"] = resumed.facts()
     resumed.ok()
-    kernels = sorted({m for r in (ref, killed, resumed) for m in NONDETERMINISTIC.findall(r.output())})
+    logs = [r.output() for r in (ref, killed, resumed)]
+    kernels = sorted({m for text in logs for m in NONDETERMINISTIC.findall(text)})
     fig["kernels_without_deterministic_version"] = kernels
+    fig["determinism_warnings"] = sorted(
+        {
+            line.strip()[:300]
+            for text in logs
+            for line in text.splitlines()
+            if "Warning" in line and "determinis" in line
+        }
+    )[:10]
     resume = resumed.events("resume")
     fig["resumed_from_step"] = resume[-1].get("step") if resume else None
     fig["weights_sha256"] = {"reference": weights_hash(ref), "resumed": weights_hash(resumed)}
+    norms = fig["grad_norms"] = [r.get("actor/grad_norm") for r in ref.rows()]
+    if not any(n for n in norms if n is not None):
+        raise Fail("the reference run never changed its weights (every grad norm 0): nothing to compare")
     diffs = row_differences(ref.rows(), resumed.rows())
     fig["rows_compared"], fig["cells_differing"] = len(ref.rows()), len(diffs)
     fig["differences"] = diffs[:20]
@@ -1163,27 +1211,19 @@ def check_gpu_tests(ctx: Ctx, fig: dict) -> None:
 
 
 def ensure_entry_point() -> str:
-    """The tests run the `rlctl` console script beside this Python; where it is missing (a bare image that
-    was carried only the wheels), rlctl is installed there from this tree, editable, offline, no deps."""
+    """The tests run the `rlctl` console script beside this Python. Where it is missing (a bare image that
+    was carried only the wheels), rlctl is installed there from this tree: editable, offline, without
+    dependencies; failing that, the console script alone is written (what pip would write)."""
     script = Path(sys.executable).parent / "rlctl"
     if script.exists():
         return f"{script} was there"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-deps",
-        "--no-index",
-        "--no-build-isolation",
-        "-e",
-        str(REPO),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    if done.returncode != 0 or not script.exists():
-        raise Fail(f"could not install rlctl's console script ({done.returncode}): {done.stderr.strip()[-400:]}")
-    return f"installed {script} (pip install --no-deps --no-index -e .)"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation"]
+    done = subprocess.run([*cmd, "-e", str(REPO)], capture_output=True, text=True, timeout=120)
+    if done.returncode == 0 and script.exists():
+        return f"installed {script} (pip install --no-deps --no-index -e .)"
+    script.write_text(f"#!{sys.executable}\nimport sys\n\nfrom rlctl.cli import main\n\nsys.exit(main())\n")
+    script.chmod(0o755)
+    return f"wrote {script} (pip install -e . failed: {' '.join(done.stderr.split())[-300:]})"
 
 
 # -- 8: the whole ---------------------------------------------------------------------------------------
