@@ -72,7 +72,9 @@ gpu-wheels:
 
 # On the GPU machine, from the repository root, with those wheels (or rlctl's dependencies) installed:
 # `make gpu-check OUT=DIR` writes DIR/report.json and DIR/summary.txt; exit 1 when a check failed.
+# GPU_CHECK_ARGS="--device cpu --tiny" is the CPU dry run (GPU_PYTHON=.venv/bin/python here).
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
 	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=DIR" >&2; exit 2; }
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
