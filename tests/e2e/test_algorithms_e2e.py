@@ -52,9 +52,14 @@ VARIANTS = {
 }
 
 
+# steps per run: 50 show every variant's reward at 4-6x its start (the last 10 steps' mean against the
+# first 10's); the adaptive KL controller's run learns slower (its coefficient holds it back) and takes 80
+STEPS = {"adaptive_kl": 80}
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_learns(tmp_path, name):
-    steps = 80
+    steps = STEPS.get(name, 50)
     sets = [f"trainer.total_steps={steps}", *VARIANTS[name]]
     r = start_here(tmp_path / name, *[a for s in sets for a in ("--set", s)])
     assert r.returncode == 0, r.stderr

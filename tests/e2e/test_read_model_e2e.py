@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, invoke, metrics_of, run_cli, start
+from helpers import SMALL, events_of, invoke, metrics_of, start
 
 RAN_UNDER = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]
 WATCH = [
@@ -25,7 +25,7 @@ def turned(tmp_path_factory):
     config = {"policies": [{"rules": RAN_UNDER}]}
     r = start(run, *SMALL, config=config, steps=6, every=2, faults=faults)
     assert r.returncode != 0 and "crashed after step 5" in r.stderr, r.stderr
-    r = run_cli("resume", str(run))
+    r = invoke("resume", str(run))  # (in this process: what the tests read is the turn it makes)
     assert r.returncode == 0, r.stderr
     return run
 
