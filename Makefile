@@ -27,10 +27,11 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# the whole suite: lint, then unit, CLI-golden and end-to-end tests (what CI runs), two at a time
-# (pytest-xdist; tests/conftest.py keeps the tests that share a module's finished run on one worker)
+# the whole suite: lint, then unit, CLI-golden and end-to-end tests (what CI runs), three at a time on
+# two cores (pytest-xdist; a third worker fills the cores while the others' tests wait on a signal, a
+# store or a sleep drill; tests/conftest.py keeps the tests that share a module's finished run on one worker)
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadgroup --durations=12
+	$(VENV)/bin/pytest -q -n 3 --dist loadgroup --durations=12
 
 # the quick lane while working: tests/unit and tests/cli (no run of the trainer in a subprocess; the
 # slow lane is the tests/e2e folder)
