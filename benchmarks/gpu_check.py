@@ -203,6 +203,7 @@ class Report:
     def __init__(self, out: Path, meta: dict):
         self.out, self.meta, self.checks = out, meta, []
         self.deadline = T0 + TOTAL_BUDGET
+        self.wall_s = 0.0  # at the last write: report.json, summary.txt and the printed summary agree
         out.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -242,9 +243,10 @@ class Report:
         return any(c.status == "fail" for c in self.checks)
 
     def write(self) -> None:
+        self.wall_s = round(time.monotonic() - T0, 1)
         data = {
             **self.meta,
-            "wall_s": round(time.monotonic() - T0, 1),
+            "wall_s": self.wall_s,
             "passed": not self.failed() and not self.meta.get("interrupted"),
             "checks": [c.__dict__ for c in self.checks],
         }
@@ -258,7 +260,7 @@ class Report:
         verdict = "INTERRUPTED" if m.get("interrupted") else "FAILED" if self.failed() else "PASSED"
         lines = [
             f"rlctl GPU check ({m['mode']}, device {m['device']}) on {m.get('gpu') or m.get('machine')}: "
-            f"{verdict} in {time.monotonic() - T0:.0f} s",
+            f"{verdict} in {self.wall_s:.0f} s",
         ]
         for c in self.checks:
             head = f"{c.number:>2} {c.name:<10} {c.status:<7} {c.wall_s:6.1f} s"
