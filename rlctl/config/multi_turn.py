@@ -13,20 +13,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlctl.config.strict import Strict
+from rlctl.config.strict import Strict, check_import_path
 from rlctl.tools.formats import FORMATS
 
 ToolFormat = Literal["hermes", "qwen3_coder"]  # FORMATS' names (tests/unit/test_tool_formats.py keeps them equal)
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 NOT_YET = "is not available yet (issue 29): only plain functions (`function: module:function`) are"
-
-
-def check_import_path(v: str, what: str) -> str:
-    """``module:attribute``, else a ValueError naming ``what`` it should be."""
-    module, sep, attribute = v.partition(":")
-    if not sep or not module or not attribute:
-        raise ValueError(f"expected 'module:{what}', got {v!r}")
-    return v
 
 
 class ToolConfig(Strict):

@@ -10,18 +10,10 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from rlctl.config.strict import Strict
+from rlctl.config.strict import Strict, check_import_path
 
 DEFAULT_REWARD = "rlctl.engine.reward.builtin:echo_reward"
 REWARD_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-
-def _check_reward_function(v: str) -> str:
-    """``module:function``, else a ValueError."""
-    module, sep, fn = v.partition(":")
-    if not sep or not module or not fn:
-        raise ValueError(f"expected 'module:function', got {v!r}")
-    return v
 
 
 def _check_reward_url(v: str) -> str:
@@ -69,7 +61,7 @@ class RewardSourceConfig(Strict):
     @field_validator("function")
     @classmethod
     def _module_function(cls, v: str | None) -> str | None:
-        return None if v is None else _check_reward_function(v)
+        return None if v is None else check_import_path(v, "function")
 
     @field_validator("url")
     @classmethod
@@ -133,7 +125,7 @@ class RewardConfig(Strict):
     @field_validator("function")
     @classmethod
     def _module_function(cls, v: str) -> str:
-        return _check_reward_function(v)
+        return check_import_path(v, "function")
 
     @field_validator("url")
     @classmethod
