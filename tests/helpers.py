@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 RLCTL = [str(Path(sys.executable).parent / "rlctl")]  # the installed console script
 
@@ -25,9 +27,27 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
-    """The real entry point in a subprocess."""
-    return subprocess.run(
-        [*RLCTL, *args], capture_output=True, text=True, cwd=cwd or REPO, timeout=timeout, env=child_env(**(env or {}))
+    """The real entry point in a process of its own (``popen``), run to its end."""
+    proc = popen(args, env=child_env(**(env or {})), cwd=cwd or REPO)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess([*RLCTL, *args], proc.returncode, out, err)
+
+
+def popen(args, env: dict[str, str], cwd: Path, fork: bool = True):
+    """`rlctl ARGS` in a process of its own with text pipes: forked by the tests' fork server (the same
+    process without the cost of its imports, see ``forkserver``) where ``env`` allows, else (or with
+    ``fork=False``) the installed console script."""
+    if fork and forkserver.enabled():
+        server = forkserver.ForkServer.get(child_env(), REPO)
+        if server.forkable(env):
+            return server.spawn(list(args), env, cwd)
+    return subprocess.Popen(
+        [*RLCTL, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
 
@@ -118,14 +138,8 @@ def completed_hash(run_dir):
 
 
 def spawn(*args, faults="", env=None):
-    return subprocess.Popen(
-        [*RLCTL, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(RLCTL_FAULTS=faults, **(env or {})),
-    )
+    """`rlctl ARGS` left running (``popen``): ``faults`` for RLCTL_FAULTS, ``env`` added."""
+    return popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=REPO)
 
 
 def wait_for(predicate, proc, timeout=120):
