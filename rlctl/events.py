@@ -38,5 +38,9 @@ SNAPSHOTS_PURGE_FAILED = "snapshots_purge_failed"
 # fault drills (rlctl.faults): a drill that fired, recorded so that it fires once in the run
 DRILL_FIRED = "drill_fired"
 
+# multi-turn rollouts (rlctl.engine.rollout.multi_turn)
+TEMPLATE_DRIFT = "template_drift"  # a conversation's ids differ from its whole rendering (the first position)
+TOOL_CALLS_REPLAYED = "tool_calls_replayed"  # a step run again got its recorded tool answers
+
 # the outcomes a run can end with: the last of them (after the last start or resume) is how it ended
 ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED})

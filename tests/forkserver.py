@@ -5,15 +5,14 @@ first step; the end-to-end tests start a few hundred such processes. This server
 (per pytest-xdist worker), then forks a child for each run the tests ask for. The child is a real
 process of its own, like one from ``subprocess.Popen``: it takes the test's argv, environment, working
 directory and pipes, runs the CLI's entry point (``rlctl.cli:main``) as the installed console script
-does, and exits through the interpreter's normal exit (atexit, flushes), its exit status reported back.
+does, and exits as the interpreter would (threads joined, atexit handlers, flushes), its exit status reported back.
 Tests signal and kill it by its pid, and its ranks and snapshot writer are started by it as by any
 `rlctl`.
 
 What a fork cannot give differs from a fresh interpreter only in what was decided at import: the
 environment a module read then. So a request is forked only when its environment differs from the
-server's in variables read at run time (``FORKABLE``: rlctl's own, and the fsspec config, which is read
-again in the child); anything else (PYTHONPATH, DS_ACCELERATOR=cuda, ...) makes ``helpers`` start the
-console script instead. ``tests/e2e/test_forkserver.py`` checks that a forked run equals one of the
+server's in variables read at run time; one that differs in a variable read at import (``IMPORT_TIME``:
+PYTHONPATH, DS_ACCELERATOR=cuda, HF_HOME, ...) makes ``helpers`` start the console script instead. ``tests/e2e/test_forkserver.py`` checks that a forked run equals one of the
 console script, byte for byte. RLCTL_TEST_FORKSERVER=0 turns the server off.
 
 Run as ``python tests/forkserver.py SOCKET``: it prints ``ready`` once its imports are done.
@@ -33,9 +32,31 @@ import threading
 import time
 from pathlib import Path
 
-# variables a forked child may have different from the server (none read at import time)
-FORKABLE_PREFIXES = ("RLCTL_",)
-FORKABLE = frozenset({"FSSPEC_S3", "AWS_DEFAULT_REGION", "COLUMNS"})
+# variables the server's modules read when they are imported (torch, DeepSpeed, transformers, the
+# Hugging Face hub's cache paths, the OpenMP and BLAS runtimes, the interpreter): a child whose value
+# differs is started from the console script. The others (PYTEST_CURRENT_TEST, RLCTL_*, what an
+# in-process test's imports set, such as VLLM_* or RAY_*) are read at run time, from the child's own
+# environment. FSSPEC_* is read at import too, and read again in the child (``_become``).
+IMPORT_TIME = (
+    "PYTHON",
+    "LD_",
+    "TORCH_",
+    "PYTORCH",
+    "TORCHDYNAMO",
+    "TRITON",
+    "CUDA",
+    "DS_",
+    "DEEPSPEED",
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "OPENBLAS",
+    "XDG_",
+    "HOME",
+)
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "rlctl")
 _HEADER = struct.Struct("!I")
 
@@ -184,7 +205,7 @@ class ForkServer:
     def forkable(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` is the process the console script would be (see the module)."""
         changed = {k for k in self.env.keys() | env.keys() if self.env.get(k) != env.get(k)}
-        return all(k in FORKABLE or k.startswith(FORKABLE_PREFIXES) for k in changed)
+        return not any(k.startswith(IMPORT_TIME) for k in changed)
 
     def spawn(self, args: list[str], env: dict[str, str], cwd: Path) -> "Forked":
         return Forked(self.path, args, env, cwd)

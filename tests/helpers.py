@@ -142,7 +142,10 @@ def spawn(*args, faults="", env=None):
     return popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=REPO)
 
 
-def wait_for(predicate, proc, timeout=120):
+def wait_for(predicate, proc, timeout=300):
+    """Poll ``predicate`` until it holds; an AssertionError (``proc`` killed) if ``proc`` ends first or
+    ``timeout`` passes. The timeout is generous: a Ray run on a loaded 2-core CI machine took over 120 s
+    to reach its third step."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():

@@ -46,6 +46,11 @@ def span(seconds: float) -> str:
     return f"{start} {time.monotonic()}"
 
 
+def tick() -> str:
+    """A different answer at every call, as a clock or a live service gives."""
+    return f"now {time.time_ns()}"
+
+
 def fail(x: int) -> str:
     """Always raises, as a buggy tool would."""
     raise ValueError(f"bad x {x}")

@@ -39,6 +39,7 @@ from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.tools.loader import Tools, load_tools
 from rlctl.engine.tools.pool import ToolPool
+from rlctl.engine.tools.record import ToolRecord
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
@@ -161,6 +162,7 @@ class Trainer:
             tools=self.tools,
             pool=self.tool_pool,
             emit=self.emit,
+            record=ToolRecord(self.run, self.dist.rank) if self.tool_pool is not None else None,
         )
 
     def ensure_reference(self) -> None:

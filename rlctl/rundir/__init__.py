@@ -9,6 +9,8 @@ RUN_DIR/
   lease.json               the live writer (host, pid, when taken); absent when nobody writes
   .lease/                  the writer's heartbeat (beat-OWNER) and takeover markers
   checkpoints/             snapshots (unless checkpoint.dir is set)
+  tools/                   a multi-turn run's tool calls by step and rank, and their answers (results/,
+                           by sha256): replayed when a step runs again (rlctl.engine.tools.record)
 
 Writing a run: ``layout`` names these files; ``directory`` creates and loads a run directory;
 ``overrides`` says what ``rlctl resume --set`` may change; ``history`` turns a run away from the steps

@@ -10,6 +10,7 @@ EVENTS = "events.jsonl"
 POLICY_STATE = "policy_state.json"
 MODEL = "model"
 CHECKPOINTS = "checkpoints"
+TOOL_CALLS = "tools"
 
 
 def not_a_run(url: str) -> ConfigError:

@@ -53,7 +53,7 @@ def test_a_sleep_drill_killed_before_any_snapshot_of_its_step_does_not_sleep_aga
     def sleeping() -> bool:  # (the drill is recorded, then waits for the snapshot of step 2, then sleeps)
         return has_step(run, 3)() and ("sleep@3=120", 3) in drills_fired(run) and settled_before(run, 3)
 
-    wait_for(sleeping, proc, timeout=60)
+    wait_for(sleeping, proc)
     proc.send_signal(signal.SIGKILL)  # in the drill's sleep: the event log is the only record that it fired
     proc.wait()
     r = run_cli("resume", str(run), timeout=90)  # (were the drill armed again, it would sleep 120 s)

@@ -31,7 +31,7 @@ def check(run_dir):
     return r.returncode, r.stdout
 
 
-def stop_when(proc, predicate, sig=signal.SIGTERM, timeout=120):
+def stop_when(proc, predicate, sig=signal.SIGTERM, timeout=300):
     """Send ``sig`` once ``predicate()`` holds; the exit code and stderr."""
     wait_for(predicate, proc, timeout=timeout)
     proc.send_signal(sig)

@@ -13,6 +13,7 @@ import json
 import math
 import signal
 import textwrap
+from pathlib import Path
 
 import pytest
 from chat_tokenizer import tool_model_dir
@@ -21,6 +22,10 @@ from helpers import completed_hash, events_of, has_step, metrics_of, run_cli, sp
 
 CAPITALS = {"france": "paris", "peru": "lima", "italy": "rome", "japan": "tokyo"}
 TOOL = '''
+import os
+import time
+from pathlib import Path
+
 CAPITALS = {capitals!r}
 
 
@@ -30,13 +35,28 @@ def lookup(country: str) -> str:
     Args:
         country: The country, in lower case.
     """
-    return CAPITALS.get(country.strip().lower(), "unknown")
+    return CAPITALS.get(country.strip().lower(), "unknown") + counted()
+
+
+def counted() -> str:
+    """A different answer at every call, as a clock or a live service gives: " #N" for the run's N-th call
+    (a counter file), taken when the call returns; the call numbered CAPITALS_HOLD_AT hangs instead."""
+    path = os.environ.get("CAPITALS_COUNTER")
+    if not path:
+        return ""
+    counter = Path(path)
+    n = int(counter.read_text()) if counter.exists() else 0
+    if str(n) == os.environ.get("CAPITALS_HOLD_AT"):
+        Path(path + ".holding").write_text("")
+        time.sleep(300)
+    counter.write_text(str(n + 1))
+    return f" #{{n}}"
 '''
 REWARD = """
 def score(prompts, completions, answer, **kw):
     return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
 """
-STEPS, EVERY, KILL_AFTER = 4, 2, 3
+STEPS, EVERY, KILL_AT = 4, 2, 4
 
 
 def call(country: str) -> str:
@@ -122,11 +142,17 @@ def task(tmp_path_factory):
     return root
 
 
+def env_of(task, run, **extra) -> dict[str, str]:
+    """The modules found through PYTHONPATH (in the trainer and in the tool workers); the tool's counter
+    file of ``run``."""
+    return {"PYTHONPATH": str(task), "CAPITALS_COUNTER": str(run) + ".counter", **extra}
+
+
 @pytest.fixture(scope="module")
 def reference(task):
-    """The uninterrupted run (the modules found through PYTHONPATH, in the trainer and in the tool workers)."""
+    """The uninterrupted run; its tool answers are numbered by the run's calls."""
     run = task / "reference"
-    r = start(run, config=task / "run.yaml", env={"PYTHONPATH": str(task)})
+    r = start(run, config=task / "run.yaml", env=env_of(task, run))
     assert r.returncode == 0, r.stderr
     return run
 
@@ -160,18 +186,30 @@ def test_the_model_calls_the_tool_and_trains_on_the_conversations(reference):
     assert not [e for e in events_of(reference) if e["event"] == "template_drift"]
 
 
-def test_sigkill_mid_run_and_resume_is_bit_exact(task, reference):
-    """Killed after step KILL_AFTER (its last snapshot: step EVERY) and resumed: the same weights and the same
-    metric rows, tool calls included, as the uninterrupted run."""
+def test_sigkill_during_a_tool_call_and_resume_is_bit_exact_with_a_tool_that_never_answers_twice_alike(task, reference):
+    """The tool's answers are numbered by the run's calls. SIGKILL while a call of step KILL_AT hangs (after
+    the snapshot of step EVERY), and resume: the steps run again get the answers recorded the first time
+    (RUN/tools), the call that never returned runs again and gets the number the uninterrupted run gave
+    it, and the run ends with the same weights and the same metric rows, tool calls included. (Asking
+    the tool again would have numbered every call of the steps run again differently.)"""
+    calls = [int(row["tool/lookup/calls"]) for row in metrics_of(reference)]
+    assert calls[KILL_AT - 1] >= 1
+    hold_at = sum(calls[: KILL_AT - 1]) + min(1, calls[KILL_AT - 1] - 1)  # step KILL_AT's second call, if any
     run = task / "killed"
-    env = {"PYTHONPATH": str(task)}
-    proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), faults=f"sleep@{KILL_AFTER}=120", env=env)
+    env = env_of(task, run)
+    proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), env={**env, "CAPITALS_HOLD_AT": str(hold_at)})
     snapshot = run / "checkpoints" / f"step-{EVERY:06d}" / "manifest.json"  # committed: the resume's start
-    wait_for(lambda: has_step(run, KILL_AFTER)() and snapshot.exists(), proc)  # then it sleeps (the drill)
+    holding = Path(env["CAPITALS_COUNTER"] + ".holding")
+    wait_for(lambda: holding.exists() and snapshot.exists(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    assert has_step(run, KILL_AT - 1)() and not has_step(run, KILL_AT)()
     r = run_cli("resume", str(run), "--from", "latest", env=env)
     assert r.returncode == 0, r.stderr
     assert f"continuing from step {EVERY}" in r.stderr
+    replayed = {e["step"]: e["calls"] for e in events_of(run) if e["event"] == "tool_calls_replayed"}
+    answered = hold_at - sum(calls[: KILL_AT - 1])  # the calls of the killed step that returned
+    assert replayed == {s: calls[s - 1] for s in range(EVERY + 1, KILL_AT)} | ({KILL_AT: answered} if answered else {})
     assert completed_hash(run) == completed_hash(reference)
     assert stable(metrics_of(run)) == stable(metrics_of(reference))
+    assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == sum(calls)  # every call asked once, none twice

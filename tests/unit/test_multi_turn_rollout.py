@@ -14,12 +14,15 @@ from rlctl.engine.model import load_tokenizer
 from rlctl.engine.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
+from rlctl.engine.tools.record import ToolRecord
+from rlctl.storage import Storage
 
 TOOLS = [
     {"function": "toolbox:lookup"},
     {"function": "toolbox:fail"},
     {"function": "toolbox:down"},
     {"function": "toolbox:words"},
+    {"function": "toolbox:tick"},
 ]
 
 
@@ -56,7 +59,7 @@ def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):
     for c, t in zip(convs, turns):
         c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
     stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
-    rollout._answer(convs, turns, 0, stats)
+    rollout._answer(convs, turns, 1, 0, stats)
     said = [tok.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)]
     assert "<tool_response>\nlima\n</tool_response>" in said[0]
     assert "error: ValueError: bad x 1 (at toolbox.py line" in said[1]
@@ -88,3 +91,51 @@ def test_generated_conversations_keep_log_probs_aligned_with_the_mask(rollout):
     metrics = rollout.take_metrics()
     assert set(metrics) == set(rollout.reductions) and rollout.take_metrics() == {}
     assert metrics["multi_turn/num_turns/mean"] >= 1 and metrics["tool/lookup/calls"] >= 0
+
+
+def _turn(rollout, calls: list[str], step: int) -> tuple[list[str], ToolStats]:
+    """The answers the rollout appends to one turn of ``calls`` at ``step``."""
+    convs = [Conversation("what time is it?", (i, 0)) for i in range(len(calls))]
+    turns = [rollout.chat.encode(c) for c in calls]
+    for c, t in zip(convs, turns):
+        c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
+    stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
+    rollout._answer(convs, turns, step, 0, stats)
+    return [rollout.tokenizer.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)], stats
+
+
+def test_a_step_run_again_replays_its_recorded_answers_and_asks_again_after_an_outage(rollout, tmp_path):
+    """A tool that never answers twice alike (the clock): the same step run again, by a fresh record of the
+    same run (a resumed process), gets the recorded answers, not new ones; another step asks the tool; an
+    unavailable tool's failure is not recorded (asked again); a torn line and a lost answer are asked again."""
+    tick = '<tool_call>{"name": "tick", "arguments": {}}</tool_call>'
+    down = '<tool_call>{"name": "down", "arguments": {}}</tool_call>'
+    run = Storage(str(tmp_path / "run"))
+    try:
+        rollout.record = ToolRecord(run, 0)
+        rollout.record.begin(3)
+        first, stats = _turn(rollout, [tick, tick, down], 3)
+        assert first[0] != first[1] and stats.replayed == 0
+        rollout.record = ToolRecord(run, 0)  # the resumed process
+        rollout.record.begin(3)
+        again, stats = _turn(rollout, [tick, tick, down], 3)
+        assert again[:2] == first[:2] and stats.replayed == 2 and stats.unavailable == 1
+        rollout.record.begin(4)
+        assert _turn(rollout, [tick], 4)[0][0] != first[0]
+
+        files = sorted(p.name for p in (tmp_path / "run" / "tools").iterdir())
+        assert files == ["results", "step-000003.rank-0.jsonl", "step-000004.rank-0.jsonl"]
+        lines = (tmp_path / "run" / "tools" / "step-000003.rank-0.jsonl").read_bytes().splitlines()
+        assert len(lines) == 2  # the two clock calls; the outage is not recorded
+        (tmp_path / "run" / "tools" / "step-000003.rank-0.jsonl").write_bytes(lines[0] + b"\n" + lines[1][:20])
+        rollout.record = ToolRecord(run, 0)
+        rollout.record.begin(3)
+        torn, stats = _turn(rollout, [tick, tick], 3)
+        assert torn[0] == first[0] and torn[1] != first[1] and stats.replayed == 1  # the torn line: asked again
+        for blob in (tmp_path / "run" / "tools" / "results").iterdir():
+            blob.unlink()
+        rollout.record = ToolRecord(run, 0)
+        rollout.record.begin(3)
+        assert _turn(rollout, [tick], 3)[1].replayed == 0  # its answer lost: asked again
+    finally:
+        rollout.record = None

@@ -53,16 +53,18 @@ def make_backend(
     tools=None,
     pool=None,
     emit: Callable[[dict[str, Any]], None] | None = None,
+    record=None,
 ) -> RolloutBackend:
     """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn (hf only: the schema
     refuses the rest) the multi-turn rollout, with the run's ``tools`` (``engine.tools.loader``), the
-    rank's ``pool`` of tool workers (its owner closes it) and the trainer's event emitter ``emit``."""
+    rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
+    run's ``record`` of tool calls (``engine.tools.record``)."""
     if name == "hf" and cfg.rollout.multi_turn is not None:
         from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 
         if tools is None or pool is None:
             raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
-        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit)
+        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record)
     if name == "hf":
         from rlctl.engine.rollout.hf import HFRollout
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlctl import events as names
 from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.batch import Sequences
@@ -38,7 +39,8 @@ from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, resp
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.tools.loader import Tools
-from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, ToolPool
+from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, ToolPool
+from rlctl.engine.tools.record import ToolRecord, call_key
 from rlctl.tools.formats import FORMATS
 from rlctl.tools.schema import check_call
 
@@ -87,15 +89,27 @@ class ToolStats:
     invalid: int = 0
     timeouts: int = 0
     unavailable: int = 0
+    replayed: int = 0  # answers read from the run's record (a step run again), not asked of the tool
     seconds: float = 0.0
     by_name: dict[str, int] = field(default_factory=dict)
 
 
 class MultiTurnRollout(HFRollout):
-    def __init__(self, cfg: RunConfig, actor, tokenizer, mt: MultiTurnConfig, tools: Tools, pool: ToolPool, emit=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        actor,
+        tokenizer,
+        mt: MultiTurnConfig,
+        tools: Tools,
+        pool: ToolPool,
+        emit=None,
+        record: ToolRecord | None = None,
+    ):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
         (``engine.tools.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
-        receives the ``template_drift`` events."""
+        receives the ``template_drift`` and ``tool_calls_replayed`` events; ``record``: the run's record
+        of tool calls (``engine.tools.record``; None: nothing recorded or replayed)."""
         super().__init__(cfg, actor, tokenizer)
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
@@ -103,7 +117,7 @@ class MultiTurnRollout(HFRollout):
         self.chat = ChatIncrements(tokenizer, list(schemas.values()), cfg.model.path or "the built-in model")
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
-        self.pool = pool
+        self.pool, self.record = pool, record
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
         self._metrics: list[dict[str, float]] = []
@@ -146,6 +160,8 @@ class MultiTurnRollout(HFRollout):
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
+        if self.record is not None:
+            self.record.begin(step)
         module = self.actor.module
         was_training = module.training
         module.eval()
@@ -156,10 +172,12 @@ class MultiTurnRollout(HFRollout):
                     if not live:
                         break
                     turns = self._generate_turn([prompt_ids[i] for i in live], [convs[i] for i in live], step, turn, t)
-                    self._answer([convs[i] for i in live], turns, turn, stats)
+                    self._answer([convs[i] for i in live], turns, step, turn, stats)
         finally:
             module.train(was_training)
         self._metrics.append(self._row(convs, stats, step))
+        if stats.replayed:
+            self.emit({"event": names.TOOL_CALLS_REPLAYED, "step": step, "calls": stats.replayed})
         return self._batch(enc, convs)
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -202,7 +220,9 @@ class MultiTurnRollout(HFRollout):
             new.append(tokens)
         return new
 
-    def _answer(self, convs: list[Conversation], turns: list[list[int]], turn: int, stats: ToolStats) -> None:
+    def _answer(
+        self, convs: list[Conversation], turns: list[list[int]], step: int, turn: int, stats: ToolStats
+    ) -> None:
         """Parse each conversation's new turn, run its calls (all conversations' together) and append the
         answers; end the conversations that made no call, ran out of turns or of budget."""
         jobs, plans = [], []
@@ -229,12 +249,11 @@ class MultiTurnRollout(HFRollout):
                     continue
                 stats.by_name[call.name] += 1
                 answers.append(len(jobs))
-                jobs.append((self.functions[call.name], args, call.name))
+                key = call_key(step, c.prompt, c.seed, turn, len(answers) - 1, call.name, args)
+                jobs.append((self.functions[call.name], args, call.name, key))
             answers += [("invalid", f"error: {sentence}") for sentence in parsed.invalid]
             plans.append((c, tokens, answers))
-        t0 = time.perf_counter()
-        results = self.pool.run([(spec, args) for spec, args, _ in jobs]) if jobs else []
-        stats.seconds += time.perf_counter() - t0
+        results = self._run(jobs, stats)
         for c, tokens, answers in plans:
             messages = []
             for a in answers:
@@ -249,6 +268,29 @@ class MultiTurnRollout(HFRollout):
                 else:
                     messages.append((a[0], self._cut(a[1])))
             self._append_answers(c, tokens, messages)
+
+    def _run(self, jobs: list[tuple[str, dict[str, Any], str, str]], stats: ToolStats) -> list[CallResult]:
+        """The answers of a turn's calls: recorded ones replayed (``record``), the others run in the pool
+        together and recorded."""
+        results: list[CallResult | None] = [None] * len(jobs)
+        fresh = []
+        for i, (_, _, _, key) in enumerate(jobs):
+            old = self.record.replay(key) if self.record is not None else None
+            if old is None:
+                fresh.append(i)
+            else:
+                results[i] = CallResult(old.outcome, old.text, old.seconds)
+                stats.replayed += 1
+        t0 = time.perf_counter()
+        answered = self.pool.run([(jobs[i][0], jobs[i][1]) for i in fresh]) if fresh else []
+        stats.seconds += time.perf_counter() - t0
+        for i, res in zip(fresh, answered):
+            results[i] = res
+            if self.record is not None and res.outcome not in INFRA:
+                self.record.add(jobs[i][3], res.outcome, res.text, res.seconds)
+        if self.record is not None and fresh:
+            self.record.flush()
+        return results  # type: ignore[return-value]
 
     def _append_answers(self, c: Conversation, tokens: list[int], messages: list[tuple[str, str]]) -> None:
         env = self.chat.closing(tokens) + self.chat.tool_ids(messages)
@@ -297,7 +339,7 @@ class MultiTurnRollout(HFRollout):
                 drifted += 1
                 self.emit(
                     {
-                        "event": "template_drift",
+                        "event": names.TEMPLATE_DRIFT,
                         "step": step,
                         "prompt_index": c.seed[0],
                         "sample_index": c.seed[1],

@@ -50,8 +50,18 @@ def _json(value: Any) -> str:
         return repr(value)
 
 
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def main(conn) -> None:
-    """Answer calls ``(spec, arguments)`` until the pipe closes or None arrives."""
+    """Answer calls ``(spec, arguments)`` until the pipe closes or None arrives. The worker dies with its
+    rank (PR_SET_PDEATHSIG): a call still running when the rank is killed stops there."""
+    _die_with_parent()
     functions: dict[str, Any] = {}
     conn.send(("ready", ""))  # started: the pool's clock for the first call starts now
     while True:
