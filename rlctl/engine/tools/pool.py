@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -67,11 +68,15 @@ class ToolPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * workers
 
-    def run(self, calls: list[tuple[str, dict[str, Any]]]) -> list[CallResult]:
-        """Each ``(module:function, arguments)`` run in a worker; results in the order of ``calls``."""
+    def run(
+        self, calls: list[tuple[str, dict[str, Any]]], on_result: Callable[[int, CallResult], None] | None = None
+    ) -> list[CallResult]:
+        """Each ``(module:function, arguments)`` run in a worker; results in the order of ``calls``.
+        ``on_result(index, result)`` is called as each call ends (a record written call by call)."""
         results: list[CallResult | None] = [None] * len(calls)
         pending = list(range(len(calls)))[::-1]
         running: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, start time)
+        told: set[int] = set()
         while pending or running:
             for slot in range(len(self._workers)):
                 if slot not in running and pending:
@@ -79,6 +84,10 @@ class ToolPool:
                     running[slot] = (index, time.monotonic())
                     self._send(slot, calls[index], results, running)
             self._collect(running, results)
+            for index, result in enumerate(results):
+                if result is not None and index not in told and on_result is not None:
+                    told.add(index)
+                    on_result(index, result)
         return results  # type: ignore[return-value]
 
     def _send(self, slot: int, call, results, running) -> None:

@@ -8,7 +8,7 @@ that was never answered (the process died while it ran) runs again. A call is th
 step, prompt, sample, turn, position in the turn, tool and arguments are all the same.
 
 RUN_DIR/tools/step-000012.rank-0.jsonl holds one line per call a rank answered at step 12 (its key,
-outcome, seconds and the sha256 of its text), appended after each turn; RUN_DIR/tools/results/SHA256
+outcome, seconds and the sha256 of its text), appended as each call ends; RUN_DIR/tools/results/SHA256
 holds each text once (content-addressed: an answer given a thousand times is stored once). A line is
 written after its text, so a line never names a missing text; a torn last line (a kill mid-append) and
 a missing or damaged text are skipped: that call runs again. An infrastructure failure (a timeout, an
