@@ -25,6 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "policy": ("rlctl.commands.policy", "policy", "Check, replay and calibrate rollback policies."),
     "inspect": ("rlctl.commands.inspect", "inspect", "Show a run: summary, metric dumps, events, plots, --check."),
     "runs": ("rlctl.commands.runs", "runs", "List the runs under a directory with their status."),
+    "trajectories": (
+        "rlctl.commands.trajectories",
+        "trajectories",
+        "Show a multi-turn run's conversations of a step: turns, tool calls, trained tokens.",
+    ),
 }
 
 

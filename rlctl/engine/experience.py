@@ -141,6 +141,7 @@ class Experience:
             scores = scores + algos.overlong_penalty(
                 lengths, cfg.rollout.max_new_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
             )
+        self.rollout.scored(step, scores)
         return seqs, scores
 
     def _fill(self, parts, part_scores, filler, kept: int, want: int) -> tuple[Sequences, torch.Tensor]:

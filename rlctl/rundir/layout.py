@@ -11,6 +11,7 @@ POLICY_STATE = "policy_state.json"
 MODEL = "model"
 CHECKPOINTS = "checkpoints"
 TOOL_CALLS = "tools"
+TRAJECTORIES = "trajectories"
 
 
 def not_a_run(url: str) -> ConfigError:

@@ -38,6 +38,10 @@ class RolloutBackend(Protocol):
 
     def decode(self, seqs: Sequences) -> list[str]: ...
 
+    def scored(self, step: int, scores) -> None:
+        """The (B,) scores of the last generate's completions, at a training step (a multi-turn rollout
+        writes its conversations' transcripts with them); nothing for single-turn generation."""
+
     def forget_cache(self) -> None:
         """Drop what generation cached across calls (vLLM's prefix cache), so what comes next samples as
         after a restore: validation leaves no trace in training."""
@@ -54,17 +58,19 @@ def make_backend(
     pool=None,
     emit: Callable[[dict[str, Any]], None] | None = None,
     record=None,
+    transcripts=None,
 ) -> RolloutBackend:
     """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn (hf only: the schema
     refuses the rest) the multi-turn rollout, with the run's ``tools`` (``engine.tools.loader``), the
     rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
-    run's ``record`` of tool calls (``engine.tools.record``)."""
+    run's ``record`` of tool calls (``engine.tools.record``) and ``transcripts`` of its conversations
+    (``transcript``)."""
     if name == "hf" and cfg.rollout.multi_turn is not None:
         from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 
         if tools is None or pool is None:
             raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
-        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record)
+        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record, transcripts)
     if name == "hf":
         from rlctl.engine.rollout.hf import HFRollout
 

@@ -218,6 +218,9 @@ class HFRollout:
         """None of its own: a completion's metrics are the batch's (``experience.batch_metrics``)."""
         return {}
 
+    def scored(self, step: int, scores: torch.Tensor) -> None:
+        """Nothing to keep: a single-turn completion's text and score are in the batch."""
+
     def forget_cache(self) -> None:
         """Nothing is cached across calls (the KV cache lives for one generation)."""
 
