@@ -20,7 +20,7 @@ class ExitCode(IntEnum):
     SNAPSHOT = 11  # no usable snapshot: not found, corrupt, incomplete, or from another topology
     STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
     HALTED = 20  # a rollback policy halted the run; the last good snapshot is there to resume from
-    PREEMPTED = 75  # SIGTERM/SIGUSR1 at any moment: resume me (EX_TEMPFAIL)
+    PREEMPTED = 75  # SIGTERM/SIGUSR1 at any moment, or tools down past tool_retry_budget: resume me (EX_TEMPFAIL)
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
 
 

@@ -41,6 +41,7 @@ DRILL_FIRED = "drill_fired"
 # multi-turn rollouts (rlctl.engine.rollout.multi_turn)
 TEMPLATE_DRIFT = "template_drift"  # a conversation's ids differ from its whole rendering (the first position)
 TOOL_CALLS_REPLAYED = "tool_calls_replayed"  # a step run again got its recorded tool answers
+TOOLS_UNAVAILABLE = "tools_unavailable"  # every tool call failed (infrastructure) past tool_retry_budget: stopping
 
 # the outcomes a run can end with: the last of them (after the last start or resume) is how it ended
 ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED})

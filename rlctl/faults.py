@@ -26,14 +26,20 @@ A comma-separated list of ``name[@step][=value]``:
 - ``enospc@4``          every file write of the snapshots of step 4 and later fails with ENOSPC ("No
                         space left on device"), where the disk would say so (``enospc``: of every
                         snapshot): a full disk
+- ``tool_outage@3=2``   the tools go down when step 3 first runs, for 2 step runs (1 without a value):
+                        every tool call answers ``unavailable`` without calling the tool, as a tool
+                        whose service is down (multi-turn rollouts). The outage lasts in time, not in
+                        step numbers: a step run again after a rollback counts, and a validation while
+                        it lasts sees it too; ``tool_outage``: every call of every step, down for good
 
 Unknown names are an error, so a typo cannot silently disarm a drill.
 
-A drill at a step (``sleep``, ``crash``, ``nan_log_prob``, ``degenerate``, ``metric``) fires once, the
-first time its step runs, whatever the policies make of that step; a rollback that replays the step does
-not fire it again. Each firing is recorded in events.jsonl (``drill_fired``, with the drill and its step)
-before it acts. A run config's drills belong to the run: a resume reads the record back (``fired_in``)
-and does not arm the drills that fired, so that a drill killed or crashed in is not met again.
+A drill at a step (``sleep``, ``crash``, ``nan_log_prob``, ``degenerate``, ``metric``, ``tool_outage``)
+fires once, the first time its step runs (``tool_outage@N=K``: when step N first runs), whatever the
+policies make of that step; a rollback that replays the step does not fire it again. Each firing is
+recorded in events.jsonl (``drill_fired``, with the drill and its step) before it acts. A run config's
+drills belong to the run: a resume reads the record back (``fired_in``) and does not arm the drills
+that fired, so that a drill killed or crashed in is not met again.
 RLCTL_FAULTS belongs to the process it is set for: its drills fire once in that process.
 """
 
@@ -60,6 +66,7 @@ KNOWN = {
     "crash",
     "stale_rollout",
     "enospc",
+    "tool_outage",
 }
 _ITEM = re.compile(r"^(?P<name>[a-z_]+)(?:@(?P<step>\d+))?(?:=(?P<value>[^,]+))?$")
 CONFIG, ENVIRONMENT = "faults", "RLCTL_FAULTS"  # where a drill was armed (a drill_fired event's ``source``)
@@ -83,6 +90,8 @@ def parse(spec: str) -> list[Fault]:
         m = _ITEM.match(item)
         if not m or m["name"] not in KNOWN:
             raise ConfigError(f"fault drills: cannot read {item!r}; known faults: {', '.join(sorted(KNOWN))}")
+        if m["name"] == "tool_outage" and m["value"] is not None and not (m["value"].isdigit() and int(m["value"])):
+            raise ConfigError(f"fault drills: {item!r}: tool_outage@STEP=K takes a number of steps K >= 1")
         faults.append(Fault(m["name"], int(m["step"]) if m["step"] else None, m["value"]))
     return faults
 
@@ -91,6 +100,7 @@ Emit = Callable[[dict[str, Any]], None]
 _configured: list[Fault] = []  # the run config's drills (``configure``) that have not fired in the run
 _fired: set[Fault] = set()  # the drills fired in this process since ``configure``
 _emit: Emit | None = None  # where a firing is recorded (the run's events.jsonl)
+_outage_left: dict[Fault, int] = {}  # the step runs each tool_outage drill that fired still takes down
 
 
 def configure(spec: str | None, fired: Iterable[Fault] = (), emit: Emit | None = None) -> None:
@@ -100,6 +110,7 @@ def configure(spec: str | None, fired: Iterable[Fault] = (), emit: Emit | None =
     done = set(fired)
     _configured = [f for f in parse(spec or "") if f not in done]  # an unknown name is an error now
     _fired.clear()
+    _outage_left.clear()
     _emit = emit
 
 
@@ -144,6 +155,28 @@ def once(name: str, step: int) -> str | None:
         return None
     _fire(drill)
     return drill.value if drill.value is not None else ""
+
+
+def tool_outage(step: int) -> bool:
+    """Whether the ``tool_outage`` drill takes the tools down for this run of ``step`` (ask once per run
+    of a step): ``tool_outage`` for every step; ``tool_outage@N=K`` for K step runs from the first run of
+    step N (recorded as fired then: a resume does not arm it again, the outage is over), whatever steps
+    they are. A validation (step below 1) sees an outage going on and takes no run from it."""
+    down = False
+    for f in active():
+        if f.name != "tool_outage":
+            continue
+        if f.step is None:
+            down = True
+            continue
+        if step >= 1 and f.step == step and f not in _fired:
+            _fire(f)
+            _outage_left[f] = int(f.value or 1)
+        if _outage_left.get(f, 0) > 0:
+            down = True
+            if step >= 1:
+                _outage_left[f] -= 1
+    return down
 
 
 def _armed(name: str, step: int) -> Fault | None:

@@ -91,6 +91,15 @@ class MultiTurnConfig(Strict):
         "generation stops at the end of the first call; above 1, at the end of the turn.",
     )
     tool_workers: int = Field(2, ge=1, description="Worker processes of each rank that run tool calls (concurrently).")
+    tool_retry_budget: int = Field(
+        3,
+        ge=0,
+        description="Steps in a row in which every tool call that ran ended in an infrastructure failure "
+        "(timed out or unavailable; at least one call ran) that the run rides out. One more such step and "
+        "the run ends as a preemption does: the step's snapshot committed, a tools_unavailable event, "
+        "exit 75; `rlctl resume` continues it (0: end at the first such step). The count starts again at "
+        "a resume.",
+    )
     format: ToolFormat = Field(
         "hermes",
         description='How the model writes a call: hermes (<tool_call>{"name": ..., "arguments": {...}}'

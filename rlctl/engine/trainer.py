@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlctl import algos, faults
+from rlctl import events as names
 from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
@@ -37,6 +38,7 @@ from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.runtime import RankContext
+from rlctl.engine.tools.budget import ToolRetryBudget
 from rlctl.engine.tools.loader import Tools, load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
@@ -103,7 +105,7 @@ class Trainer:
         reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
-        self.tools, self.tool_pool = self._tools()
+        self.tools, self.tool_pool, self.tool_budget = self._tools()
         schemas = list(self.tools.schemas.values()) if self.tools is not None else None  # prompts render them
         prompts = load_prompts(cfg, self.tokenizer, schemas)  # filtered before the cursor numbers the rows
         prompts.announce(self.emit, self.dist.is_main)
@@ -132,13 +134,14 @@ class Trainer:
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
 
-    def _tools(self) -> tuple[Tools | None, ToolPool | None]:
-        """Under rollout.multi_turn: its tools, and the rank's pool of tool workers (each started at its first
-        call; closed when training ends, ``train``)."""
+    def _tools(self) -> tuple[Tools | None, ToolPool | None, ToolRetryBudget | None]:
+        """Under rollout.multi_turn: its tools, the rank's pool of tool workers (each started at its first
+        call; closed when training ends, ``train``) and the count of steps with the tools down, against
+        its tool_retry_budget (past it, the run stops as a preemption does)."""
         mt = self.cfg.rollout.multi_turn
         if mt is None:
-            return None, None
-        return load_tools(mt), ToolPool(mt.tool_workers, mt.tool_timeout_s)
+            return None, None, None
+        return load_tools(mt), ToolPool(mt.tool_workers, mt.tool_timeout_s), ToolRetryBudget(mt.tool_retry_budget)
 
     def _build_models(self) -> None:
         """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
@@ -257,7 +260,8 @@ class Trainer:
         self._snapshotted = self.state.step
 
     def request_stop(self, reason: str) -> None:
-        """Finish the current step, snapshot it, and stop (SIGTERM / SIGUSR1 land here)."""
+        """Finish the current step, snapshot it, and stop (SIGTERM / SIGUSR1 land here, and tools down past
+        rollout.multi_turn.tool_retry_budget)."""
         self.stop_signal = reason
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -279,6 +283,7 @@ class Trainer:
                 if self.validator is not None and self.validator.due(row["step"]):
                     row = self.validate(row)
                 passed = self._judge(faulted(row))
+                self._count_tool_outage(row)
                 if passed:  # a step that fails a policy is never snapshotted
                     healthy = row_is_finite(row)
                     if self.snapshots is not None and self.snapshots.should_save(self.state.step):
@@ -295,6 +300,20 @@ class Trainer:
                 f"Resume with: rlctl resume {self.run.url} --from latest"
             )
         self._check_final_commit()
+
+    def _count_tool_outage(self, row: dict[str, Any]) -> None:
+        """rollout.multi_turn.tool_retry_budget: a step whose tool calls all failed (infrastructure) one
+        more than it allows stops the run after this step, as a preemption (``request_stop``: its snapshot
+        committed, exit 75), unless the run is over anyway. The row is reduced: every rank decides alike."""
+        if (
+            self.tool_budget is None
+            or not self.tool_budget.spent(row)
+            or self.state.step >= self.cfg.trainer.total_steps
+        ):
+            return
+        b = self.tool_budget
+        self.emit({"event": names.TOOLS_UNAVAILABLE, "step": row["step"], "steps": b.streak, "budget": b.budget})
+        self.request_stop(names.TOOLS_UNAVAILABLE)
 
     def _after_step(self, step: int) -> None:
         """The drills of step ``step`` that act after it, whatever its verdict (a rollback may have taken

@@ -28,12 +28,19 @@ class SilentReporter:
 
 
 def report_event(reporter: Reporter, event: dict[str, Any]) -> None:
-    """Say what an event means for the run when a person must hear it now: a failed snapshot, or
-    snapshots written in the training process for want of shared memory."""
+    """Say what an event means for the run when a person must hear it now: a failed snapshot,
+    snapshots written in the training process for want of shared memory, or tools down past their
+    retry budget."""
     if event.get("event") == events.SNAPSHOT_FAILED:
         reporter.note(snapshot_failed_note(event))
     elif event.get("event") == events.SNAPSHOT_WRITER_FALLBACK:
         reporter.note(f"warning: snapshots are written in the training process: {event.get('reason')}")
+    elif event.get("event") == events.TOOLS_UNAVAILABLE:
+        reporter.note(
+            f"warning: every tool call failed (timed out or unavailable) in {event.get('steps')} steps in a row, "
+            f"more than rollout.multi_turn.tool_retry_budget ({event.get('budget')}): the run stops after step "
+            f"{event.get('step')}; resume it once the tools answer"
+        )
 
 
 def snapshot_failed_note(event: dict[str, Any]) -> str:

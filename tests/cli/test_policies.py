@@ -53,6 +53,30 @@ def test_shipped_policies_load():
     assert {r.resolved_trigger.kind for r in default.rules} == {"nonfinite", "threshold", "spike"}
 
 
+def test_the_agentic_policy_reads_only_the_metrics_multi_turn_runs_write():
+    """agentic.yaml: a rule for each failure signature of tool runs, every metric it reads catalogued;
+    only the outage and the invalid-call surge roll back (a rollback mends neither a broken tool nor a
+    drifting template)."""
+    from rlctl.policies.catalogue import unknown_metrics
+    from rlctl.policies.schema import rule_metrics
+
+    policy = load_policy_file("agentic")
+    rules = {r.name: r for r in policy.rules}
+    assert list(rules) == ["tool-outage", "tools-flaky", "tool-error-surge", "invalid-call-surge", "template-drift"]
+    assert unknown_metrics(policy.rules) == []
+    read = {m for r in policy.rules for m in rule_metrics(r)}
+    assert read == {
+        "multi_turn/infra_masked_frac",
+        "tool/timeout_frac",
+        "tool/unavailable_frac",
+        "tool/error_frac",
+        "tool/invalid_call_frac",
+        "multi_turn/template_drift_frac",
+    }
+    assert {name for name, r in rules.items() if not r.warn_only} == {"tool-outage", "invalid-call-surge"}
+    assert (rules["template-drift"].then, rules["tool-outage"].then) == ("halt", "warn")
+
+
 def test_every_field_has_a_description():
     missing = [f"{m.__name__}.{name}" for m in ALL_MODELS for name, f in m.model_fields.items() if not f.description]
     assert missing == []
@@ -743,7 +767,7 @@ def test_a_bare_name_picks_a_ready_made_policy_from_anywhere(tmp_path, monkeypat
     with pytest.raises(
         ConfigError,
         match=r"policy file not found: defualt; a bare name picks a ready-made policy: "
-        r"conservative, default, degeneration, val-drop, warn-only \(did you mean 'default'\?\)",
+        r"agentic, conservative, default, degeneration, val-drop, warn-only \(did you mean 'default'\?\)",
     ):
         load_config(str(tmp_path / "run.yaml"), [])
 

@@ -213,3 +213,47 @@ def test_sigkill_during_a_tool_call_and_resume_is_bit_exact_with_a_tool_that_nev
     assert completed_hash(run) == completed_hash(reference)
     assert stable(metrics_of(run)) == stable(metrics_of(reference))
     assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == sum(calls)  # every call asked once, none twice
+
+
+def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_and_resume_completes_it(task, reference):
+    """``tool_outage@3=2`` takes the tools down for two step runs from the first run of step 3, under the
+    agentic policy and tool_retry_budget 1. Step 3 is masked whole (every call unavailable): tool-outage
+    rolls back to step 2; step 3 runs again into the outage and rolls back again; that second step in a
+    row with every call down exceeds the budget, so the run stops as a preemption does, exit 75, a
+    tools_unavailable event saying why. The resume asks the tools again (the drill fired: the outage is
+    over) and completes steps 3 and 4, ending where the run without an outage ends: the masked steps
+    were undone, and no call of theirs reached the tool (its answers are numbered as in that run)."""
+    config = json.loads((task / "run.yaml").read_text())
+    config["policies"] = ["agentic"]
+    config["faults"] = "tool_outage@3=2"
+    config["rollout"]["multi_turn"]["tool_retry_budget"] = 1
+    run = task / "outage"
+    env = env_of(task, run)
+    r = start(run, config=config, env=env)
+    assert r.returncode == 75, r.stderr
+    assert "stopped by tools_unavailable after step 2" in r.stderr
+    assert "more than rollout.multi_turn.tool_retry_budget (1)" in r.stderr
+    events = events_of(run)
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert [(e["rule"], e["from_step"], e["to_step"]) for e in rollbacks] == [("tool-outage", 3, EVERY)] * 2
+    stopped = [(e["step"], e["steps"], e["budget"]) for e in events if e["event"] == "tools_unavailable"]
+    assert stopped == [(3, 2, 1)]  # step 3's second run, the second step in a row, over a budget of 1
+    preempted = [e for e in events if e["event"] == "preempted"]
+    assert [(e["signal"], e["step"], e["snapshot"]) for e in preempted] == [("tools_unavailable", EVERY, EVERY)]
+    assert [e["drill"] for e in events if e["event"] == "drill_fired"] == ["tool_outage@3=2"]
+    masked = metrics_of(run, "metrics.abandoned.jsonl")
+    assert [row["step"] for row in masked] == [3, 3]
+    for row in masked:  # every call unavailable, every conversation that called masked
+        assert row["tool/unavailable_frac"] == 1.0 and row["multi_turn/infra_masked_frac"] > 0.5
+        assert math.isfinite(row["actor/pg_loss"])
+    assert [row["step"] for row in metrics_of(run)] == [1, EVERY]
+
+    r = run_cli("resume", str(run), "--from", "latest", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(row["tool/unavailable_frac"] == 0.0 and row["multi_turn/infra_masked_frac"] == 0.0 for row in rows)
+    assert sum(row["tool/lookup/calls"] for row in rows[EVERY:]) > 0  # the tools answered again
+    assert events_of(run)[-1]["event"] == "completed"
+    assert completed_hash(run) == completed_hash(reference)
+    assert stable(rows) == stable(metrics_of(reference))

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from rlctl import events, faults
+from rlctl.errors import ConfigError
 
 
 @pytest.fixture
@@ -98,3 +99,34 @@ def test_a_damaged_record_is_skipped_and_disarms_nothing_it_does_not_name():
         {"event": events.DRILL_FIRED, "drill": " sleep@2=1 "},
     ]
     assert faults.fired_in(damaged) == {faults.Fault("sleep", 2, "1")}
+
+
+def test_a_tool_outage_is_read_with_its_length_in_steps():
+    assert faults.parse("tool_outage@3=2,tool_outage") == [
+        faults.Fault("tool_outage", 3, "2"),
+        faults.Fault("tool_outage", None, None),
+    ]
+    assert str(faults.parse("tool_outage@3=2")[0]) == "tool_outage@3=2"
+    for bad in ("tool_outage@3=0", "tool_outage@3=x", "tool_outage@3=-1", "tool_outages@3"):
+        with pytest.raises(ConfigError, match="tool_outage"):
+            faults.parse(bad)
+
+
+def test_a_tool_outage_lasts_its_step_runs_from_the_first_run_of_its_step_and_is_recorded_once(fired):
+    """tool_outage@3=2: down from the first run of step 3 for two runs of steps, whatever steps they are
+    (a rollback's replay of step 3 counts); a validation (step -1) while it lasts is down too and takes
+    no run from it; then up for good, even at step 3 again."""
+    faults.configure("tool_outage@3=2", emit=fired.append)
+    assert [faults.tool_outage(1), faults.tool_outage(2), faults.tool_outage(-1)] == [False, False, False]
+    assert faults.tool_outage(3) and faults.tool_outage(-1)  # the first run of step 3; a validation after it
+    assert faults.tool_outage(3)  # step 3 again, after a rollback: the second run of the outage
+    assert [faults.tool_outage(-1), faults.tool_outage(3), faults.tool_outage(4)] == [False, False, False]
+    assert fired == [{"event": events.DRILL_FIRED, "drill": "tool_outage@3=2", "step": 3, "source": "faults"}]
+
+
+def test_a_tool_outage_without_a_step_is_for_good_and_one_that_fired_is_over_at_a_resume(fired):
+    faults.configure("tool_outage", emit=fired.append)
+    assert all(faults.tool_outage(step) for step in (1, 2, 2, -1, 9)) and fired == []
+    log = [{"event": events.DRILL_FIRED, "drill": "tool_outage@3", "step": 3, "source": "faults"}]
+    faults.configure("tool_outage@3", faults.fired_in(log), fired.append)  # the resume
+    assert not faults.tool_outage(3) and fired == []

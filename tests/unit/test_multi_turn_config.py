@@ -68,3 +68,22 @@ def test_multi_turn_needs_the_chat_template_and_the_hf_backend(tmp_path):
                 + "}\ndata: {apply_chat_template: true}\n",
             )
         )
+
+
+def test_the_tool_retry_budget_is_a_count_of_steps_from_zero(tmp_path):
+    """3 by default; 0 ends at the first step with its tools down; a negative count or a word is refused,
+    located; and the key documents itself (the config reference is generated from it)."""
+    tools = [{"function": "toolbox:lookup"}]
+    assert MultiTurnConfig(tools=tools).tool_retry_budget == 3
+    assert MultiTurnConfig(tools=tools, tool_retry_budget=0).tool_retry_budget == 0
+    for bad, sentence in ((-1, "greater than or equal to 0"), ("three", "valid integer"), (1.5, "valid integer")):
+        with pytest.raises(ValueError, match=sentence):
+            MultiTurnConfig(tools=tools, tool_retry_budget=bad)
+    cfg = write(
+        tmp_path / "run.yaml",
+        "data: {apply_chat_template: true}\nrollout:\n  multi_turn:\n    tools: [{function: 'toolbox:lookup'}]\n"
+        "    tool_retry_budget: -2\n",
+    )
+    with pytest.raises(ConfigError, match=r"'rollout.multi_turn.tool_retry_budget' \(run.yaml line 5\)"):
+        load_config(cfg)
+    assert "exit 75" in MultiTurnConfig.model_fields["tool_retry_budget"].description

@@ -11,7 +11,7 @@ from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
-from rlctl.engine.rollout.multi_turn import Conversation, MultiTurnRollout, ToolStats
+from rlctl.engine.rollout.multi_turn import OUTAGE, Conversation, MultiTurnRollout, ToolStats
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
@@ -139,3 +139,28 @@ def test_a_step_run_again_replays_its_recorded_answers_and_asks_again_after_an_o
         assert _turn(rollout, [tick], 3)[1].replayed == 0  # its answer lost: asked again
     finally:
         rollout.record = None
+
+
+def test_under_a_tool_outage_drill_every_call_is_unavailable_and_nothing_is_asked_replayed_or_recorded(
+    rollout, tmp_path
+):
+    """The tool_outage drill's steps: a lookup that would say lima, a recorded clock answer that would be
+    replayed, all answered "unavailable", the conversations masked, the record untouched."""
+    tick = '<tool_call>{"name": "tick", "arguments": {}}</tool_call>'
+    lookup = '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>'
+    run = Storage(str(tmp_path / "run"))
+    record = tmp_path / "run" / "tools" / "step-000005.rank-0.jsonl"
+    try:
+        rollout.record = ToolRecord(run, 0)
+        rollout.record.begin(5)
+        _turn(rollout, [tick], 5)
+        lines = record.read_bytes()
+        rollout.record = ToolRecord(run, 0)  # the step run again, now in the outage
+        rollout.record.begin(5)
+        rollout._outage = True
+        said, stats = _turn(rollout, [tick, lookup, "<tool_call>not json</tool_call>"], 5)
+        assert all(OUTAGE in s for s in said[:2]) and "lima" not in said[1] and "not valid JSON" in said[2]
+        assert (stats.calls, stats.unavailable, stats.invalid, stats.replayed) == (3, 2, 1, 0)
+        assert record.read_bytes() == lines
+    finally:
+        rollout.record, rollout._outage = None, None

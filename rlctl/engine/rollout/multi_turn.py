@@ -16,7 +16,9 @@ policy loss, the KL, the entropy, their normalisation or the response length (ov
 the model's tokens). Rollout log-probs are the model's tokens' (0 elsewhere). A conversation that met
 an infrastructure failure (a timeout, ``ToolUnavailable``, a dead worker) is masked whole: no mistake
 of the model's is trained on. At its end each conversation is rendered whole and compared with its ids
-(``chat.first_drift``): ``multi_turn/template_drift_frac`` and a ``template_drift`` event.
+(``chat.first_drift``): ``multi_turn/template_drift_frac`` and a ``template_drift`` event. The
+``tool_outage`` fault drill (``rlctl.faults``) answers every call of its steps as unavailable, the
+tools never asked.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from rlctl import events as names
+from rlctl import faults
 from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.batch import Sequences
@@ -59,6 +62,7 @@ MULTI_TURN_METRICS = {
     "tool/unavailable_frac": MEAN,
     "timing_s/tools": MAX,
 }
+OUTAGE = "the tool is unavailable (fault drill tool_outage)"  # what a call under the drill is answered
 
 
 @dataclass
@@ -121,6 +125,7 @@ class MultiTurnRollout(HFRollout):
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
         self._metrics: list[dict[str, float]] = []
+        self._outage: bool | None = None  # the tool_outage drill's answer for the step running (None: not asked)
 
     def decode(self, seqs: Sequences) -> list[str]:
         """The text of each conversation's last turn of the model (its last run of trained tokens, eos
@@ -137,8 +142,8 @@ class MultiTurnRollout(HFRollout):
 
     def take_metrics(self) -> dict[str, float]:
         """The metrics of the conversations generated since the last call (every round of a step), as
-        one row (``reductions``)."""
-        rows, self._metrics = self._metrics, []
+        one row (``reductions``). The step's run is over: the next generate asks the drills again."""
+        rows, self._metrics, self._outage = self._metrics, [], None
         if not rows:
             return {}
         weights = [r.pop("_n") for r in rows]
@@ -162,6 +167,8 @@ class MultiTurnRollout(HFRollout):
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
         if self.record is not None:
             self.record.begin(step)
+        if self._outage is None:  # once per run of a step, every round of it alike
+            self._outage = faults.tool_outage(step)
         module = self.actor.module
         was_training = module.training
         module.eval()
@@ -271,7 +278,10 @@ class MultiTurnRollout(HFRollout):
 
     def _run(self, jobs: list[tuple[str, dict[str, Any], str, str]], stats: ToolStats) -> list[CallResult]:
         """The answers of a turn's calls: recorded ones replayed (``record``), the others run in the pool
-        together and recorded."""
+        together and recorded. Under the ``tool_outage`` drill every call is unavailable, nothing asked
+        or replayed (an infrastructure failure is never recorded)."""
+        if self._outage:
+            return [CallResult(UNAVAILABLE, OUTAGE, 0.0) for _ in jobs]
         results: list[CallResult | None] = [None] * len(jobs)
         fresh = []
         for i, (_, _, _, key) in enumerate(jobs):
