@@ -135,7 +135,7 @@ class Experience:
         seqs = self.rollout.generate(prompts, keys, step)
         if drill is not None:
             seqs = repeated_token(seqs, self.drill_token(drill), cfg.rollout.max_new_tokens)
-        scores = self.score(prompts, self.rollout.decode(seqs), columns)
+        scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()})
         if a.overlong.enabled:
             lengths = seqs.response_mask.sum(-1)
             scores = scores + algos.overlong_penalty(

@@ -83,7 +83,7 @@ class Validator:
         keys = [(i, s) for i in indices for s in range(self.n)]
         prompts = [r[key] for r in rows]
         seqs = self.rollout.generate(prompts, keys, VAL_STEP, temperature=self.cfg.rollout.val_temperature)
-        columns = columns_of(rows, key)
+        columns = {**columns_of(rows, key), **self.rollout.reward_columns()}
         reward = self.cfg.reward
         scores = score_completions(
             self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs

@@ -115,6 +115,9 @@ class EchoBackend:
     def forget_cache(self):
         self.forgot = True
 
+    def reward_columns(self):
+        return {}
+
     reductions: dict = {}
 
     def take_metrics(self):

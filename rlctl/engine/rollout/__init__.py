@@ -38,6 +38,10 @@ class RolloutBackend(Protocol):
 
     def decode(self, seqs: Sequences) -> list[str]: ...
 
+    def reward_columns(self) -> dict[str, list]:
+        """Columns the reward function gets for the last generate's completions besides the dataset's (a
+        multi-turn rollout's ``conversation`` and ``tool_calls``); {} for single-turn generation."""
+
     def scored(self, step: int, scores) -> None:
         """The (B,) scores of the last generate's completions, at a training step (a multi-turn rollout
         writes its conversations' transcripts with them); nothing for single-turn generation."""

@@ -218,6 +218,10 @@ class HFRollout:
         """None of its own: a completion's metrics are the batch's (``experience.batch_metrics``)."""
         return {}
 
+    def reward_columns(self) -> dict[str, list]:
+        """Nothing besides the completions: the reward function gets the dataset's columns."""
+        return {}
+
     def scored(self, step: int, scores: torch.Tensor) -> None:
         """Nothing to keep: a single-turn completion's text and score are in the batch."""
 
