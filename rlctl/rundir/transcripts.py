@@ -4,31 +4,28 @@ or malformed (a kill mid-write, a hand edit): such a line is skipped."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
 
-from rlctl.rundir.layout import TRAJECTORIES
+from rlctl.rundir.layout import STEP_RANK_FILE, TRAJECTORIES, step_rank_file
 from rlctl.storage import Storage
-
-_STEP_FILE = re.compile(r"step-(\d{6})\.rank-(\d+)\.jsonl")
 
 
 def step_file(step: int, rank: int) -> str:
-    return f"{TRAJECTORIES}/step-{step:06d}.rank-{rank}.jsonl"
+    return step_rank_file(TRAJECTORIES, step, rank)
 
 
 def recorded_steps(run: Storage) -> list[int]:
     """The steps with transcripts, in order."""
-    return sorted({int(m.group(1)) for n in run.listdir(TRAJECTORIES) if (m := _STEP_FILE.fullmatch(n))})
+    return sorted({int(m.group(1)) for n in run.listdir(TRAJECTORIES) if (m := STEP_RANK_FILE.fullmatch(n))})
 
 
 def read_step(run: Storage, step: int) -> list[dict[str, Any]]:
     """Every rank's conversations of ``step``, by prompt and sample."""
     rows = []
     for name in run.listdir(TRAJECTORIES):
-        m = _STEP_FILE.fullmatch(name)
+        m = STEP_RANK_FILE.fullmatch(name)
         if m is None or int(m.group(1)) != step:
             continue
         for raw in run.read_bytes(TRAJECTORIES, name).splitlines():

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from rlctl.rundir.layout import TOOL_CALLS
+from rlctl.rundir.layout import STEP_RANK_FILE, TOOL_CALLS, step_rank_file
 from rlctl.storage import Storage
 
 RESULTS = "results"
-_STEP_FILE = re.compile(r"step-(\d{6})\.rank-(\d+)\.jsonl")
 
 
 def call_key(step: int, prompt: str, seed: tuple[int, int], turn: int, position: int, name: str, args: Any) -> str:
@@ -77,13 +75,13 @@ class ToolRecord:
             if not self.run.exists(rel):
                 self.run.write_bytes(rel, text.encode())
         if self._lines:
-            self.run.append_bytes(f"{TOOL_CALLS}/step-{self.step:06d}.rank-{self.rank}.jsonl", b"".join(self._lines))
+            self.run.append_bytes(step_rank_file(TOOL_CALLS, self.step, self.rank), b"".join(self._lines))
         self._texts, self._lines = {}, []
 
     def _read(self, step: int) -> dict[str, Recorded]:
         known: dict[str, Recorded] = {}
         for name in self.run.listdir(TOOL_CALLS):  # ([] before the first call of the run)
-            m = _STEP_FILE.fullmatch(name)
+            m = STEP_RANK_FILE.fullmatch(name)
             if m is None or int(m.group(1)) != step:
                 continue
             for raw in self.run.read_bytes(TOOL_CALLS, name).splitlines():
