@@ -37,6 +37,7 @@ from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer
 from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
 from rlctl.engine.rollout import make_backend
+from rlctl.engine.rollout.transcript import TranscriptLog
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.tools.budget import ToolRetryBudget
 from rlctl.engine.tools.loader import Tools, load_tools
@@ -166,6 +167,7 @@ class Trainer:
             pool=self.tool_pool,
             emit=self.emit,
             record=ToolRecord(self.run, self.dist.rank) if self.tool_pool is not None else None,
+            transcripts=TranscriptLog(self.run, self.dist.rank) if self.tool_pool is not None else None,
         )
 
     def ensure_reference(self) -> None:

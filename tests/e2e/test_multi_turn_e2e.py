@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from chat_tokenizer import tool_model_dir
 
-from helpers import completed_hash, events_of, has_step, metrics_of, run_cli, spawn, stable, start, wait_for
+from helpers import completed_hash, events_of, has_step, invoke, metrics_of, run_cli, spawn, stable, start, wait_for
 
 CAPITALS = {"france": "paris", "peru": "lima", "italy": "rome", "japan": "tokyo"}
 TOOL = '''
@@ -53,7 +53,10 @@ def counted() -> str:
     return f" #{{n}}"
 '''
 REWARD = """
-def score(prompts, completions, answer, **kw):
+def score(prompts, completions, answer, conversation, tool_calls, **kw):
+    # the whole conversations and their calls come too: each ends with the model's last turn
+    assert len(conversation) == len(tool_calls) == len(completions), (len(conversation), len(completions))
+    assert all(m[-1]["role"] == "assistant" and m[-1]["content"].startswith(c.rstrip()) for m, c in zip(conversation, completions))
     return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
 """
 STEPS, EVERY, KILL_AT = 4, 2, 4
@@ -186,6 +189,33 @@ def test_the_model_calls_the_tool_and_trains_on_the_conversations(reference):
     assert not [e for e in events_of(reference) if e["event"] == "template_drift"]
 
 
+def test_trajectories_show_a_steps_conversations_their_calls_and_trained_tokens(reference):
+    """`rlctl trajectories` reads the conversations the run wrote: as many as the step trained on, their
+    scores averaging to the step's critic/score/mean, their tool calls as the metrics count them, the
+    model's tokens trained and the tools' and template's not; text for a person, json for a script."""
+    rows = metrics_of(reference)
+    step = next(r["step"] for r in rows if r["tool/lookup/calls"] > 0)
+    r = invoke("trajectories", str(reference), "--step", str(step), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    convs = json.loads(r.stdout)
+    assert len(convs) == 4 and [c["step"] for c in convs] == [step] * 4  # 2 prompts x 2 samples
+    assert sum(c["score"] for c in convs) / 4 == pytest.approx(rows[step - 1]["critic/score/mean"])
+    calls = [call for c in convs for call in c["calls"] if call["outcome"] != "invalid"]
+    assert len(calls) == rows[step - 1]["tool/lookup/calls"] and all(c["outcome"] == "ok" for c in calls)
+    for c in convs:
+        assert {s["by"] for s in c["segments"]} <= {"model", "tools"}
+        assert all(s["trained"] == (s["by"] == "model") for s in c["segments"])  # nothing masked here
+        assert sum(s["tokens"] for s in c["segments"] if s["by"] == "model") <= 48  # rollout.max_new_tokens
+    called = next(c for c in convs if c["calls"])
+    assert called["calls"][0]["answer"] in "".join(s["text"] for s in called["segments"] if s["by"] == "tools")
+    text = invoke("trajectories", str(reference), "--step", str(step), "--index", "0")
+    assert text.returncode == 0 and text.stdout.startswith(f"== step {step} · prompt ")
+    assert "[model, trained, " in text.stdout and text.stdout.count("== step") == 1
+    missing = invoke("trajectories", str(reference), "--step", "99")
+    assert missing.returncode == 2 and f"steps 1-{STEPS} have" in missing.stderr
+    assert invoke("trajectories", str(reference), "--step", "1", "--index", "4").returncode == 2
+
+
 def test_sigkill_during_a_tool_call_and_resume_is_bit_exact_with_a_tool_that_never_answers_twice_alike(task, reference):
     """The tool's answers are numbered by the run's calls. SIGKILL while a call of step KILL_AT hangs (after
     the snapshot of step EVERY), and resume: the steps run again get the answers recorded the first time
@@ -257,3 +287,21 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
     assert events_of(run)[-1]["event"] == "completed"
     assert completed_hash(run) == completed_hash(reference)
     assert stable(rows) == stable(metrics_of(reference))
+
+
+def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_workers(task, reference):
+    """Two local ranks: each generates its share of the step's conversations, runs its calls in its own
+    tool workers and records them and its transcripts under its rank; step 1 makes the 1-rank run's calls
+    (the same weights and seeds sample the same first turns; only a first turn's calls run, max_turns=2)."""
+    run = task / "two-ranks"
+    r = start(run, "--nproc", "2", config=task / "run.yaml", env=env_of(task, run))
+    assert r.returncode == 0, r.stderr
+    rows, ref = metrics_of(run), metrics_of(reference)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["tool/lookup/calls"] == ref[0]["tool/lookup/calls"] > 0
+    assert rows[0]["tool/calls/mean"] == ref[0]["tool/calls/mean"]
+    recorded = [line for f in (run / "tools").glob("step-*.rank-*.jsonl") for line in f.read_text().splitlines()]
+    assert len(recorded) == sum(row["tool/lookup/calls"] for row in rows)  # every call recorded once, by its rank
+    convs = json.loads(invoke("trajectories", str(run), "--step", "1", "--format", "json").stdout)
+    assert sorted(c["rank"] for c in convs) == [0, 0, 1, 1]
+    assert {p.name.split(".")[1] for p in (run / "tools").glob("step-*.jsonl")} == {"rank-0", "rank-1"}

@@ -41,6 +41,7 @@ from rlctl.engine.rollout.chat import ChatIncrements, first_drift, tool_message
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, response_mask_for
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
+from rlctl.engine.rollout.transcript import TranscriptLog, segments
 from rlctl.engine.tools.loader import Tools
 from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, ToolPool
 from rlctl.engine.tools.record import ToolRecord, call_key
@@ -80,6 +81,8 @@ class Conversation:
     done: bool = False
     max_turns_reached: bool = False
     infra_failed: bool = False
+    calls: list[dict[str, Any]] = field(default_factory=list)  # turn, name, arguments, outcome, answer
+    drift_at: int | None = None  # the drift check's first differing position (None: none)
 
     @property
     def model_tokens(self) -> int:
@@ -109,11 +112,13 @@ class MultiTurnRollout(HFRollout):
         pool: ToolPool,
         emit=None,
         record: ToolRecord | None = None,
+        transcripts: TranscriptLog | None = None,
     ):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
         (``engine.tools.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
         receives the ``template_drift`` and ``tool_calls_replayed`` events; ``record``: the run's record
-        of tool calls (``engine.tools.record``; None: nothing recorded or replayed)."""
+        of tool calls (``engine.tools.record``; None: nothing recorded or replayed); ``transcripts``: where
+        the conversations of each training step are written (``transcript``; None: nowhere)."""
         super().__init__(cfg, actor, tokenizer)
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
@@ -121,7 +126,8 @@ class MultiTurnRollout(HFRollout):
         self.chat = ChatIncrements(tokenizer, list(schemas.values()), cfg.model.path or "the built-in model")
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
-        self.pool, self.record = pool, record
+        self.pool, self.record, self.transcripts = pool, record, transcripts
+        self._last: list[Conversation] = []  # the last generate's conversations, for ``scored``
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
         self._metrics: list[dict[str, float]] = []
@@ -144,6 +150,8 @@ class MultiTurnRollout(HFRollout):
         """The metrics of the conversations generated since the last call (every round of a step), as
         one row (``reductions``). The step's run is over: the next generate asks the drills again."""
         rows, self._metrics, self._outage = self._metrics, [], None
+        if self.transcripts is not None:
+            self.transcripts.write()
         if not rows:
             return {}
         weights = [r.pop("_n") for r in rows]
@@ -185,7 +193,37 @@ class MultiTurnRollout(HFRollout):
         self._metrics.append(self._row(convs, stats, step))
         if stats.replayed:
             self.emit({"event": names.TOOL_CALLS_REPLAYED, "step": step, "calls": stats.replayed})
+        self._last = convs
         return self._batch(enc, convs)
+
+    def reward_columns(self) -> dict[str, list[Any]]:
+        """What the reward function gets of the last generated conversations besides the completion (the
+        text of the model's last turn): ``conversation``, each one's messages (the prompt's, then the
+        model's turns and the tools' answers, in order), and ``tool_calls``, each one's calls (turn,
+        name, arguments, outcome, the answer as the model saw it)."""
+        return {"conversation": [c.messages for c in self._last], "tool_calls": [c.calls for c in self._last]}
+
+    def scored(self, step: int, scores: torch.Tensor) -> None:
+        """The scores of the last generated conversations (a round of a training step): their
+        transcripts join the step's (``transcripts``; written by ``take_metrics``)."""
+        if self.transcripts is None:
+            return
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        for c, score in zip(self._last, scores.tolist()):
+            self.transcripts.add(
+                step,
+                {
+                    "prompt_index": c.seed[0],
+                    "sample_index": c.seed[1],
+                    "score": score,
+                    "masked": c.infra_failed,
+                    "turns": c.turns,
+                    "drift_at": c.drift_at,
+                    "prompt": c.prompt,
+                    "calls": c.calls,
+                    "segments": segments(c.ids, c.model, not c.infra_failed, decode),
+                },
+            )
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """As the HF backend, with the tools' schemas given to the chat template."""
@@ -272,8 +310,11 @@ class MultiTurnRollout(HFRollout):
                     c.infra_failed |= res.outcome in INFRA
                     content = res.text if res.outcome == OK else f"error: {res.text}"
                     messages.append((name, self._cut(content)))
+                    c.calls.append({"turn": turn, "name": name, "arguments": jobs[a][1], "outcome": res.outcome})
                 else:
                     messages.append((a[0], self._cut(a[1])))
+                    c.calls.append({"turn": turn, "name": a[0], "arguments": None, "outcome": "invalid"})
+                c.calls[-1]["answer"] = messages[-1][1]
             self._append_answers(c, tokens, messages)
 
     def _run(self, jobs: list[tuple[str, dict[str, Any], str, str]], stats: ToolStats) -> list[CallResult]:
@@ -291,15 +332,17 @@ class MultiTurnRollout(HFRollout):
             else:
                 results[i] = CallResult(old.outcome, old.text, old.seconds)
                 stats.replayed += 1
+
+        def recorded(j: int, res: CallResult) -> None:  # on storage as each call ends
+            if self.record is not None and res.outcome not in INFRA:
+                self.record.add(jobs[fresh[j]][3], res.outcome, res.text, res.seconds)
+                self.record.flush()
+
         t0 = time.perf_counter()
-        answered = self.pool.run([(jobs[i][0], jobs[i][1]) for i in fresh]) if fresh else []
+        answered = self.pool.run([(jobs[i][0], jobs[i][1]) for i in fresh], recorded) if fresh else []
         stats.seconds += time.perf_counter() - t0
         for i, res in zip(fresh, answered):
             results[i] = res
-            if self.record is not None and res.outcome not in INFRA:
-                self.record.add(jobs[i][3], res.outcome, res.text, res.seconds)
-        if self.record is not None and fresh:
-            self.record.flush()
         return results  # type: ignore[return-value]
 
     def _append_answers(self, c: Conversation, tokens: list[int], messages: list[tuple[str, str]]) -> None:
@@ -344,7 +387,7 @@ class MultiTurnRollout(HFRollout):
         """The metrics of one generate call; drifting conversations reported as events."""
         drifted = 0
         for c in convs:
-            at = self.drift(c)
+            at = c.drift_at = self.drift(c)
             if at is not None:
                 drifted += 1
                 self.emit(
