@@ -46,6 +46,16 @@ def span(seconds: float) -> str:
     return f"{start} {time.monotonic()}"
 
 
+def check(answer: str, expected: str) -> str:
+    """Check an answer.
+
+    Args:
+        answer: The answer to check.
+        expected: The right answer (filled from the prompt's row, hidden from the model).
+    """
+    return "correct" if answer.strip().lower() == expected.strip().lower() else "wrong"
+
+
 def tick() -> str:
     """A different answer at every call, as a clock or a live service gives."""
     return f"now {time.time_ns()}"

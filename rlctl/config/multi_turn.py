@@ -36,6 +36,12 @@ class ToolConfig(Strict):
     name: str | None = Field(
         None, description="The name the model calls it by (default: the function's name); also in tool/<name>/calls."
     )
+    hidden: list[str] = Field(
+        default_factory=list,
+        description="Parameters of the function that the model neither sees nor fills: left out of its schema, "
+        "each call gets them from the prompt's row (multi_turn.tool_args_column), e.g. the answer a checker "
+        "compares with.",
+    )
 
     @field_validator("function")
     @classmethod
@@ -108,6 +114,17 @@ class MultiTurnConfig(Strict):
     )
     tools: list[ToolConfig] = Field(
         default_factory=list, description="The tools the model may call (with those of tools_file)."
+    )
+    tools_column: str | None = Field(
+        "tools",
+        description="A dataset column listing, per prompt, the names of the tools offered to it: only their "
+        "schemas are in its prompt, and a call to another is an error the model reads. A row without it (or "
+        "null) gets every tool; null here: every prompt gets every tool.",
+    )
+    tool_args_column: str | None = Field(
+        "tool_args",
+        description="A dataset column mapping, per prompt, a tool's name to values of its hidden parameters "
+        "(tools[].hidden), given to every call of that tool and never shown to the model.",
     )
     tools_file: str | None = Field(
         None,

@@ -215,8 +215,10 @@ def check_chat_template(tokenizer, cfg: DataConfig, model: str) -> None:
 
 
 def columns_of(rows: list[dict[str, Any]], prompt_key: str) -> dict[str, list]:
-    """The rows' columns other than the prompt, aligned with them (what the reward function receives)."""
-    return {c: [r.get(c) for r in rows] for c in rows[0] if c != prompt_key}
+    """The rows' columns other than the prompt, aligned with them (what the reward function receives): every
+    column any row has (a JSONL file's rows may differ), None where a row lacks it."""
+    names = dict.fromkeys(c for r in rows for c in r)
+    return {c: [r.get(c) for r in rows] for c in names if c != prompt_key}
 
 
 TRAIN_SPLITS = ("train",)  # the split of a DatasetDict directory that training takes

@@ -132,7 +132,7 @@ class Experience:
         penalty. ``drill``: the ``degenerate`` fault drill's token text ("" for "!"), or None."""
         cfg, a = self.cfg, self.cfg.algorithm
         keys, prompts, columns = self.draw_prompts()
-        seqs = self.rollout.generate(prompts, keys, step)
+        seqs = self.rollout.generate(prompts, keys, step, columns=columns)
         if drill is not None:
             seqs = repeated_token(seqs, self.drill_token(drill), cfg.rollout.max_new_tokens)
         scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()})

@@ -82,8 +82,10 @@ class Validator:
         rows = [self.rows[i] for i in indices for _ in range(self.n)]
         keys = [(i, s) for i in indices for s in range(self.n)]
         prompts = [r[key] for r in rows]
-        seqs = self.rollout.generate(prompts, keys, VAL_STEP, temperature=self.cfg.rollout.val_temperature)
-        columns = {**columns_of(rows, key), **self.rollout.reward_columns()}
+        columns = columns_of(rows, key)
+        t = self.cfg.rollout.val_temperature
+        seqs = self.rollout.generate(prompts, keys, VAL_STEP, temperature=t, columns=columns)
+        columns = {**columns, **self.rollout.reward_columns()}
         reward = self.cfg.reward
         scores = score_completions(
             self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs

@@ -12,9 +12,11 @@ from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
 from rlctl.engine.rollout.multi_turn import OUTAGE, Conversation, MultiTurnRollout, ToolStats
+from rlctl.engine.rollout.offers import Offer
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
+from rlctl.errors import ConfigError, InputError
 from rlctl.storage import Storage
 
 TOOLS = [
@@ -23,6 +25,7 @@ TOOLS = [
     {"function": "toolbox:down"},
     {"function": "toolbox:words"},
     {"function": "toolbox:tick"},
+    {"function": "toolbox:check", "hidden": ["expected"]},
 ]
 
 
@@ -72,7 +75,7 @@ def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):
     assert all(c.model == [True] * len(t) + [False] * (len(c.ids) - len(t)) for c, t in zip(convs, turns))
     assert [c.infra_failed for c in convs] == [False] * 5 + [True, False]
     assert (stats.calls, stats.errors, stats.invalid, stats.unavailable, stats.timeouts) == (6, 1, 2, 1, 0)
-    assert stats.by_name == {"lookup": 1, "fail": 1, "down": 1, "words": 1, "tick": 0}
+    assert stats.by_name == {"lookup": 1, "fail": 1, "down": 1, "words": 1, "tick": 0, "check": 0}
     batch = rollout._batch(rollout.encode(["capital of peru?"] * 7), convs)
     assert batch.response_mask[5].sum() == 0 and batch.response_mask[0].sum() == len(turns[0])  # masked whole
     assert (batch.attention_mask[:, batch.prompt_len :].sum(-1) == torch.tensor([len(c.ids) for c in convs])).all()
@@ -170,3 +173,55 @@ def test_under_a_tool_outage_drill_every_call_is_unavailable_and_nothing_is_aske
         assert record.read_bytes() == lines
     finally:
         rollout.record, rollout._outage = None, None
+
+
+def test_a_rows_tools_and_hidden_arguments_reach_its_prompt_and_its_calls(rollout):
+    """A row offering only `check` gets only its schema in the prompt, without the hidden `expected`;
+    its calls get the row's `expected`; a call to a tool it was not offered, or one filling the hidden
+    parameter itself, is an error the model reads."""
+    columns = {"tools": [["check"], None], "tool_args": [{"check": {"expected": "Lima"}}, None]}
+    offers = rollout.offers.of(columns, [(0, 0), (1, 0)])
+    assert offers[0] == Offer(("check",), {"check": {"expected": "Lima"}}) and offers[1] == Offer()
+    enc = rollout.encode(["capital of peru?"] * 2, offers)
+    own, every = (rollout.tokenizer.decode(ids[m.bool()]) for ids, m in zip(enc["input_ids"], enc["attention_mask"]))
+    assert '"check"' in own and '"lookup"' not in own and '"expected"' not in own
+    assert '"tick"' in every and '"check"' in every and '"expected"' not in every  # (cut from the left at 400)
+    calls = [
+        '<tool_call>{"name": "check", "arguments": {"answer": "lima"}}</tool_call>',
+        '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>',
+        '<tool_call>{"name": "check", "arguments": {"answer": "lima", "expected": "lima"}}</tool_call>',
+    ]
+    convs = [Conversation("capital of peru?", (i, 0), offer=offers[0]) for i in range(3)]
+    turns = [rollout.chat.encode(c) for c in calls]
+    for c, t in zip(convs, turns):
+        c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
+    stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
+    rollout._answer(convs, turns, 1, 0, stats)
+    said = [rollout.tokenizer.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)]
+    assert "<tool_response>\ncorrect\n</tool_response>" in said[0]
+    assert convs[0].calls[0]["arguments"] == {"answer": "lima", "expected": "Lima"}
+    assert "error: there is no tool named 'lookup'; the tools are: check" in said[1]
+    assert "error: check has no argument 'expected'" in said[2]
+
+
+@pytest.mark.parametrize(
+    ("columns", "says"),
+    [
+        ({"tools": [["nope"]]}, "prompt 7's 'tools' names tools the run does not declare: nope"),
+        ({"tools": ["lookup"]}, "must be a list of tool names"),
+        (
+            {"tool_args": [{"check": {"answer": "x"}}]},
+            "gives check the parameters answer, which are not among its hidden",
+        ),
+        ({"tool_args": [["x"]]}, "must map a tool's name"),
+    ],
+)
+def test_a_rows_bad_tools_or_arguments_are_input_errors_naming_the_prompt(rollout, columns, says):
+    with pytest.raises(InputError, match=says):
+        rollout.offers.of(columns, [(7, 0)])
+
+
+def test_a_hidden_parameter_the_tool_lacks_is_refused_naming_the_key():
+    mt = MultiTurnConfig(tools=[{"function": "toolbox:lookup", "hidden": ["city"]}])
+    with pytest.raises(ConfigError, match=r"tools\[0\]\.hidden': 'city' is not a parameter of the tool lookup"):
+        load_tools(mt)

@@ -97,7 +97,7 @@ class EchoBackend:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompts, keys, step, temperature=None):
+    def generate(self, prompts, keys, step, temperature=None, columns=None):
         self.calls.append((len(prompts), step, temperature))
         B = len(prompts)
         length = torch.tensor([2 + s for _, s in keys])

@@ -33,7 +33,12 @@ class RolloutBackend(Protocol):
         turns and tool calls), as one row; {} for single-turn generation."""
 
     def generate(
-        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+        self,
+        prompts: list[str],
+        keys: list[tuple[int, int]],
+        step: int,
+        temperature: float | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Sequences: ...
 
     def decode(self, seqs: Sequences) -> list[str]: ...

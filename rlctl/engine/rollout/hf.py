@@ -254,10 +254,16 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+        self,
+        prompts: list[str],
+        keys: list[tuple[int, int]],
+        step: int,
+        temperature: float | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Sequences:
         """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy),
-        truncated by rollout.top_p/top_k/min_p and ended by rollout.stop."""
+        truncated by rollout.top_p/top_k/min_p and ended by rollout.stop. (``columns``, the prompts'
+        rows, matter to a multi-turn rollout only.)"""
         enc = self.encode(prompts)
         seeds = [sample_seed(self.cfg.seed, step, p, s) for p, s in keys]
         r = self.cfg.rollout

@@ -37,8 +37,9 @@ from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import prompt_messages
 from rlctl.engine.dist import MAX, MEAN, SUM
-from rlctl.engine.rollout.chat import ChatIncrements, first_drift, tool_message
+from rlctl.engine.rollout.chat import first_drift, tool_message
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, response_mask_for
+from rlctl.engine.rollout.offers import EVERY_TOOL, Offer, Offers
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.rollout.transcript import TranscriptLog, segments
@@ -82,6 +83,7 @@ class Conversation:
     max_turns_reached: bool = False
     infra_failed: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)  # turn, name, arguments, outcome, answer
+    offer: Offer = EVERY_TOOL  # the tools its prompt's row offers it, and their hidden arguments
     drift_at: int | None = None  # the drift check's first differing position (None: none)
 
     @property
@@ -123,7 +125,8 @@ class MultiTurnRollout(HFRollout):
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
         self.format = FORMATS[mt.format]
-        self.chat = ChatIncrements(tokenizer, list(schemas.values()), cfg.model.path or "the built-in model")
+        self.offers = Offers(mt, tools, tokenizer, cfg.model.path or "the built-in model")
+        self.chat = self.offers.chat(EVERY_TOOL)
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
         self.pool, self.record, self.transcripts = pool, record, transcripts
@@ -166,10 +169,20 @@ class MultiTurnRollout(HFRollout):
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+        self,
+        prompts: list[str],
+        keys: list[tuple[int, int]],
+        step: int,
+        temperature: float | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Sequences:
-        enc = self.encode(prompts)
-        convs = [Conversation(p, k, messages=prompt_messages(self.cfg.data, p)) for p, k in zip(prompts, keys)]
+        """``columns``: the prompts' rows, which may choose each one's tools and hidden arguments (``offers``)."""
+        offers = self.offers.of(columns, keys)
+        enc = self.encode(prompts, offers)
+        convs = [
+            Conversation(p, k, messages=prompt_messages(self.cfg.data, p), offer=o)
+            for p, k, o in zip(prompts, keys, offers)
+        ]
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
@@ -225,11 +238,15 @@ class MultiTurnRollout(HFRollout):
                 },
             )
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """As the HF backend, with the tools' schemas given to the chat template."""
+    def encode(self, prompts: list[str], offers: list[Offer] | None = None) -> dict[str, torch.Tensor]:
+        """As the HF backend, with the schemas of the tools offered to each prompt given to the chat template."""
         tok = self.tokenizer
         tok.truncation_side = "left"
-        texts = [self.chat.render(prompt_messages(self.cfg.data, p), generation_prompt=True) for p in prompts]
+        offers = offers or [EVERY_TOOL] * len(prompts)
+        texts = [
+            self.offers.chat(o).render(prompt_messages(self.cfg.data, p), generation_prompt=True)
+            for p, o in zip(prompts, offers)
+        ]
         enc = tok(
             texts,
             return_tensors="pt",
@@ -285,7 +302,7 @@ class MultiTurnRollout(HFRollout):
                 continue
             answers: list[tuple[str, str] | int] = []
             for call in parsed.calls:
-                args, problem = check_call(call, self.schemas)
+                args, problem = check_call(call, self.offers.schemas(c.offer))
                 if problem is None and sum(isinstance(a, int) for a in answers) >= self.mt.max_parallel_calls:
                     problem = f"at most {self.mt.max_parallel_calls} tool calls run per turn"
                 if problem is not None:
@@ -294,6 +311,7 @@ class MultiTurnRollout(HFRollout):
                     continue
                 stats.by_name[call.name] += 1
                 answers.append(len(jobs))
+                args = {**args, **c.offer.hidden.get(call.name, {})}  # the row's hidden values, never shown
                 key = call_key(step, c.prompt, c.seed, turn, len(answers) - 1, call.name, args)
                 jobs.append((self.functions[call.name], args, call.name, key))
             answers += [("invalid", f"error: {sentence}") for sentence in parsed.invalid]
@@ -346,7 +364,8 @@ class MultiTurnRollout(HFRollout):
         return results  # type: ignore[return-value]
 
     def _append_answers(self, c: Conversation, tokens: list[int], messages: list[tuple[str, str]]) -> None:
-        env = self.chat.closing(tokens) + self.chat.tool_ids(messages)
+        chat = self.offers.chat(c.offer)
+        env = chat.closing(tokens) + chat.tool_ids(messages)
         if len(c.ids) + len(env) >= self.mt.max_total_tokens:
             c.done = True  # no room for the answers and a turn after them
             return
@@ -422,7 +441,8 @@ class MultiTurnRollout(HFRollout):
     def drift(self, c: Conversation) -> int | None:
         """The first position after the prompt where the conversation's ids differ from its whole
         rendering (None: none). Before the prompt's end they must agree too (a negative position)."""
-        prompt = self.chat.encode(self.chat.render(c.messages[: len(prompt_messages(self.cfg.data, c.prompt))], True))
-        full = self.chat.encode(self.chat.render(c.messages))
+        chat = self.offers.chat(c.offer)
+        prompt = chat.encode(chat.render(c.messages[: len(prompt_messages(self.cfg.data, c.prompt))], True))
+        full = chat.encode(chat.render(c.messages))
         at = first_drift(prompt + c.ids, full)
         return None if at is None else at - len(prompt)

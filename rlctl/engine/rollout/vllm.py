@@ -168,9 +168,15 @@ class VLLMRollout(HFRollout):
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[str], keys: list[tuple[int, int]], step: int, temperature: float | None = None
+        self,
+        prompts: list[str],
+        keys: list[tuple[int, int]],
+        step: int,
+        temperature: float | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Sequences:
-        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy)."""
+        """Sample a completion per (prompt, key) at ``temperature`` (rollout.temperature; 0: greedy);
+        ``columns`` (the prompts' rows) are not used."""
         r = self.cfg.rollout
         t = r.temperature if temperature is None else temperature
         enc = self.encode(prompts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.config.multi_turn import MultiTurnConfig
@@ -16,8 +16,9 @@ from rlctl.tools.schema import function_schema
 
 @dataclass(frozen=True)
 class Tools:
-    schemas: dict[str, dict[str, Any]]  # name -> the chat template's tool schema
+    schemas: dict[str, dict[str, Any]]  # name -> the chat template's tool schema (hidden parameters left out)
     functions: dict[str, str]  # name -> module:function, run by the worker processes
+    hidden: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> parameters the rows fill
 
 
 def load_tools(mt: MultiTurnConfig) -> Tools:
@@ -35,6 +36,23 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
         fn = getattr(module, fn_name, None)
         if not callable(fn):
             raise ConfigError(f"{key}: module '{module_name}' has no function '{fn_name}'")
-        schemas[tool.label] = function_schema(fn, tool.label)
+        schemas[tool.label] = without_hidden(function_schema(fn, tool.label), tool.hidden, i)
         functions[tool.label] = tool.function
-    return Tools(schemas, functions)
+    return Tools(schemas, functions, {t.label: tuple(t.hidden) for t in mt.tools if t.hidden})
+
+
+def without_hidden(schema: dict[str, Any], hidden: list[str], index: int) -> dict[str, Any]:
+    """``schema`` without the ``hidden`` parameters (each must be one of the function's: a ConfigError
+    naming the key otherwise)."""
+    params = schema["function"]["parameters"]
+    for name in hidden:
+        if name not in params.get("properties", {}):
+            have = ", ".join(params.get("properties", {})) or "none"
+            raise ConfigError(
+                f"'rollout.multi_turn.tools[{index}].hidden': '{name}' is not a parameter of the tool "
+                f"{schema['function']['name']} (its parameters: {have})"
+            )
+        del params["properties"][name]
+        if name in params.get("required", []):
+            params["required"].remove(name)
+    return schema
