@@ -1,5 +1,5 @@
 """Pure functions of the RL maths: advantage estimators, policy and value losses, KL estimators, KL
-controllers, DAPO helpers.
+controllers, DAPO helpers, the off-policy correction against the rollout engine's log-probs.
 
 Registries (``registry``) map names to functions; asking for an unknown name lists the valid ones.
 Nothing here does I/O. Shapes: B sequences, T response tokens; ``mask`` is (B, T) with 1 on real
@@ -25,6 +25,7 @@ _HOMES = {
         "KL_CONTROLLERS",
         "KL_ESTIMATORS",
         "POLICY_LOSS_LEVELS",
+        "ROLLOUT_CORRECTIONS",
         "Registry",
     ),
     "core": (
@@ -46,6 +47,7 @@ _HOMES = {
         "tied_groups",
     ),
     "kl": ("AdaptiveKLController", "FixedKLController", "make_kl_controller"),
+    "correction": ("RolloutCorrection", "rollout_correction"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
 

@@ -337,6 +337,19 @@ def _importance_ratio(
     return log_is.clamp(max=10.0).exp(), log_ratio
 
 
+def _dual_clip(
+    losses: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_c: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO: (B, T) clipped-surrogate losses -> (those of the tokens with A < 0 capped at -A clip_c,
+    pg_clipfrac_lower: the share of tokens where the cap was active); ``clip_c`` None: unchanged and 0."""
+    if clip_c is None:
+        return losses, torch.zeros((), dtype=losses.dtype, device=losses.device)
+    capped = -advantages * clip_c
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean((torch.gt(losses, capped) & negative).to(losses.dtype), mask)
+    return torch.where(negative, torch.minimum(losses, capped), losses), pg_clipfrac_lower
+
+
 def compute_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -349,6 +362,7 @@ def compute_policy_loss(
     agg_mode: str = "token-mean",
     level: str = "token",
     horizon: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO's clipped surrogate, verl's ``vanilla`` (level="token") and ``gspo`` (level="sequence") losses
     (verl 0.9.0 ``compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, core_algos.py lines
@@ -366,6 +380,9 @@ def compute_policy_loss(
         (``policy_agg_mode``).
     The per-token losses are reduced by ``agg_loss(.., policy_agg_mode(agg_mode, level), horizon)``
     (``horizon``: the constant of ``seq-mean-token-sum-norm``); padding never influences anything.
+    ``token_weights``: (B, T) factors of the per-token losses, without gradient, applied after the clips and
+    before the aggregation (the off-policy correction, ``rollout_correction``; verl multiplies its
+    ``rollout_is_weights`` in at the same place); None: no factor, not even a multiplication by 1.
     """
     POLICY_LOSS_LEVELS.canonical(level)  # an unknown level: KeyError listing the valid ones
     keep = mask.bool()
@@ -379,15 +396,10 @@ def compute_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
-    dtype = losses.dtype
-    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(dtype), mask)
-    if level == "token" and clip_c is not None:
-        capped = -advantages * clip_c
-        negative = advantages < 0
-        pg_clipfrac_lower = masked_mean((torch.gt(losses, capped) & negative).to(dtype), mask)
-        losses = torch.where(negative, torch.minimum(losses, capped), losses)
-    else:
-        pg_clipfrac_lower = torch.zeros((), dtype=dtype, device=losses.device)
+    pg_clipfrac = masked_mean(torch.gt(clipped, unclipped).to(losses.dtype), mask)
+    losses, pg_clipfrac_lower = _dual_clip(losses, advantages, mask, clip_c if level == "token" else None)
+    if token_weights is not None:
+        losses = losses * token_weights.detach()
     return PolicyLoss(
         pg_loss=agg_loss(losses, mask, policy_agg_mode(agg_mode, level), horizon),
         pg_clipfrac=pg_clipfrac.detach(),

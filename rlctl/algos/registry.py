@@ -15,6 +15,7 @@ from typing import Any
 
 _CORE = "rlctl.algos.core"
 _KL = "rlctl.algos.kl"
+_CORRECTION = "rlctl.algos.correction"
 
 
 class Registry:
@@ -96,4 +97,10 @@ POLICY_LOSS_LEVELS = Registry(
 # the KL coefficient's controllers (classes)
 KL_CONTROLLERS = Registry(
     "KL controller type", {"adaptive": f"{_KL}:AdaptiveKLController", "fixed": f"{_KL}:FixedKLController"}
+)
+
+# the off-policy corrections against the rollout engine's log-probs (algorithm.rollout_correction.mode, whose
+# further choice "none" applies none): fn((B, T) ratio, (B, T) bool mask, cap) -> ((B, T) weights, (B, T) hit)
+ROLLOUT_CORRECTIONS = Registry(
+    "rollout correction mode", {"tis": f"{_CORRECTION}:truncated_is", "masked": f"{_CORRECTION}:masked_is"}
 )

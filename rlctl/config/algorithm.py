@@ -15,6 +15,7 @@ from rlctl.algos.registry import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
     POLICY_LOSS_LEVELS,
+    ROLLOUT_CORRECTIONS,
 )
 from rlctl.config.strict import Strict
 
@@ -23,6 +24,7 @@ KLEstimator = Literal[KL_ESTIMATORS.names]
 LossAggMode = Literal[AGG_MODES.names]
 PolicyLossLevel = Literal[POLICY_LOSS_LEVELS.names]
 KLControllerType = Literal[KL_CONTROLLERS.names]
+RolloutCorrectionMode = Literal[("none", *ROLLOUT_CORRECTIONS.names)]
 
 
 class KLControllerConfig(Strict):
@@ -48,6 +50,19 @@ class OverlongConfig(Strict):
         4, ge=1, description="Tokens before rollout.max_new_tokens where the penalty ramps from 0 to -factor."
     )
     penalty_factor: float = Field(1.0, ge=0, description="The penalty at and beyond rollout.max_new_tokens.")
+
+
+class RolloutCorrectionConfig(Strict):
+    mode: RolloutCorrectionMode = Field(
+        "none",
+        description="Off-policy correction of the policy loss by each token's ratio rho = pi_old / pi_rollout (the "
+        "trainer's log-probs before the update against the rollout engine's): none: no correction; tis: truncated "
+        "importance sampling, each token's loss times min(rho, cap); masked: tokens with rho outside [1/cap, cap] "
+        "weigh 0. No correction where a batch has no rollout log-probs (the degenerate drill).",
+    )
+    cap: float = Field(
+        2.0, gt=1, description="tis: the largest weight a token's loss gets; masked: tokens outside [1/cap, cap] drop."
+    )
 
 
 class AlgorithmConfig(Strict):
@@ -93,6 +108,11 @@ class AlgorithmConfig(Strict):
         default_factory=DynamicSamplingConfig, description="DAPO's dynamic sampling."
     )
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO's overlong penalty.")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="Token-level correction for the gap between the rollout engine's and the trainer's log-probs "
+        "(verl's rollout correction; docs/algorithms.md).",
+    )
 
     @property
     def estimator(self) -> str:
@@ -113,6 +133,8 @@ class AlgorithmConfig(Strict):
             return f"algorithm.name is {self.name}, which has no critic (the critic settings apply to ppo)"
         if key == "algorithm.kl_ctrl.target_kl" and self.kl_ctrl.type != "adaptive":
             return f"algorithm.kl_ctrl.type is {self.kl_ctrl.type} (target_kl steers the adaptive controller only)"
+        if key == "algorithm.rollout_correction.cap" and self.rollout_correction.mode == "none":
+            return "algorithm.rollout_correction.mode is none (the cap bounds the tis and masked corrections only)"
         return None
 
     @model_validator(mode="after")

@@ -38,6 +38,9 @@ METRICS = {
     "actor/grad_norm": MEAN,
     "actor/lr": MEAN,
     "rollout/logprob_diff": MEAN,
+    "rollout_corr/ratio_mean": MEAN,
+    "rollout_corr/ratio_max": MAX,
+    "rollout_corr/clipfrac": MEAN,
     "actor/nonfinite/log_prob": SUM,
     "actor/nonfinite/loss": SUM,
     "actor/nonfinite/old_log_prob": SUM,
@@ -141,8 +144,9 @@ class Actor(DSModule):
         one mini-batch): then they come from the same forward as the gradient, without a second pass.
         (B, T) reference log-probs when a KL loss applies (not when the KL is folded into the reward).
         Returns the metrics averaged over micro-batches (counts summed). ``poison`` is the nan_log_prob
-        fault drill. ``rollout_log_prob``: the rollout engine's (B, T) log-probs, compared on-policy with
-        this forward's (before any optimizer step) for `rollout/logprob_diff`."""
+        fault drill. ``rollout_log_prob``: the rollout engine's (B, T) log-probs (None: the batch has none),
+        compared on-policy with this forward's (before any optimizer step) for `rollout/logprob_diff`, and
+        the pi_rollout of ``algorithm.rollout_correction`` (``_correction``)."""
         a = self.cfg.algorithm
         totals: dict[str, float] = {}
         n_micro, real, computed = 0, 0, 0
@@ -213,7 +217,9 @@ class Actor(DSModule):
         if poison:  # fault drill: one NaN log-prob, as a broken kernel would give
             log_prob = poisoned(log_prob)
         old = log_prob.detach() if old_log_prob is None else mb.tokens(old_log_prob)
-        pl = self._policy_loss(log_prob, old, mb.tokens(advantages), mask)
+        rollout_lp = None if rollout_log_prob is None else mb.tokens(rollout_log_prob)
+        corr = self._correction(old, rollout_lp, mask)
+        pl = self._policy_loss(log_prob, old, mb.tokens(advantages), mask, None if corr is None else corr.weights)
         loss = pl.pg_loss * pg_weight
         if a.entropy_coef:
             loss = loss - a.entropy_coef * weight * algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
@@ -236,15 +242,31 @@ class Actor(DSModule):
         }
         if old_log_prob is None:  # on-policy: the old log-probs are this forward's
             stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
-        if rollout_log_prob is not None:
-            diff = (log_prob.detach() - mb.tokens(rollout_log_prob)).abs()
-            stats["rollout/logprob_diff"] = algos.masked_mean(diff, mask).item() * tw
+        stats.update(rollout_stats(old, rollout_lp, corr, mask, tw, on_policy=old_log_prob is None))
         return loss, stats
 
+    def _correction(
+        self, old: torch.Tensor, rollout_lp: torch.Tensor | None, mask: torch.Tensor
+    ) -> algos.RolloutCorrection | None:
+        """``algorithm.rollout_correction`` of one micro-batch: the weights of its tokens' policy losses by
+        the ratio of its (B, T) old log-probs to the rollout engine's, or None (mode none, or a batch
+        without rollout log-probs, such as the degenerate drill's). On-policy the old log-probs are the
+        update's own forward, before its one optimizer step: the same values a separate pass would give."""
+        rc = self.cfg.algorithm.rollout_correction
+        if rc.mode == "none" or rollout_lp is None:
+            return None
+        return algos.rollout_correction(old, rollout_lp, mask, rc.mode, rc.cap)
+
     def _policy_loss(
-        self, log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+        self,
+        log_prob: torch.Tensor,
+        old: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        token_weights: torch.Tensor | None = None,
     ) -> algos.PolicyLoss:
-        """The clipped surrogate of one micro-batch with the run's clips, level and aggregation (all (B, T))."""
+        """The clipped surrogate of one micro-batch with the run's clips, level and aggregation (all (B, T)),
+        each token's loss times its ``token_weights`` (the rollout correction's) when given."""
         a = self.cfg.algorithm
         return algos.compute_policy_loss(
             log_prob,
@@ -257,6 +279,7 @@ class Actor(DSModule):
             agg_mode=a.loss_agg_mode,
             level=a.importance_ratio,
             horizon=self.cfg.rollout.max_new_tokens,
+            token_weights=token_weights,
         )
 
 
@@ -279,6 +302,28 @@ def sequence_log_probs(
         with torch.no_grad():
             entropy = algos.entropy_from_logits(logits.detach())
     return token_lp, entropy
+
+
+def rollout_stats(
+    old: torch.Tensor,
+    rollout_lp: torch.Tensor | None,
+    corr: algos.RolloutCorrection | None,
+    mask: torch.Tensor,
+    tw: float,
+    *,
+    on_policy: bool,
+) -> dict[str, float]:
+    """A micro-batch's metrics against the rollout engine's (B, T) log-probs, weighted by its token weight
+    ``tw`` as the others: on-policy, `rollout/logprob_diff` against its (B, T) ``old`` log-probs (this
+    forward's; off-policy the trainer compares its separate pass itself); the rollout correction's."""
+    stats: dict[str, float] = {}
+    if on_policy and rollout_lp is not None:
+        stats["rollout/logprob_diff"] = algos.masked_mean((old - rollout_lp).abs(), mask).item() * tw
+    if corr is not None:
+        stats["rollout_corr/ratio_mean"] = corr.ratio_mean.item() * tw
+        stats["rollout_corr/ratio_max"] = corr.ratio_max.item()
+        stats["rollout_corr/clipfrac"] = corr.clipfrac.item() * tw
+    return stats
 
 
 def poisoned(log_prob: torch.Tensor) -> torch.Tensor:

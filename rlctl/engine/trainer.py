@@ -452,7 +452,7 @@ class Trainer:
             with timed(t, "update_actor"):
                 drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
                 poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
-                rollout_lp = seqs.rollout_log_probs if old is None else None
+                rollout_lp = seqs.rollout_log_probs  # (on-policy: logprob_diff; any step: the rollout correction)
                 actor = self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison, rollout_lp)
                 stats.update(actor)
         return stats

@@ -43,6 +43,12 @@ METRICS: dict[str, str] = {
     "actor/log_prob/min": "smallest log-prob of a sampled response token under the actor",
     # the rollout and its scores
     "rollout/logprob_diff": "mean gap between the rollout engine's and the actor's log-probs",
+    "rollout_corr/ratio_mean": "mean over response tokens of pi_old / pi_rollout, before the cap "
+    "(algorithm.rollout_correction: tis or masked)",
+    "rollout_corr/ratio_max": "largest pi_old / pi_rollout of a response token, before the cap "
+    "(algorithm.rollout_correction: tis or masked)",
+    "rollout_corr/clipfrac": "share of response tokens whose pi_old / pi_rollout the rollout correction capped (tis) "
+    "or masked out of the policy loss (masked)",
     "critic/score/mean": "mean reward-function score of the step's responses",
     "critic/score/max": "highest score of the step's responses",
     "critic/score/min": "lowest score of the step's responses",
