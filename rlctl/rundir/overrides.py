@@ -32,7 +32,9 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
                 f"Keys that can: {', '.join(sorted(SAFE_ON_RESUME))}"
             )
         node = data
-        for part in key[:-1]:
+        for depth, part in enumerate(key[:-1]):
+            if node.get(part) is None:  # an optional section the run does not have (rollout.multi_turn)
+                raise ConfigError(f"'{dotted}' cannot be set: this run has no '{'.'.join(key[: depth + 1])}'")
             node = node[part]
         changes[dotted] = {"from": node.get(key[-1]), "to": value}
         node[key[-1]] = value

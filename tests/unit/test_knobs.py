@@ -421,6 +421,18 @@ def test_resume_set_refuses_a_knob_the_run_does_not_use():
     assert apply_resume_overrides(ppo, ["critic.lr=1e-5"])[0].critic.lr == 1e-5
 
 
+def test_resume_set_takes_a_multi_turn_runs_tool_settings_and_refuses_them_without_tools():
+    mt = {"tools": [{"function": "toolbox:lookup"}]}
+    tools = validate_config({"data": {"apply_chat_template": True}, "rollout": {"multi_turn": mt}})
+    new, changes = apply_resume_overrides(tools, ["rollout.multi_turn.tool_retry_budget=10"])
+    assert new.rollout.multi_turn.tool_retry_budget == 10
+    assert changes == {"rollout.multi_turn.tool_retry_budget": {"from": 3, "to": 10}}
+    with pytest.raises(
+        ConfigError, match="'rollout.multi_turn.tool_timeout_s' cannot be set: this run has no 'rollout.multi_turn'"
+    ):
+        apply_resume_overrides(validate_config({}), ["rollout.multi_turn.tool_timeout_s=5"])
+
+
 # -- the engine follows the gradient clip and weight decay (real DeepSpeed) -----------------------------
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_new_grad_clip_is_the_one_deepspeed_applies(runtime, stage):
