@@ -12,6 +12,8 @@ from typing import Any
 
 import fsspec
 
+from rlctl.errors import ConfigError
+
 _FENCED_PACKAGES = {
     "botocore",
     "aiobotocore",
@@ -97,10 +99,21 @@ def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float
     }  # botocore writes into the retries dict
 
 
+# the extra of rlctl that installs a protocol's fsspec filesystem (pyproject.toml)
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+
 def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = None) -> tuple[Any, str]:
-    """The filesystem and root path of ``url``; object-store clients set to fail fast (``_fast_failing``)."""
+    """The filesystem and root path of ``url``; object-store clients set to fail fast (``_fast_failing``).
+    A protocol whose filesystem package is not installed is a ConfigError naming the extra to install
+    (an installation to change, not a store to wait for)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
+    except ImportError as exc:
+        extra = EXTRAS.get(protocol)
+        how = f"pip install 'rlctl[{extra}]'" if extra else f"install the fsspec filesystem for {protocol}://"
+        raise ConfigError(f"{url}: {protocol}:// storage is not installed here: {how} ({exc})") from None
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
     return fs, root

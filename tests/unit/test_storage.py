@@ -14,12 +14,12 @@ import time
 import orjson
 import pytest
 
-from rlctl.errors import ExitCode, LeaseError, StorageError
+from rlctl.errors import ConfigError, ExitCode, LeaseError, StorageError
 from rlctl.rundir import lease as lease_mod
 from rlctl.rundir.lease import LEASE_FILE, Lease, lease_state, read_lease
 from rlctl.storage import Storage, describe, guarded, is_transient
 
-from helpers import small_tmpfs
+from helpers import invoke, small_tmpfs
 
 
 def _closed_port() -> int:
@@ -443,3 +443,18 @@ def test_heartbeat_survives_a_real_read_only_disk(tmp_path):
             lease.check()
         finally:
             lease.release()
+
+
+@pytest.mark.parametrize(("url", "extra"), [("gs://bucket/run", "gcs"), ("az://container/run", "azure")])
+def test_a_store_whose_filesystem_is_not_installed_names_the_extra(url, extra):
+    """A missing filesystem package is an installation to change (exit 3), not a store to wait for (12)."""
+    import importlib.util
+
+    if importlib.util.find_spec({"gcs": "gcsfs", "azure": "adlfs"}[extra]) is not None:
+        pytest.skip("its filesystem is installed here: nothing is missing")
+    with pytest.raises(
+        ConfigError, match=rf"{url}: \w+:// storage is not installed here: pip install 'rlctl\[{extra}\]'"
+    ):
+        Storage(url)
+    r = invoke("inspect", url)
+    assert r.returncode == ExitCode.CONFIG and f"pip install 'rlctl[{extra}]'" in r.stderr
