@@ -8,6 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rlctl.algos.groups import (
+    baseline,
+    grouped,
+    present_mean,
+    present_members,
+    present_std,
+    present_ties,
+    ties,
+)
 from rlctl.algos.registry import AGG_MODES, KL_ESTIMATORS, POLICY_LOSS_LEVELS
 
 
@@ -182,38 +191,24 @@ def _sequence_rewards(inp: AdvantageInputs) -> torch.Tensor:
     return torch.where(inp.mask.bool(), r, torch.zeros_like(r)).sum(dim=-1)
 
 
-def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) -> (B/G, G), consecutive rows forming a group."""
-    if group_size < 1 or x.shape[0] % group_size:
-        raise ValueError(f"a batch of {x.shape[0]} sequences does not split into groups of {group_size}")
-    return x.view(-1, group_size)
-
-
-def _ties(groups: torch.Tensor) -> torch.Tensor:
-    """(B/G, G) -> (B/G, 1) True where every reward of the group equals the first (exactly)."""
-    return (groups == groups[:, :1]).all(dim=1, keepdim=True)
-
-
-def _group_baseline(groups: torch.Tensor) -> torch.Tensor:
-    """(B/G, G) -> (B/G, 1) group mean; 0 for groups of one, as verl (the raw reward is kept)."""
-    if groups.shape[1] == 1:
-        return torch.zeros_like(groups)
-    return groups.mean(dim=1, keepdim=True)
-
-
 def _to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B/G, G) or (B,) sequence advantages -> (B, T), broadcast over real tokens, 0 on padding."""
     adv = adv.reshape(-1, 1)
     return _real(adv.expand(-1, mask.shape[-1]), mask.bool())
 
 
-def _outcome(inp: AdvantageInputs, centre: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shape every outcome estimator shares: (G groups of) sequence rewards -> ``centre`` -> a tied
-    group gets exactly 0 -> broadcast over real tokens. returns == advantages."""
-    r = _grouped(_sequence_rewards(inp), inp.group_size)
-    adv = centre(r)
+def _outcome(
+    inp: AdvantageInputs, centre: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shape every outcome estimator shares: (G groups of) sequence rewards -> ``centre(r, present)``
+    (``present``: ``groups.present_members``) -> a tied group gets exactly 0 -> broadcast over real tokens. returns ==
+    advantages."""
+    r = grouped(_sequence_rewards(inp), inp.group_size)
+    present = present_members(inp.mask, inp.group_size)
+    adv = centre(r, present)
     if inp.group_size > 1:
-        adv = torch.where(_ties(r), torch.zeros_like(adv), adv)
+        tied = ties(r) if present is None else present_ties(r, present)
+        adv = torch.where(tied, torch.zeros_like(adv), adv)
     adv = _to_tokens(adv, inp.mask)
     return adv, adv
 
@@ -223,15 +218,21 @@ def grpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     """GRPO: (r - group mean) / (group std + eps), unbiased std as verl and TRL. A group whose rewards
     all tie gets exactly 0; a group of one keeps r / (1 + eps) (verl: mean 0, std 1)."""
     if inp.group_size == 1:
-        return _outcome(inp, lambda r: r / (1.0 + inp.eps))
-    return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps))
+        return _outcome(inp, lambda r, _: r / (1.0 + inp.eps))
+
+    def centre(r: torch.Tensor, present: torch.Tensor | None) -> torch.Tensor:
+        if present is None:
+            return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + inp.eps)
+        return (r - present_mean(r, present)) / (present_std(r, present) + inp.eps)
+
+    return _outcome(inp, centre)
 
 
 @torch.no_grad()
 def drgrpo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO: r - group mean, no std normalisation (verl's ``norm_adv_by_std_in_grpo=False``). A tied
     group gets exactly 0; a group of one keeps r (verl)."""
-    return _outcome(inp, lambda r: r - _group_baseline(r))
+    return _outcome(inp, lambda r, present: r - baseline(r, present))
 
 
 @torch.no_grad()
@@ -239,16 +240,23 @@ def rloo_outcome_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     """RLOO: r_i - mean_{j != i} r_j = (r_i - mean) * G / (G - 1). A group of one keeps r (verl)."""
     g = inp.group_size
     if g == 1:
-        return _outcome(inp, lambda r: r.clone())
-    return _outcome(inp, lambda r: (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
+        return _outcome(inp, lambda r, _: r.clone())
+
+    def centre(r: torch.Tensor, present: torch.Tensor | None) -> torch.Tensor:
+        if present is None:
+            return (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))
+        n = present.sum(dim=1, keepdim=True).clamp(min=2)
+        return (r - present_mean(r, present)) * (n / (n - 1))
+
+    return _outcome(inp, centre)
 
 
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantage(inp: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: r - group mean (sequence level), broadcast over real tokens, then whitened over
     every real token of the batch (``masked_whiten``). returns == advantages, as verl."""
-    r = _grouped(_sequence_rewards(inp), inp.group_size)
-    adv = masked_whiten(_to_tokens(r - _group_baseline(r), inp.mask), inp.mask)
+    r = grouped(_sequence_rewards(inp), inp.group_size)
+    adv = masked_whiten(_to_tokens(r - baseline(r, present_members(inp.mask, inp.group_size)), inp.mask), inp.mask)
     return adv, adv
 
 
@@ -468,7 +476,7 @@ def tied_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     """(B,) scores, consecutive groups of ``group_size`` -> (B/G,) bool, True where every reward of the
     group is the same: no learning signal, the groups DAPO's dynamic sampling drops. A group of one
     always ties."""
-    return _ties(_grouped(scores, group_size)).squeeze(1)
+    return ties(grouped(scores, group_size)).squeeze(1)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:

@@ -221,6 +221,29 @@ def test_grpo_estimator_tied_group_is_exactly_zero_and_group_of_one_as_verl():
         assert_2d(outcome(name, tr[2:], mask[2:], group_size=1)[0], [[0.7, 0.7], [0.0, 0.0]])
 
 
+def test_a_member_masked_whole_is_out_of_its_groups_baseline_spread_and_ties():
+    """A multi-turn conversation masked whole (a tool's outage) has no real token: its group's baseline,
+    std and ties are those of the present members (by hand), it gets no advantage, and another group with
+    every member present keeps the plain formula exactly."""
+    tr = torch.tensor([[1.0], [0.0], [0.0], [0.5], [1.0], [0.0], [0.0], [0.0]])
+    mask = torch.tensor([[1], [1], [0], [1], [1], [1], [1], [1]])  # row 2 masked whole
+    present = [0, 1, 3]  # group 1's members: rewards 1, 0, 0.5 (mean 0.5, unbiased std 0.5)
+    full = {name: outcome(name, tr[4:], mask[4:], group_size=4)[0] for name in ("grpo", "drgrpo", "rloo")}
+    grpo, _ = outcome("grpo", tr, mask, group_size=4, eps=1e-6)
+    assert [grpo[i, 0].item() for i in present] == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
+    assert grpo[2, 0].item() == 0.0 and torch.equal(grpo[4:], full["grpo"])  # (0.5 / (0.5 + 1e-6) = 0.999998)
+    drgrpo, _ = outcome("drgrpo", tr, mask, group_size=4)
+    assert [drgrpo[i, 0].item() for i in present] == pytest.approx([0.5, -0.5, 0.0])
+    assert torch.equal(drgrpo[4:], full["drgrpo"])
+    rloo, _ = outcome("rloo", tr, mask, group_size=4)  # leave-one-out over the 3 present: (r - mean) * 3 / 2
+    assert [rloo[i, 0].item() for i in present] == pytest.approx([0.75, -0.75, 0.0])
+    assert torch.equal(rloo[4:], full["rloo"])
+    tied = torch.tensor([[1.0], [1.0], [0.0], [1.0]])  # the present members tie: exactly 0, as a tied group
+    assert outcome("grpo", tied, mask[:4], group_size=4)[0].abs().sum() == 0
+    alone = torch.tensor([[1], [0], [0], [0]])  # one member present: no baseline to learn from
+    assert outcome("grpo", tr[:4], alone, group_size=4)[0].abs().sum() == 0
+
+
 def test_drgrpo_estimator_by_hand():
     adv, ret = outcome("drgrpo")
     # r - group mean: [1 - .5, 0 - .5 | 2 - 1.5, 1 - 1.5], no std
