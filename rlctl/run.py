@@ -55,6 +55,7 @@ def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> 
         _preflight(cfg)
         reporter = reporter or SilentReporter()
         _trackers_need_a_local_run_dir(run, cfg)
+        _storage_reaches_every_node(run, cfg)
         run.makedirs()
         with _lease(run, cfg) as lease:
             reused = claim_run_dir(run, cfg)
@@ -88,6 +89,7 @@ def _resume(
     """``resume_run`` once the config is read: the preflight, then under the lease the plan, and training."""
     _preflight(cfg)
     _trackers_need_a_local_run_dir(run, cfg)
+    _storage_reaches_every_node(run, cfg)
     with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
         if lease.taken_over is not None:
             events.emit({"event": names.LEASE_TAKEN_OVER, "previous": lease.taken_over})
@@ -148,6 +150,29 @@ def _trackers_need_a_local_run_dir(run: Storage, cfg: RunConfig) -> None:
             f"'trainer.loggers' ({', '.join(cfg.trainer.loggers)}) write into the run directory, which must be "
             f"local; {run.url} is not (snapshots may still go to object storage: checkpoint.dir)"
         )
+
+
+def _storage_reaches_every_node(run: Storage, cfg: RunConfig) -> None:
+    """Ranks on several nodes each write their own files of a snapshot (and rank 0 the metrics): a
+    ConfigError before any work when the run directory or the snapshots' storage is on one machine's
+    own disk (ext4, tmpfs...; NFS, Lustre or an object store reach every node), or in this process."""
+    if cfg.cluster.backend != "ray" or cfg.trainer.nnodes < 2:
+        return
+    from rlctl.storage.mounts import node_local
+
+    places = [("the run directory", run.url), ("'checkpoint.dir'", cfg.checkpoint.dir)]
+    for what, url in places:
+        if url is None:
+            continue
+        where = Storage(url) if url != run.url else run
+        kind = node_local(where.local_path()) if where.is_local else None
+        if kind is not None or where.in_process:
+            on = f"this machine's own {kind} filesystem" if kind else "the memory of this process"
+            raise ConfigError(
+                f"{what} {url} is on {on}, but the run's ranks are on {cfg.trainer.nnodes} nodes: each would "
+                "write its part of a snapshot on its own node. Use storage every node reaches: an object "
+                "store (checkpoint.dir: s3://...) or a shared filesystem (NFS, Lustre)"
+            )
 
 
 def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:
