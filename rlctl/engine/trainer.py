@@ -166,7 +166,7 @@ class Trainer:
             tools=self.tools,
             pool=self.tool_pool,
             emit=self.emit,
-            record=ToolRecord(self.run, self.dist.rank) if self.tool_pool is not None else None,
+            record=ToolRecord(self.run, self.dist.rank, self.dist.world) if self.tool_pool is not None else None,
             transcripts=TranscriptLog(self.run, self.dist.rank) if self.tool_pool is not None else None,
         )
 

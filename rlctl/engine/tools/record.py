@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from rlctl.rundir.layout import STEP_RANK_FILE, TOOL_CALLS, step_rank_file
+from rlctl.rundir.layout import TOOL_CALLS, step_rank_file
 from rlctl.storage import Storage
 
 RESULTS = "results"
@@ -46,15 +46,16 @@ class Recorded:
 class ToolRecord:
     """One rank's record of the calls of the step it runs (``begin``), and the answers recorded before."""
 
-    def __init__(self, run: Storage, rank: int):
-        self.run, self.rank = run, rank
+    def __init__(self, run: Storage, rank: int, world: int = 1):
+        self.run, self.rank, self.world = run, rank, world
         self.step = -1
         self._known: dict[str, Recorded] = {}
         self._lines: list[bytes] = []
         self._texts: dict[str, str] = {}
 
     def begin(self, step: int) -> None:
-        """Start recording ``step``; the answers recorded for it before (every rank's) become replayable."""
+        """Start recording ``step``; the answers recorded for it before (by every rank of the world: a
+        file each, read without listing the folder, which grows with the steps) become replayable."""
         if step != self.step:
             self.step, self._known = step, self._read(step)
 
@@ -80,11 +81,12 @@ class ToolRecord:
 
     def _read(self, step: int) -> dict[str, Recorded]:
         known: dict[str, Recorded] = {}
-        for name in self.run.listdir(TOOL_CALLS):  # ([] before the first call of the run)
-            m = STEP_RANK_FILE.fullmatch(name)
-            if m is None or int(m.group(1)) != step:
+        for rank in range(self.world):
+            try:
+                data = self.run.read_bytes(step_rank_file(TOOL_CALLS, step, rank))
+            except FileNotFoundError:  # (a step that never ran a call on that rank)
                 continue
-            for raw in self.run.read_bytes(TOOL_CALLS, name).splitlines():
+            for raw in data.splitlines():
                 line = _parse(raw)
                 if line is None:
                     continue
