@@ -32,6 +32,12 @@ KEY_METRICS = (
     "actor/entropy",
     "response_length/mean",
     "perf/throughput",
+    # a multi-turn run's (absent from other runs' rows, so not shown for them)
+    "tool/calls/mean",
+    "tool/error_frac",
+    "tool/invalid_call_frac",
+    "multi_turn/infra_masked_frac",
+    "multi_turn/template_drift_frac",
 )
 SPARKS = "▁▂▃▄▅▆▇█"
 

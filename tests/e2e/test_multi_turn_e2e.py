@@ -187,6 +187,8 @@ def test_the_model_calls_the_tool_and_trains_on_the_conversations(reference):
     # the tool's answers reached the model: conversations that asked it score (the reward reads the last turn)
     assert max(row["critic/score/mean"] for row in rows) > 0
     assert not [e for e in events_of(reference) if e["event"] == "template_drift"]
+    shown = invoke("inspect", str(reference)).stdout  # the summary shows the tools' key metrics and trends
+    assert all(key in shown for key in ("tool/calls/mean", "tool/error_frac", "multi_turn/infra_masked_frac"))
 
 
 def test_trajectories_show_a_steps_conversations_their_calls_and_trained_tokens(reference):
