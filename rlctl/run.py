@@ -43,7 +43,7 @@ from rlctl.rundir.lease import Lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.rundir.record import RunRecord
 from rlctl.rundir.selection import ResumePlan, select
-from rlctl.rundir.snapshots import snapshot_catalog
+from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 
@@ -160,16 +160,12 @@ def _storage_reaches_every_node(run: Storage, cfg: RunConfig) -> None:
         return
     from rlctl.storage.mounts import node_local
 
-    places = [("the run directory", run.url), ("'checkpoint.dir'", cfg.checkpoint.dir)]
-    for what, url in places:
-        if url is None:
-            continue
-        where = Storage(url) if url != run.url else run
+    for what, where in (("the run directory", run), ("the snapshots' storage", checkpoint_storage(run, cfg))):
         kind = node_local(where.local_path()) if where.is_local else None
         if kind is not None or where.in_process:
             on = f"this machine's own {kind} filesystem" if kind else "the memory of this process"
             raise ConfigError(
-                f"{what} {url} is on {on}, but the run's ranks are on {cfg.trainer.nnodes} nodes: each would "
+                f"{what} {where.url} is on {on}, but the run's ranks are on {cfg.trainer.nnodes} nodes: each would "
                 "write its part of a snapshot on its own node. Use storage every node reaches: an object "
                 "store (checkpoint.dir: s3://...) or a shared filesystem (NFS, Lustre)"
             )

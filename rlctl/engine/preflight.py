@@ -37,7 +37,7 @@ from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_l
 from rlctl.engine.reward.sources import load_reward
 from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device, resolve_dtype
 from rlctl.errors import ConfigError, InputError
-from rlctl.storage.clients import EXTRAS
+from rlctl.storage.clients import EXTRAS, install_hint
 
 
 def check_before_start(cfg: RunConfig) -> None:
@@ -175,8 +175,7 @@ def check_checkpoint_storage(cfg: RunConfig) -> None:
         try:
             fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as exc:
-            extra = EXTRAS.get(protocol)
-            how = f"pip install 'rlctl[{extra}]' ({exc})" if extra else str(exc)
+            how = f"{install_hint(protocol)} ({exc})" if protocol in EXTRAS else str(exc)
             raise ConfigError(
                 f"'checkpoint.dir' is {cfg.checkpoint.dir}, but the {protocol}:// filesystem is not available: {how}"
             ) from None

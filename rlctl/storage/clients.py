@@ -103,6 +103,12 @@ def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
 
+def install_hint(protocol: str) -> str:
+    """What to install for ``protocol``'s filesystem: rlctl's extra where it has one."""
+    extra = EXTRAS.get(protocol)
+    return f"pip install 'rlctl[{extra}]'" if extra else f"install the fsspec filesystem for {protocol}://"
+
+
 def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = None) -> tuple[Any, str]:
     """The filesystem and root path of ``url``; object-store clients set to fail fast (``_fast_failing``).
     A protocol whose filesystem package is not installed is a ConfigError naming the extra to install
@@ -111,9 +117,9 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
     try:
         fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
     except ImportError as exc:
-        extra = EXTRAS.get(protocol)
-        how = f"pip install 'rlctl[{extra}]'" if extra else f"install the fsspec filesystem for {protocol}://"
-        raise ConfigError(f"{url}: {protocol}:// storage is not installed here: {how} ({exc})") from None
+        raise ConfigError(
+            f"{url}: {protocol}:// storage is not installed here: {install_hint(protocol)} ({exc})"
+        ) from None
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
     return fs, root

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from rlctl.errors import ConfigError, StorageError
+from rlctl.errors import RlctlError, StorageError
 
 T = TypeVar("T")
 _JITTER = random.Random()  # our own backoff jitter, never the global stream
@@ -172,8 +172,8 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
     """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
     ``budget`` seconds after its store's outage began (``OUTAGES``: one clock for every writer of the
     process; on a local path, this call's start); any other failure, or the last one, becomes a
-    StorageError "cannot ACTION URL: cause". ``passthrough``, StorageError (from a nested call) and
-    ConfigError (a filesystem that is not installed) are raised as they are."""
+    StorageError "cannot ACTION URL: cause". ``passthrough`` and rlctl's own errors (a nested call's
+    StorageError, ``open_fs``'s ConfigError for a filesystem that is not installed) are raised as they are."""
     start = time.monotonic()
     attempt = 0
     while True:
@@ -181,7 +181,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         tried = time.monotonic()
         try:
             result = fn()
-        except (StorageError, ConfigError):  # (a nested call's; a filesystem not installed: ``open_fs``)
+        except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough:
             OUTAGES.answered(url)  # (a missing file is an answer: the store is there)

@@ -17,6 +17,7 @@ unavailable tool) is not recorded either: the call runs again, since the outage 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -72,9 +73,8 @@ class ToolRecord:
     def flush(self) -> None:
         """The calls added since the last flush on storage: their texts, then their lines."""
         for sha, text in self._texts.items():
-            rel = f"{TOOL_CALLS}/{RESULTS}/{sha}"
-            if not self.run.exists(rel):
-                self.run.write_bytes(rel, text.encode())
+            with contextlib.suppress(FileExistsError):  # (the same answer, given before)
+                self.run.write_bytes(f"{TOOL_CALLS}/{RESULTS}/{sha}", text.encode(), exclusive=True)
         if self._lines:
             self.run.append_bytes(step_rank_file(TOOL_CALLS, self.step, self.rank), b"".join(self._lines))
         self._texts, self._lines = {}, []
