@@ -33,6 +33,18 @@ def read_step(run: Storage, step: int) -> list[dict[str, Any]]:
                 row = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("segments"), list):
+            if _well_formed(row):
                 rows.append(row)
     return sorted(rows, key=lambda r: (r.get("prompt_index", 0), r.get("sample_index", 0)))
+
+
+def _well_formed(row: Any) -> bool:
+    """A line a reader can show: an object whose segments (and calls, if any) are objects."""
+    if not isinstance(row, dict) or not isinstance(row.get("segments"), list):
+        return False
+    calls = row.get("calls", [])
+    return (
+        all(isinstance(x, dict) for x in row["segments"])
+        and isinstance(calls, list)
+        and all(isinstance(x, dict) for x in calls)
+    )

@@ -44,5 +44,6 @@ def test_ranks_files_are_read_by_prompt_and_sample_and_a_step_trained_again_repl
     assert [r["score"] for r in read_step(run, 3)] == [0.5, 0.25]
     path = tmp_path / "trajectories" / "step-000003.rank-1.jsonl"
     path.write_bytes(path.read_bytes() + b'{"prompt_index": 9, "segm')  # torn by a kill mid-write
+    path.write_bytes(path.read_bytes() + b'\n{"segments": [3], "calls": []}\n{"segments": [], "calls": "x"}\n')
     (tmp_path / "trajectories" / "notes.txt").write_text("not a transcript")
     assert len(read_step(run, 3)) == 2 and read_step(run, 7) == []
