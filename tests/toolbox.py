@@ -84,3 +84,60 @@ def words(n: int) -> str:
 def pid() -> int:
     """The worker's process id."""
     return os.getpid()
+
+
+RELEASED = "RLCTL_TEST_RELEASED"  # a file each object's release() / close() appends a line to, when set
+
+
+class Counter:
+    """A counter kept for one conversation."""
+
+    def create(self, start: int = 0) -> None:
+        self.total = start
+
+    def call(self, by: int) -> str:
+        """Add to the counter and say its total.
+
+        Args:
+            by: How much to add.
+        """
+        if by == 13:
+            raise ValueError("13 is unlucky")
+        self.total += by
+        if by == 99:
+            spin(30)
+        return f"total {self.total} in {os.getpid()}"
+
+    def release(self) -> None:
+        if os.environ.get(RELEASED):
+            with open(os.environ[RELEASED], "a") as f:
+                f.write(f"counter {self.total}\n")
+
+
+class Guess:
+    """A guessing game: the secret number is in the prompt's row (env_args); each turn the model guesses,
+    the environment says higher or lower and rewards a right guess with 1 (and 0.1 for every guess)."""
+
+    def reset(self, secret: int = 7) -> None:
+        self.secret, self.guesses = secret, 0
+
+    def step(self, action: str):
+        self.guesses += 1
+        digits = "".join(ch for ch in action if ch.isdigit())
+        if not digits:
+            return "say a number", 0.0, False
+        if int(digits) == self.secret:
+            return f"right after {self.guesses}", 1.0, True
+        return ("higher" if int(digits) < self.secret else "lower") + f" ({self.guesses})", 0.1, False
+
+    def close(self) -> None:
+        if os.environ.get(RELEASED):
+            with open(os.environ[RELEASED], "a") as f:
+                f.write(f"guess {self.guesses}\n")
+
+
+class BadStep:
+    """An environment whose step answers the wrong shape."""
+
+    def step(self, action: str):
+        return "only an observation"

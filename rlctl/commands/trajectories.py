@@ -72,8 +72,10 @@ def _text(row: dict[str, Any]) -> str:
         lines += ["  " + line for line in str(seg.get("text", "")).split("\n")]
     for call in row.get("calls") or []:
         args = _json(call.get("arguments"))
+        reward = f" (reward {call['reward']})" if "reward" in call else ""  # an environment's step
         lines.append(
-            f"call (turn {call.get('turn')}): {call.get('name')}({args}) -> {call.get('outcome')}: {call.get('answer')}"
+            f"call (turn {call.get('turn')}): {call.get('name')}({args}) -> {call.get('outcome')}: "
+            f"{call.get('answer')}{reward}"
         )
     if row.get("drift_at") is not None:
         lines.append(f"template drift: the whole rendering differs from the ids at token {row['drift_at']}")

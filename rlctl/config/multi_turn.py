@@ -18,7 +18,6 @@ from rlctl.tools.formats import FORMATS
 
 ToolFormat = Literal["hermes", "qwen3_coder"]  # FORMATS' names (tests/unit/test_tool_formats.py keeps them equal)
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-NOT_YET = "is not available yet (issue 29): only plain functions (`function: module:function`) are"
 
 
 class ToolConfig(Strict):
@@ -30,8 +29,9 @@ class ToolConfig(Strict):
     )
     stateful: str | None = Field(
         None,
-        description="A stateful tool as `module:Class` with create / call / release per trajectory (not "
-        "available yet: refused).",
+        description="A stateful tool as `module:Class`: one object per conversation, made at its first call "
+        "(`Class()`, then `create(**hidden values)` if it has one), asked `call(**arguments)` (its schema: "
+        "call's signature and docstring) and given `release()` when the conversation's rollout ends.",
     )
     name: str | None = Field(
         None, description="The name the model calls it by (default: the function's name); also in tool/<name>/calls."
@@ -40,13 +40,18 @@ class ToolConfig(Strict):
         default_factory=list,
         description="Parameters of the function that the model neither sees nor fills: left out of its schema, "
         "each call gets them from the prompt's row (multi_turn.tool_args_column), e.g. the answer a checker "
-        "compares with.",
+        "compares with. For a stateful tool: parameters of its create(), given once per conversation.",
     )
 
     @field_validator("function")
     @classmethod
     def _module_function(cls, v: str | None) -> str | None:
         return None if v is None else check_import_path(v, "function")
+
+    @field_validator("stateful")
+    @classmethod
+    def _module_class(cls, v: str | None) -> str | None:
+        return None if v is None else check_import_path(v, "Class")
 
     @field_validator("name")
     @classmethod
@@ -57,16 +62,22 @@ class ToolConfig(Strict):
 
     @model_validator(mode="after")
     def _a_function(self) -> ToolConfig:
-        if self.stateful is not None:
-            raise ValueError(f"a stateful tool class ('stateful: {self.stateful}') {NOT_YET}")
-        if self.function is None:
-            raise ValueError("give the tool's 'function' (module:function)")
+        if (self.function is None) == (self.stateful is None):
+            given = "both" if self.function is not None else "neither"
+            raise ValueError(
+                f"give the tool's 'function' (module:function) or 'stateful' (module:Class), one of them ({given} given)"
+            )
         return self
 
     @property
+    def spec(self) -> str:
+        """What the workers import: ``module:function`` or ``module:Class``."""
+        return self.function if self.function is not None else self.stateful  # type: ignore[return-value]
+
+    @property
     def label(self) -> str:
-        """The tool's name: its own, else the function's."""
-        return self.name if self.name is not None else (self.function or "").partition(":")[2]
+        """The tool's name: its own, else the function's or the class's."""
+        return self.name if self.name is not None else self.spec.partition(":")[2]
 
 
 class MultiTurnConfig(Strict):
@@ -113,7 +124,8 @@ class MultiTurnConfig(Strict):
         "</tool_call>).",
     )
     tools: list[ToolConfig] = Field(
-        default_factory=list, description="The tools the model may call (with those of tools_file)."
+        default_factory=list,
+        description="The tools the model may call (with those of tools_file); none with an environment.",
     )
     tools_column: str | None = Field(
         "tools",
@@ -133,17 +145,21 @@ class MultiTurnConfig(Strict):
     )
     environment: str | None = Field(
         None,
-        description="An environment as `module:Class` (reset / step -> observation, reward, done) answering "
-        "each turn instead of tools (not available yet: refused).",
+        description="An environment as `module:Class` answering each of the model's turns instead of tools: "
+        "one object per conversation (`Class()`, then `reset(**the row's env_args)`), asked `step(text of the "
+        "turn)` -> (observation, reward, done); the observation is the next user message, the reward is that "
+        "turn's (on its last token), done ends the conversation; `close()` when its rollout ends.",
+    )
+    env_args_column: str | None = Field(
+        "env_args",
+        description="A dataset column holding, per prompt, the keyword arguments of the environment's reset() "
+        "(e.g. the game's secret). A row without it (or null) resets with none.",
     )
 
     @field_validator("environment")
     @classmethod
-    def _no_environment_yet(cls, v: str | None) -> str | None:
-        if v is not None:
-            check_import_path(v, "Class")
-            raise ValueError(f"an environment ('{v}') {NOT_YET}")
-        return v
+    def _module_class(cls, v: str | None) -> str | None:
+        return None if v is None else check_import_path(v, "Class")
 
     @model_validator(mode="after")
     def _tools_fit(self) -> MultiTurnConfig:
@@ -155,8 +171,10 @@ class MultiTurnConfig(Strict):
                 f"tools_file ({self.tools_file}) is read when a config file is loaded (rlctl start CONFIG); "
                 "here, list the tools under 'tools'"
             )
-        if not self.tools:
-            raise ValueError("declare at least one tool ('tools' or 'tools_file')")
+        if self.environment is not None and self.tools:
+            raise ValueError(f"the environment ({self.environment}) answers every turn: declare it or tools, not both")
+        if not self.tools and self.environment is None:
+            raise ValueError("declare at least one tool ('tools' or 'tools_file') or an 'environment'")
         if self.format not in FORMATS:  # the Literal above and the registry drifted apart
             raise ValueError(f"unknown tool-call format '{self.format}'; valid: {', '.join(FORMATS.names)}")
         return self

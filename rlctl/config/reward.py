@@ -13,6 +13,8 @@ from pydantic import Field, field_validator, model_validator
 from rlctl.config.strict import Strict, check_import_path
 
 DEFAULT_REWARD = "rlctl.engine.reward.builtin:echo_reward"
+# a run whose environment gives every reward (rollout.multi_turn.environment and no reward of its own)
+NO_REWARD = "rlctl.engine.reward.builtin:no_reward"
 REWARD_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 

@@ -19,7 +19,7 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 from rlctl.config.algorithm import ActorConfig, AlgorithmConfig, CriticConfig
 from rlctl.config.knob_values import KnobKey, ScheduleConfig, domain, in_domain, lift_schedules, may_exceed, set_knob
 from rlctl.config.provenance import Provenance
-from rlctl.config.reward import RewardConfig
+from rlctl.config.reward import DEFAULT_REWARD, NO_REWARD, RewardConfig
 from rlctl.config.sections import CheckpointConfig, ClusterConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from rlctl.config.strict import Strict
 from rlctl.errors import ConfigError
@@ -162,6 +162,10 @@ class RunConfig(Strict):
                 "rollout.multi_turn renders the conversation with the chat template: set data.apply_chat_template "
                 "to true"
             )
+        r, mt = self.reward, self.rollout.multi_turn
+        own = r.function != DEFAULT_REWARD or r.sources is not None or r.url is not None or r.model is not None
+        if mt is not None and mt.environment is not None and not own:
+            r.function = NO_REWARD  # the built-in task's reward means nothing here: the environment's alone
         return self
 
     @model_validator(mode="after")

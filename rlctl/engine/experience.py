@@ -136,6 +136,8 @@ class Experience:
         if drill is not None:
             seqs = repeated_token(seqs, self.drill_token(drill), cfg.rollout.max_new_tokens)
         scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()})
+        if seqs.turn_rewards is not None:  # an environment's rewards of single turns are the completion's too
+            scores = scores + seqs.turn_rewards.sum(-1).float().cpu()
         if a.overlong.enabled:
             lengths = seqs.response_mask.sum(-1)
             scores = scores + algos.overlong_penalty(
@@ -247,9 +249,14 @@ def batch_metrics(
 def advantages_of(a: AlgorithmConfig, seqs: Sequences, scores: torch.Tensor, old, ref, values, kl_coef: float):
     """Under the algorithm config ``a``: (B, T) token rewards (the score on the last token, less the KL
     penalty when it is folded into the reward), the KL measured then (else None), (B, T) advantages and
-    returns. (B, T) ``old`` and ``ref`` log-probs and ``values`` may be None where unused."""
+    returns. (B, T) ``old`` and ``ref`` log-probs and ``values`` may be None where unused. The part of a
+    score that an environment gave single turns (``seqs.turn_rewards``) is on the ends of those turns
+    instead: the outcome estimators sum the same, GAE and REINFORCE++ see where it was earned."""
     mask = seqs.response_mask
     rewards = algos.scores_to_token_rewards(scores, mask)
+    if seqs.turn_rewards is not None:  # part of the scores: moved from the last token to their turns' ends
+        turns = seqs.turn_rewards.to(rewards.dtype) * mask
+        rewards = algos.scores_to_token_rewards(scores.to(turns.device) - turns.sum(-1), mask) + turns
     current_kl = None
     if a.kl_in_reward and ref is not None:
         rewards, current_kl = algos.apply_kl_penalty(rewards, old, ref, mask, kl_coef, a.kl_estimator)

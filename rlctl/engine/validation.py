@@ -91,7 +91,10 @@ class Validator:
             self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs
         )
         keep = torch.tensor(counted)
-        scores_t = torch.as_tensor(scores, dtype=torch.float64).view(len(indices), self.n)[keep]
+        scores_t = torch.as_tensor(scores, dtype=torch.float64)
+        if seqs.turn_rewards is not None:  # an environment's rewards of single turns
+            scores_t = scores_t + seqs.turn_rewards.sum(-1).double().cpu()
+        scores_t = scores_t.view(len(indices), self.n)[keep]
         lengths = seqs.response_mask.sum(-1).view(len(indices), self.n)[keep]
         sums["answers"] += float(scores_t.numel())
         sums["score"] += float(scores_t.sum())

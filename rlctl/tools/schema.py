@@ -54,16 +54,22 @@ def _doc_parts(doc: str) -> tuple[str, dict[str, str]]:
     return description, params
 
 
-def function_schema(fn: Callable, name: str | None = None) -> dict[str, Any]:
-    """The chat-template tool schema of ``fn`` (called ``name``, default its own name)."""
+def function_schema(fn: Callable, name: str | None = None, doc: str | None = None) -> dict[str, Any]:
+    """The chat-template tool schema of ``fn`` (called ``name``, default its own name; a method of a class
+    without its ``self``). ``doc``: the description when ``fn``'s docstring has none (a class's)."""
     description, docs = _doc_parts(fn.__doc__ or "")
+    if not description and doc:
+        description = _doc_parts(doc)[0]
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # an annotation that does not resolve constrains nothing
         hints = {}
     properties: dict[str, Any] = {}
     required: list[str] = []
-    for param in inspect.signature(fn).parameters.values():
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name == "self":  # Class.call: the object is no argument of the model's
+        params = params[1:]
+    for param in params:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         prop = _json_type(hints.get(param.name, Any))

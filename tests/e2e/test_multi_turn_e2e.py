@@ -307,3 +307,49 @@ def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_wor
     convs = json.loads(invoke("trajectories", str(run), "--step", "1", "--format", "json").stdout)
     assert sorted(c["rank"] for c in convs) == [0, 0, 1, 1]
     assert {p.name.split(".")[1] for p in (run / "tools").glob("step-*.jsonl")} == {"rank-0", "rank-1"}
+
+
+GUESS = '''
+import os
+
+
+class Guess:
+    """Guess the secret (the row's env_args); every turn earns a little for its length, a right guess 1."""
+
+    def reset(self, secret: str) -> None:
+        self.secret = secret
+
+    def step(self, action: str):
+        right = self.secret in action
+        return ("right" if right else "no, another guess"), (1.0 if right else len(action) % 3 / 4), right
+
+    def close(self) -> None:
+        with open(os.environ["GUESS_CLOSED"], "a") as f:
+            f.write("closed\\n")
+'''
+
+
+def test_an_environment_answers_the_turns_and_its_rewards_are_the_scores(task, tmp_path):
+    """An environment instead of tools, and no reward function: each turn's reward is the environment's,
+    the scores are their sums, each conversation's object is closed when its rollout ends, and the
+    conversations show the steps (found in the working directory, in the trainer and the tool workers)."""
+    (tmp_path / "guess.py").write_text(GUESS)
+    rows = [{"prompt": f"what is the capital of {c}?", "env_args": {"secret": a}} for c, a in CAPITALS.items()]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = json.loads((task / "run.yaml").read_text())
+    del config["reward"]
+    config["data"]["path"] = str(tmp_path / "prompts.jsonl")
+    config["rollout"]["multi_turn"] = {"environment": "guess:Guess", "max_turns": 2, "max_total_tokens": 96}
+    config["trainer"]["total_steps"], config["checkpoint"]["every"] = 2, 0
+    run = tmp_path / "run"
+    r = start(run, config=config, cwd=tmp_path, env={"GUESS_CLOSED": str(tmp_path / "closed")})
+    assert r.returncode == 0, r.stderr
+    assert "rlctl.engine.reward.builtin:no_reward" in (run / "config.yaml").read_text()
+    for row in metrics_of(run):
+        assert row["critic/score/mean"] == pytest.approx(row["multi_turn/turn_reward/mean"], abs=1e-6)
+        assert row["tool/calls/mean"] >= 1 and row["multi_turn/infra_masked_frac"] == 0.0
+        assert math.isfinite(row["actor/pg_loss"]) and "tool/lookup/calls" not in row
+    assert (tmp_path / "closed").read_text().count("closed") == 2 * 2 * 2  # steps x prompts x samples
+    shown = run_cli("trajectories", str(run), "--step", "1", "--format", "json", cwd=tmp_path)
+    first = json.loads(shown.stdout)[0]["calls"][0]  # a list of conversations
+    assert first["name"] == "environment" and first["outcome"] == "ok" and "reward" in first

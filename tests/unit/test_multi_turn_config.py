@@ -1,6 +1,6 @@
 """rollout.multi_turn's config: strict, its sentences located; a tool file inlined where the config is
-loaded (its keys located in it); what is not built yet (stateful tools, environments, the vllm backend)
-refused with a sentence saying so."""
+loaded (its keys located in it); what is not built yet (the vllm backend) refused with a sentence saying
+so."""
 
 import pytest
 
@@ -17,12 +17,15 @@ def write(path, text):
 def test_values_and_shapes_are_checked():
     assert MultiTurnConfig(tools=[{"function": "toolbox:lookup"}]).tools[0].label == "lookup"
     bad = [
-        ({"tools": []}, "declare at least one tool"),
+        ({"tools": []}, "declare at least one tool ('tools' or 'tools_file') or an 'environment'"),
         ({"tools": [{"function": "toolbox"}]}, "expected 'module:function', got 'toolbox'"),
         ({"tools": [{"function": "a:f"}, {"function": "b:f"}]}, "tool names must be unique (repeated: f)"),
         ({"tools": [{"function": "a:f", "name": "f/x"}]}, "it becomes a metric name"),
-        ({"tools": [{"stateful": "a:Box"}]}, "a stateful tool class ('stateful: a:Box') is not available yet"),
-        ({"tools": [{"function": "a:f"}], "environment": "a:Env"}, "an environment ('a:Env') is not available yet"),
+        ({"tools": [{"stateful": "a"}]}, "expected 'module:Class', got 'a'"),
+        ({"tools": [{"stateful": "a:Box", "function": "a:f"}]}, "one of them (both given)"),
+        ({"tools": [{"name": "x"}]}, "one of them (neither given)"),
+        ({"tools": [{"function": "a:f"}], "environment": "a:Env"}, "declare it or tools, not both"),
+        ({"environment": "Env"}, "expected 'module:Class', got 'Env'"),
         ({"tools": [{"function": "a:f"}], "format": "json"}, "hermes"),
         ({"tools": [{"function": "a:f"}], "tool_timeout_s": 0}, "greater than 0"),
     ]
@@ -30,6 +33,8 @@ def test_values_and_shapes_are_checked():
         with pytest.raises(ValueError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
             MultiTurnConfig.model_validate(data)
     assert ToolConfig(function="a:f", name="g").label == "g"
+    assert ToolConfig(stateful="a:Box").label == "Box" and ToolConfig(stateful="a:Box").spec == "a:Box"
+    assert MultiTurnConfig(environment="games:Guess").tools == []
 
 
 def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):

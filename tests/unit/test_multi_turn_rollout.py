@@ -11,7 +11,8 @@ from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
-from rlctl.engine.rollout.multi_turn import OUTAGE, Conversation, MultiTurnRollout, ToolStats
+from rlctl.engine.rollout.conversation import Conversation, ToolStats, batch_of
+from rlctl.engine.rollout.multi_turn import OUTAGE, MultiTurnRollout
 from rlctl.engine.rollout.offers import Offer
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
@@ -62,7 +63,7 @@ def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):
     for c, t in zip(convs, turns):
         c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
     stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
-    rollout._answer(convs, turns, 1, 0, stats)
+    rollout._answer(list(enumerate(convs)), turns, 1, 0, stats)
     said = [tok.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)]
     assert "<tool_response>\nlima\n</tool_response>" in said[0]
     assert "error: ValueError: bad x 1 (at toolbox.py line" in said[1]
@@ -76,7 +77,7 @@ def test_a_turns_calls_are_answered_as_masked_template_tokens(rollout):
     assert [c.infra_failed for c in convs] == [False] * 5 + [True, False]
     assert (stats.calls, stats.errors, stats.invalid, stats.unavailable, stats.timeouts) == (6, 1, 2, 1, 0)
     assert stats.by_name == {"lookup": 1, "fail": 1, "down": 1, "words": 1, "tick": 0, "check": 0}
-    batch = rollout._batch(rollout.encode(["capital of peru?"] * 7), convs)
+    batch = batch_of(rollout.encode(["capital of peru?"] * 7), convs, rollout.tokenizer.pad_token_id)
     assert batch.response_mask[5].sum() == 0 and batch.response_mask[0].sum() == len(turns[0])  # masked whole
     assert (batch.attention_mask[:, batch.prompt_len :].sum(-1) == torch.tensor([len(c.ids) for c in convs])).all()
     assert rollout.decode(batch)[6] == "no call, the answer is lima" and rollout.decode(batch)[5] == ""
@@ -109,7 +110,7 @@ def _turn(rollout, calls: list[str], step: int) -> tuple[list[str], ToolStats]:
     for c, t in zip(convs, turns):
         c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
     stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
-    rollout._answer(convs, turns, step, 0, stats)
+    rollout._answer(list(enumerate(convs)), turns, step, 0, stats)
     return [rollout.tokenizer.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)], stats
 
 
@@ -196,7 +197,7 @@ def test_a_rows_tools_and_hidden_arguments_reach_its_prompt_and_its_calls(rollou
     for c, t in zip(convs, turns):
         c.ids, c.model, c.log_probs = list(t), [True] * len(t), [-1.0] * len(t)
     stats = ToolStats(by_name=dict.fromkeys(rollout.schemas, 0))
-    rollout._answer(convs, turns, 1, 0, stats)
+    rollout._answer(list(enumerate(convs)), turns, 1, 0, stats)
     said = [rollout.tokenizer.decode(c.ids[len(t) :]) for c, t in zip(convs, turns)]
     assert "<tool_response>\ncorrect\n</tool_response>" in said[0]
     assert convs[0].calls[0]["arguments"] == {"answer": "lima", "expected": "Lima"}

@@ -63,3 +63,9 @@ def echo_score(target: str, completion: str) -> float:
 def echo_reward(prompts: list[str], completions: list[str], target: list[str] | None = None, **_) -> list[float]:
     targets = target if target is not None else [p.split("=")[0] for p in prompts]
     return [echo_score(t, c) for t, c in zip(targets, completions)]
+
+
+def no_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """0 for every completion: the reward of a run whose environment gives every reward
+    (``rollout.multi_turn.environment`` without a reward of the run's own)."""
+    return [0.0] * len(completions)

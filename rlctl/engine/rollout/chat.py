@@ -1,4 +1,5 @@
-"""A conversation kept as token ids: what the chat template adds for a tool message, and the drift check.
+"""A conversation kept as token ids: what the chat template adds for a tool message (or an environment's
+observation, a user message), and the drift check.
 
 Token in, token out: the model's own tokens are never re-tokenized. A tool message is rendered as the
 text the chat template adds for it, the difference between a fixed base conversation rendered with and
@@ -43,6 +44,7 @@ class ChatIncrements:
             raise self._not_incremental("an assistant message's rendering does not begin with the generation prompt")
         self.close_ids = self.encode(closed[len(opened) + len(PROBE) :])
         self.tool_ids([("probe", "42")])  # the same question, asked of a tool message now
+        self.user_ids("42")  # and of a user message (an environment's observation)
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -55,11 +57,20 @@ class ChatIncrements:
     def tool_ids(self, results: list[tuple[str, str]]) -> list[int]:
         """The ids the template adds for tool messages ``(name, content)`` after an assistant turn, with
         the next assistant turn's opening."""
+        return self.message_ids([tool_message(n, c) for n, c in results])
+
+    def user_ids(self, content: str) -> list[int]:
+        """The ids the template adds for a user message after an assistant turn (an environment's
+        observation), with the next assistant turn's opening."""
+        return self.message_ids([{"role": "user", "content": content}])
+
+    def message_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         base = [*BASE, _assistant(PROBE)]
         before = self.render(base)
-        after = self.render([*base, *(tool_message(n, c) for n, c in results)], generation_prompt=True)
+        after = self.render([*base, *messages], generation_prompt=True)
         if not after.startswith(before):
-            raise self._not_incremental("adding a tool message changes how the messages before it are rendered")
+            role = messages[0]["role"] if messages else "a"
+            raise self._not_incremental(f"adding a {role} message changes how the messages before it are rendered")
         return self.encode(after[len(before) :])
 
     def closing(self, turn: list[int]) -> list[int]:

@@ -19,14 +19,21 @@ of the model's is trained on. At its end each conversation is rendered whole and
 (``chat.first_drift``): ``multi_turn/template_drift_frac`` and a ``template_drift`` event. The
 ``tool_outage`` fault drill (``rlctl.faults``) answers every call of its steps as unavailable, the
 tools never asked.
+
+A stateful tool and an environment are objects kept per conversation in the tool workers (``Session``:
+every call of a conversation goes to the worker holding its object, with the conversation's earlier
+calls, from which a worker that does not hold it rebuilds it); their objects are released when the
+generate ends. With an environment, every turn of the model's is its action: ``step`` answers the next
+user message, a reward on the turn's last token (``Conversation.turn_rewards``, part of the score) and
+whether the conversation is done.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,69 +45,40 @@ from rlctl.engine.batch import Sequences
 from rlctl.engine.data import prompt_messages
 from rlctl.engine.dist import MAX, MEAN, SUM
 from rlctl.engine.rollout.chat import first_drift, tool_message
+from rlctl.engine.rollout.conversation import (
+    ENVIRONMENT_METRICS,
+    MULTI_TURN_METRICS,
+    Conversation,
+    ToolStats,
+    batch_of,
+    metrics_row,
+)
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, response_mask_for
 from rlctl.engine.rollout.offers import EVERY_TOOL, Offer, Offers
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.rollout.transcript import TranscriptLog, segments
 from rlctl.engine.tools.loader import Tools
-from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, ToolPool
+from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, Session, ToolPool
 from rlctl.engine.tools.record import ToolRecord, call_key
 from rlctl.tools.formats import FORMATS
 from rlctl.tools.schema import check_call
 
-# How the ranks reduce the metrics of a step's conversations (tool/<name>/calls: SUM, ``reductions``).
-MULTI_TURN_METRICS = {
-    "multi_turn/num_turns/mean": MEAN,
-    "multi_turn/num_turns/max": MAX,
-    "multi_turn/max_turns_reached_frac": MEAN,
-    "multi_turn/env_token_frac": MEAN,
-    "multi_turn/template_drift_frac": MEAN,
-    "multi_turn/infra_masked_frac": MEAN,
-    "tool/calls/mean": MEAN,
-    "tool/error_frac": MEAN,
-    "tool/invalid_call_frac": MEAN,
-    "tool/timeout_frac": MEAN,
-    "tool/unavailable_frac": MEAN,
-    "timing_s/tools": MAX,
-}
 OUTAGE = "the tool is unavailable (fault drill tool_outage)"  # what a call under the drill is answered
+ENVIRONMENT = "environment"  # the name of an environment's steps in the calls and the record
 
 
-@dataclass
-class Conversation:
-    """One trajectory: its ids after the prompt, which are the model's, its messages (for the drift
-    check) and what happened."""
+class Job(NamedTuple):
+    """A call to run: what the worker gets (a function's ``module:function`` or a ``Session``) and its
+    arguments; the tool's name, the call's key in the record, the worker it must run in (None: any) and
+    its arguments as the calls' log shows them (hidden values included)."""
 
-    prompt: str
-    seed: tuple[int, int]  # (prompt index, sample index)
-    ids: list[int] = field(default_factory=list)
-    model: list[bool] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns: int = 0
-    done: bool = False
-    max_turns_reached: bool = False
-    infra_failed: bool = False
-    calls: list[dict[str, Any]] = field(default_factory=list)  # turn, name, arguments, outcome, answer
-    offer: Offer = EVERY_TOOL  # the tools its prompt's row offers it, and their hidden arguments
-    drift_at: int | None = None  # the drift check's first differing position (None: none)
-
-    @property
-    def model_tokens(self) -> int:
-        return sum(self.model)
-
-
-@dataclass
-class ToolStats:
-    calls: int = 0  # attempts: well-formed or not
-    errors: int = 0
-    invalid: int = 0
-    timeouts: int = 0
-    unavailable: int = 0
-    replayed: int = 0  # answers read from the run's record (a step run again), not asked of the tool
-    seconds: float = 0.0
-    by_name: dict[str, int] = field(default_factory=dict)
+    payload: str | Session
+    arguments: Any
+    name: str
+    key: str
+    slot: int | None
+    shown: Any
 
 
 class MultiTurnRollout(HFRollout):
@@ -124,6 +102,7 @@ class MultiTurnRollout(HFRollout):
         super().__init__(cfg, actor, tokenizer)
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
+        self.stateful, self.environment = tools.stateful, tools.environment
         self.format = FORMATS[mt.format]
         self.offers = Offers(mt, tools, tokenizer, cfg.model.path or "the built-in model")
         self.chat = self.offers.chat(EVERY_TOOL)
@@ -133,8 +112,11 @@ class MultiTurnRollout(HFRollout):
         self._last: list[Conversation] = []  # the last generate's conversations, for ``scored``
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
+        if self.environment is not None:
+            self.reductions.update(ENVIRONMENT_METRICS)
         self._metrics: list[dict[str, float]] = []
         self._outage: bool | None = None  # the tool_outage drill's answer for the step running (None: not asked)
+        self._generation = 0  # generate calls so far: the objects of a stateful tool or environment are per call
 
     def decode(self, seqs: Sequences) -> list[str]:
         """The text of each conversation's last turn of the model (its last run of trained tokens, eos
@@ -180,9 +162,10 @@ class MultiTurnRollout(HFRollout):
         offers = self.offers.of(columns, keys)
         enc = self.encode(prompts, offers)
         convs = [
-            Conversation(p, k, messages=prompt_messages(self.cfg.data, p), offer=o)
-            for p, k, o in zip(prompts, keys, offers)
+            Conversation(p, k, messages=prompt_messages(self.cfg.data, p), offer=o, env_args=e)
+            for p, k, o, e in zip(prompts, keys, offers, self.offers.env_args(columns, keys))
         ]
+        self._generation += 1
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
@@ -200,14 +183,17 @@ class MultiTurnRollout(HFRollout):
                     if not live:
                         break
                     turns = self._generate_turn([prompt_ids[i] for i in live], [convs[i] for i in live], step, turn, t)
-                    self._answer([convs[i] for i in live], turns, step, turn, stats)
+                    answer = self._step_environment if self.environment is not None else self._answer
+                    answer([(i, convs[i]) for i in live], turns, step, turn, stats)
         finally:
             module.train(was_training)
+            if self.environment is not None or self.stateful:
+                self.pool.release()  # every conversation's objects: release() / close()
         self._metrics.append(self._row(convs, stats, step))
         if stats.replayed:
             self.emit({"event": names.TOOL_CALLS_REPLAYED, "step": step, "calls": stats.replayed})
         self._last = convs
-        return self._batch(enc, convs)
+        return batch_of(enc, convs, self.tokenizer.pad_token_id)
 
     def reward_columns(self) -> dict[str, list[Any]]:
         """What the reward function gets of the last generated conversations besides the completion (the
@@ -283,13 +269,14 @@ class MultiTurnRollout(HFRollout):
         return new
 
     def _answer(
-        self, convs: list[Conversation], turns: list[list[int]], step: int, turn: int, stats: ToolStats
+        self, live: list[tuple[int, Conversation]], turns: list[list[int]], step: int, turn: int, stats: ToolStats
     ) -> None:
         """Parse each conversation's new turn, run its calls (all conversations' together) and append the
         answers; end the conversations that made no call, ran out of turns or of budget."""
-        jobs, plans = [], []
-        for c, tokens in zip(convs, turns):
-            text = self.tokenizer.decode([x for x in tokens if x not in self.eos_ids], skip_special_tokens=False)
+        jobs: list[Job] = []
+        plans = []
+        for (index, c), tokens in zip(live, turns):
+            text = self._turn_text(tokens)
             c.messages.append({"role": "assistant", "content": text})
             parsed = self.format.parse(text)
             stats.calls += parsed.attempts
@@ -311,9 +298,7 @@ class MultiTurnRollout(HFRollout):
                     continue
                 stats.by_name[call.name] += 1
                 answers.append(len(jobs))
-                args = {**args, **c.offer.hidden.get(call.name, {})}  # the row's hidden values, never shown
-                key = call_key(step, c.prompt, c.seed, turn, len(answers) - 1, call.name, args)
-                jobs.append((self.functions[call.name], args, call.name, key))
+                jobs.append(self._tool_job(index, c, step, turn, len(answers) - 1, call.name, args))
             answers += [("invalid", f"error: {sentence}") for sentence in parsed.invalid]
             plans.append((c, tokens, answers))
         results = self._run(jobs, stats)
@@ -321,21 +306,82 @@ class MultiTurnRollout(HFRollout):
             messages = []
             for a in answers:
                 if isinstance(a, int):
-                    res, name = results[a], jobs[a][2]
-                    stats.errors += res.outcome == ERROR
-                    stats.timeouts += res.outcome == TIMEOUT
-                    stats.unavailable += res.outcome == UNAVAILABLE
+                    res, job = results[a], jobs[a]
+                    self._count(res, stats)
                     c.infra_failed |= res.outcome in INFRA
                     content = res.text if res.outcome == OK else f"error: {res.text}"
-                    messages.append((name, self._cut(content)))
-                    c.calls.append({"turn": turn, "name": name, "arguments": jobs[a][1], "outcome": res.outcome})
+                    messages.append((job.name, self._cut(content)))
+                    c.calls.append({"turn": turn, "name": job.name, "arguments": job.shown, "outcome": res.outcome})
                 else:
                     messages.append((a[0], self._cut(a[1])))
                     c.calls.append({"turn": turn, "name": a[0], "arguments": None, "outcome": "invalid"})
                 c.calls[-1]["answer"] = messages[-1][1]
-            self._append_answers(c, tokens, messages)
+            self._append(c, tokens, self.offers.chat(c.offer).tool_ids(messages))
+            c.messages += [tool_message(n, content) for n, content in messages] if not c.done else []
 
-    def _run(self, jobs: list[tuple[str, dict[str, Any], str, str]], stats: ToolStats) -> list[CallResult]:
+    def _tool_job(self, index: int, c: Conversation, step: int, turn: int, position: int, name: str, args) -> Job:
+        """A well-formed call: a function called with the row's hidden values among its arguments, or a
+        stateful tool's object (``index``: the conversation's place in the generate, the worker it lives
+        in) asked with its earlier calls, to rebuild it where it is not held, and its create() given them."""
+        hidden = c.offer.hidden.get(name, {})
+        key = call_key(step, c.prompt, c.seed, turn, position, name, {**args, **hidden})
+        if name not in self.stateful:
+            args = {**args, **hidden}  # never shown to the model
+            return Job(self.functions[name], args, name, key, None, args)
+        earlier = c.history.setdefault(name, [])
+        instance = f"{self._generation}:{index}:{name}"
+        session = Session("tool", self.functions[name], instance, dict(hidden), tuple(earlier))
+        earlier.append(args)
+        return Job(session, args, name, key, index, {**args, **hidden})
+
+    def _step_environment(
+        self, live: list[tuple[int, Conversation]], turns: list[list[int]], step: int, turn: int, stats: ToolStats
+    ) -> None:
+        """The environment's step on each conversation's new turn (all conversations' together): its reward
+        on the turn's last token of the model's, its observation appended as a user message. A step that
+        fails (the environment raised, timed out, is unavailable) masks its conversation and ends it; done,
+        no observation, the last turn or the budget spent end it too."""
+        jobs = []
+        for (index, c), tokens in zip(live, turns):
+            text = self._turn_text(tokens)
+            c.messages.append({"role": "assistant", "content": text})
+            earlier = c.history.setdefault(ENVIRONMENT, [])
+            session = Session(ENVIRONMENT, self.environment, f"{self._generation}:{index}", c.env_args, tuple(earlier))
+            earlier.append([text])
+            key = call_key(step, c.prompt, c.seed, turn, 0, ENVIRONMENT, {"action": text})
+            jobs.append(Job(session, [text], ENVIRONMENT, key, index, {"action": text}))
+        stats.calls += len(jobs)
+        for (_, c), tokens, job, res in zip(live, turns, jobs, self._run(jobs, stats)):
+            self._count(res, stats)
+            call = {"turn": turn, "name": ENVIRONMENT, "arguments": job.shown, "outcome": res.outcome}
+            c.calls.append(call)
+            if res.outcome != OK:
+                c.infra_failed = c.done = True  # the environment's failure, not the model's
+                call["answer"] = f"error: {res.text}"
+                continue
+            answer = json.loads(res.text)
+            call.update(answer=answer["observation"], reward=answer["reward"], done=answer["done"])
+            where = c.last_model_position()
+            if where is not None:
+                c.turn_rewards.append((where, answer["reward"]))
+            if answer["done"] or answer["observation"] is None or self._spent(c):
+                c.done = True
+            elif turn == self.mt.max_turns - 1:
+                c.done = c.max_turns_reached = True
+            else:
+                observation = call["answer"] = self._cut(answer["observation"])
+                self._append(c, tokens, self.chat.user_ids(observation))
+                c.messages += [] if c.done else [{"role": "user", "content": observation}]
+
+    def _count(self, res: CallResult, stats: ToolStats) -> None:
+        stats.errors += res.outcome == ERROR
+        stats.timeouts += res.outcome == TIMEOUT
+        stats.unavailable += res.outcome == UNAVAILABLE
+
+    def _turn_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode([x for x in tokens if x not in self.eos_ids], skip_special_tokens=False)
+
+    def _run(self, jobs: list[Job], stats: ToolStats) -> list[CallResult]:
         """The answers of a turn's calls: recorded ones replayed (``record``), the others run in the pool
         together and recorded. Under the ``tool_outage`` drill every call is unavailable, nothing asked
         or replayed (an infrastructure failure is never recorded)."""
@@ -343,8 +389,8 @@ class MultiTurnRollout(HFRollout):
             return [CallResult(UNAVAILABLE, OUTAGE, 0.0) for _ in jobs]
         results: list[CallResult | None] = [None] * len(jobs)
         fresh = []
-        for i, (_, _, _, key) in enumerate(jobs):
-            old = self.record.replay(key) if self.record is not None else None
+        for i, job in enumerate(jobs):
+            old = self.record.replay(job.key) if self.record is not None else None
             if old is None:
                 fresh.append(i)
             else:
@@ -353,26 +399,28 @@ class MultiTurnRollout(HFRollout):
 
         def recorded(j: int, res: CallResult) -> None:  # on storage as each call ends
             if self.record is not None and res.outcome not in INFRA:
-                self.record.add(jobs[fresh[j]][3], res.outcome, res.text, res.seconds)
+                self.record.add(jobs[fresh[j]].key, res.outcome, res.text, res.seconds)
                 self.record.flush()
 
         t0 = time.perf_counter()
-        answered = self.pool.run([(jobs[i][0], jobs[i][1]) for i in fresh], recorded) if fresh else []
+        calls = [(jobs[i].payload, jobs[i].arguments) for i in fresh]
+        answered = self.pool.run(calls, recorded, [jobs[i].slot for i in fresh]) if fresh else []
         stats.seconds += time.perf_counter() - t0
         for i, res in zip(fresh, answered):
             results[i] = res
         return results  # type: ignore[return-value]
 
-    def _append_answers(self, c: Conversation, tokens: list[int], messages: list[tuple[str, str]]) -> None:
-        chat = self.offers.chat(c.offer)
-        env = chat.closing(tokens) + chat.tool_ids(messages)
+    def _append(self, c: Conversation, tokens: list[int], answer: list[int]) -> None:
+        """The template's close of the model's turn and the ``answer``'s ids (a tool's or the
+        environment's message and the next turn's opening), unless there is no room for them and a turn
+        after them: then the conversation ends."""
+        env = self.offers.chat(c.offer).closing(tokens) + answer
         if len(c.ids) + len(env) >= self.mt.max_total_tokens:
-            c.done = True  # no room for the answers and a turn after them
+            c.done = True
             return
         c.ids += env
         c.model += [False] * len(env)
         c.log_probs += [0.0] * len(env)
-        c.messages += [tool_message(n, content) for n, content in messages]
 
     def _spent(self, c: Conversation) -> bool:
         return c.model_tokens >= self.cfg.rollout.max_new_tokens or len(c.ids) >= self.mt.max_total_tokens
@@ -382,25 +430,6 @@ class MultiTurnRollout(HFRollout):
         ids = self.chat.encode(text)
         limit = self.mt.max_tool_response_tokens
         return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit], skip_special_tokens=False)
-
-    def _batch(self, enc: dict[str, torch.Tensor], convs: list[Conversation]) -> Sequences:
-        """The prompts as encoded, each conversation's ids after them (right-padded); the mask on the
-        model's tokens of conversations without an infrastructure failure."""
-        T = max(1, max(len(c.ids) for c in convs))
-        pad, device = self.tokenizer.pad_token_id, enc["input_ids"].device
-        resp = torch.full((len(convs), T), pad, dtype=enc["input_ids"].dtype)
-        attn, mask = torch.zeros(len(convs), T, dtype=torch.long), torch.zeros(len(convs), T, dtype=torch.long)
-        lps = torch.zeros(len(convs), T)
-        for i, c in enumerate(convs):
-            n = len(c.ids)
-            resp[i, :n] = torch.tensor(c.ids, dtype=resp.dtype)
-            attn[i, :n] = 1
-            if not c.infra_failed:
-                mask[i, :n] = torch.tensor(c.model, dtype=torch.long)
-            lps[i, :n] = torch.tensor(c.log_probs) * mask[i, :n]
-        input_ids = torch.cat([enc["input_ids"], resp.to(device)], dim=1)
-        attention = torch.cat([enc["attention_mask"], attn.to(device)], dim=1)
-        return Sequences(input_ids, attention, mask.to(device), enc["input_ids"].shape[1], lps.to(device))
 
     def _row(self, convs: list[Conversation], stats: ToolStats, step: int) -> dict[str, float]:
         """The metrics of one generate call; drifting conversations reported as events."""
@@ -419,24 +448,7 @@ class MultiTurnRollout(HFRollout):
                         "tokens": len(c.ids),
                     }
                 )
-        n, calls = len(convs), max(stats.calls, 1)
-        tokens = sum(len(c.ids) for c in convs)
-        return {
-            "_n": n,
-            "multi_turn/num_turns/mean": sum(c.turns for c in convs) / n,
-            "multi_turn/num_turns/max": max(c.turns for c in convs),
-            "multi_turn/max_turns_reached_frac": sum(c.max_turns_reached for c in convs) / n,
-            "multi_turn/env_token_frac": sum(len(c.ids) - c.model_tokens for c in convs) / max(tokens, 1),
-            "multi_turn/template_drift_frac": drifted / n,
-            "multi_turn/infra_masked_frac": sum(c.infra_failed for c in convs) / n,
-            "tool/calls/mean": stats.calls / n,
-            "tool/error_frac": stats.errors / calls,
-            "tool/invalid_call_frac": stats.invalid / calls,
-            "tool/timeout_frac": stats.timeouts / calls,
-            "tool/unavailable_frac": stats.unavailable / calls,
-            "timing_s/tools": stats.seconds,
-            **{f"tool/{name}/calls": float(k) for name, k in stats.by_name.items()},
-        }
+        return metrics_row(convs, stats, drifted, self.environment is not None)
 
     def drift(self, c: Conversation) -> int | None:
         """The first position after the prompt where the conversation's ids differ from its whole

@@ -6,7 +6,8 @@ error the model reads) and values of the tools' hidden parameters (``tool_args_c
 ``tool_args``: ``{tool: {parameter: value}}``, e.g. the answer a checker compares with: given to each
 call of that tool, never shown to the model; ``tools[].hidden`` names them). A row without either gets
 every tool and no hidden values. A value of the wrong shape, an unknown tool or a parameter that is not
-one of the tool's hidden ones is an InputError (exit 4) naming the prompt's index and the column.
+one of the tool's hidden ones is an InputError (exit 4) naming the prompt's index and the column. With an
+environment, ``env_args_column`` (default ``env_args``) gives each prompt its reset()'s arguments.
 """
 
 from __future__ import annotations
@@ -93,3 +94,20 @@ class Offers:
                     f"({', '.join(allowed) or 'none'}: rollout.multi_turn.tools[].hidden)"
                 )
         return value
+
+    def env_args(self, columns: dict[str, list] | None, keys: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """Each prompt's keyword arguments of the environment's reset(), from its row (``env_args_column``;
+        {} without). A value that is no mapping of names is an InputError naming the prompt and column."""
+        column = self.mt.env_args_column
+        values = (columns or {}).get(column) if column and self.tools.environment is not None else None
+        if values is None:
+            return [{} for _ in keys]
+        out = []
+        for value, key in zip(values, keys):
+            if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+                raise InputError(
+                    f"prompt {key[0]}'s '{column}' must map the environment's reset() parameters to values, "
+                    f"got {value!r}"
+                )
+            out.append(dict(value or {}))
+        return out

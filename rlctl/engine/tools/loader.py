@@ -1,14 +1,16 @@
-"""The tools of ``rollout.multi_turn``: each function imported (in the trainer's process, once) for its JSON
-schema; a name that does not import is a ConfigError naming the key, before any work (the preflight)."""
+"""The tools of ``rollout.multi_turn``: each function or stateful class imported (in the trainer's process,
+once) for its JSON schema, and the environment's class checked; a name that does not import is a
+ConfigError naming the key, before any work (the preflight)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.config.multi_turn import MultiTurnConfig
+from rlctl.config.multi_turn import MultiTurnConfig, ToolConfig
 from rlctl.engine.reward import _import, call_user_code
 from rlctl.errors import ConfigError
 from rlctl.tools.schema import function_schema
@@ -17,28 +19,67 @@ from rlctl.tools.schema import function_schema
 @dataclass(frozen=True)
 class Tools:
     schemas: dict[str, dict[str, Any]]  # name -> the chat template's tool schema (hidden parameters left out)
-    functions: dict[str, str]  # name -> module:function, run by the worker processes
+    functions: dict[str, str]  # name -> module:function (or module:Class), run by the worker processes
     hidden: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> parameters the rows fill
+    stateful: frozenset[str] = frozenset()  # names of the tools kept as an object per conversation
+    environment: str | None = None  # module:Class answering every turn instead of tools
 
 
 def load_tools(mt: MultiTurnConfig) -> Tools:
     """Every tool of ``mt`` imported (the working directory importable, as for a reward function and in
-    the workers) and its schema read; a ConfigError naming the tool's key for one that is not there."""
+    the workers) and its schema read, and the environment's class found; a ConfigError naming the key for
+    one that is not there or not of its kind."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     schemas, functions = {}, {}
     for i, tool in enumerate(mt.tools):
-        key = f"'rollout.multi_turn.tools[{i}].function'"
-        module_name, _, fn_name = tool.function.partition(":")
-        module = call_user_code(f"tool '{tool.function}': importing module '{module_name}'", _import, module_name)
-        if module is None:
-            raise ConfigError(f"{key}: cannot import module '{module_name}' (No module named '{module_name}')")
-        fn = getattr(module, fn_name, None)
-        if not callable(fn):
-            raise ConfigError(f"{key}: module '{module_name}' has no function '{fn_name}'")
-        schemas[tool.label] = without_hidden(function_schema(fn, tool.label), tool.hidden, i)
-        functions[tool.label] = tool.function
-    return Tools(schemas, functions, {t.label: tuple(t.hidden) for t in mt.tools if t.hidden})
+        key = f"'rollout.multi_turn.tools[{i}].{'function' if tool.function is not None else 'stateful'}'"
+        found = _attribute(tool.spec, key, "function" if tool.function is not None else "class")
+        if tool.function is not None:
+            if not callable(found) or inspect.isclass(found):
+                raise ConfigError(f"{key}: {tool.spec} is no function")
+            schema = without_hidden(function_schema(found, tool.label), tool.hidden, i)
+        else:
+            schema = _stateful_schema(found, tool, key, i)
+        schemas[tool.label], functions[tool.label] = schema, tool.spec
+    environment = None
+    if mt.environment is not None:
+        env = _attribute(mt.environment, "'rollout.multi_turn.environment'", "class")
+        if not inspect.isclass(env) or not callable(getattr(env, "step", None)):
+            raise ConfigError(
+                f"'rollout.multi_turn.environment': {mt.environment} is no class with a step(action) method"
+            )
+        environment = mt.environment
+    stateful = frozenset(t.label for t in mt.tools if t.stateful is not None)
+    return Tools(schemas, functions, {t.label: tuple(t.hidden) for t in mt.tools if t.hidden}, stateful, environment)
+
+
+def _attribute(spec: str, key: str, noun: str) -> Any:
+    """What ``module:attribute`` names, imported; a ConfigError naming ``key`` when it is not there."""
+    module_name, _, name = spec.partition(":")
+    module = call_user_code(f"tool '{spec}': importing module '{module_name}'", _import, module_name)
+    if module is None:
+        raise ConfigError(f"{key}: cannot import module '{module_name}' (No module named '{module_name}')")
+    found = getattr(module, name, None)
+    if found is None:
+        raise ConfigError(f"{key}: module '{module_name}' has no {noun} '{name}'")
+    return found
+
+
+def _stateful_schema(cls: Any, tool: ToolConfig, key: str, index: int) -> dict[str, Any]:
+    """A stateful tool's schema: its ``call``'s signature and docstring (the class's when call has none);
+    its hidden parameters must be ``create``'s."""
+    if not inspect.isclass(cls) or not callable(getattr(cls, "call", None)):
+        raise ConfigError(f"{key}: {tool.spec} is no class with a call(...) method")
+    create = getattr(cls, "create", None)
+    params = list(inspect.signature(create).parameters)[1:] if callable(create) else []
+    for name in tool.hidden:
+        if name not in params:
+            raise ConfigError(
+                f"'rollout.multi_turn.tools[{index}].hidden': '{name}' is not a parameter of {tool.spec}.create "
+                f"(its parameters: {', '.join(params) or 'none'})"
+            )
+    return function_schema(cls.call, tool.label, doc=cls.__doc__)
 
 
 def without_hidden(schema: dict[str, Any], hidden: list[str], index: int) -> dict[str, Any]:

@@ -7,7 +7,9 @@ model is told the exception, a model-facing failure), ``timeout`` (the worker ra
 ``rollout.multi_turn.tool_timeout_s`` and was killed) and ``unavailable`` (the tool raised
 ``ToolUnavailable``, or its worker process died): the last two are infrastructure failures, not the
 model's. Workers start with the spawn method (nothing of the trainer's threads or CUDA state is
-inherited) and import only the tool modules.
+inherited) and import only the tool modules. The objects of stateful tools and environments live in the
+workers (``worker.Session``): a call may be bound to a worker (``run``'s ``slots``), and ``release`` ends
+every object held when a rollout is over.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from rlctl.engine.tools.worker import ERROR, OK, TIMEOUT, UNAVAILABLE, main
+from rlctl.engine.tools.worker import ERROR, OK, RELEASE, TIMEOUT, UNAVAILABLE, Session, main
 
 INFRA = frozenset({TIMEOUT, UNAVAILABLE})  # outcomes that are no mistake of the model's
-__all__ = ["ERROR", "INFRA", "OK", "TIMEOUT", "UNAVAILABLE", "CallResult", "ToolPool"]
+__all__ = ["ERROR", "INFRA", "OK", "TIMEOUT", "UNAVAILABLE", "CallResult", "Session", "ToolPool"]
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,32 @@ class ToolPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * workers
 
+    @property
+    def workers(self) -> int:
+        return len(self._workers)
+
     def run(
-        self, calls: list[tuple[str, dict[str, Any]]], on_result: Callable[[int, CallResult], None] | None = None
+        self,
+        calls: list[tuple[str | Session, Any]],
+        on_result: Callable[[int, CallResult], None] | None = None,
+        slots: list[int | None] | None = None,
     ) -> list[CallResult]:
-        """Each ``(module:function, arguments)`` run in a worker; results in the order of ``calls``.
-        ``on_result(index, result)`` is called as each call ends (a record written call by call)."""
+        """Each ``(module:function or Session, arguments)`` run in a worker; results in the order of
+        ``calls``. ``on_result(index, result)`` is called as each call ends (a record written call by
+        call). ``slots``: the worker each call must run in (None: any), so that the calls of one
+        conversation's object reach the worker that holds it, in their order."""
         results: list[CallResult | None] = [None] * len(calls)
-        pending = list(range(len(calls)))[::-1]
+        pending = list(range(len(calls)))
+        want = slots or [None] * len(calls)
         running: dict[int, tuple[int, float]] = {}  # worker slot -> (call index, start time)
         told: set[int] = set()
         while pending or running:
             for slot in range(len(self._workers)):
-                if slot not in running and pending:
-                    index = pending.pop()
+                if slot in running:
+                    continue
+                index = next((i for i in pending if want[i] is None or want[i] % len(self._workers) == slot), None)
+                if index is not None:
+                    pending.remove(index)
                     running[slot] = (index, time.monotonic())
                     self._send(slot, calls[index], results, running)
             self._collect(running, results)
@@ -143,6 +158,21 @@ class ToolPool:
         worker, self._workers[slot] = self._workers[slot], None
         if worker is not None:
             worker.stop(kill=True)
+
+    def release(self) -> None:
+        """Every live worker releases the objects it holds (``release()`` / ``close()``); one that does not
+        answer within the timeout is killed (and its objects with it)."""
+        for slot, worker in enumerate(self._workers):
+            if worker is None or not worker.process.is_alive():
+                continue
+            try:
+                worker.conn.send(RELEASE)
+                if worker.conn.poll(self.timeout_s):
+                    worker.conn.recv()
+                    continue
+            except (EOFError, OSError):
+                pass
+            self._drop(slot)
 
     def close(self) -> None:
         for slot, worker in enumerate(self._workers):

@@ -1,16 +1,40 @@
 """The body of a tool worker process: import tool functions on first use and run the calls the pool
 sends, one at a time, answering each with its outcome. Light on purpose (no torch, no rlctl engine): a
-worker killed on a timeout is replaced in a fraction of a second."""
+worker killed on a timeout is replaced in a fraction of a second.
+
+A call of a stateful tool or an environment names a ``Session``: the object kept for one conversation.
+The worker makes it at its first call (``Class()``, then ``create``/``reset`` with the conversation's
+values) and keeps it until the pool sends ``RELEASE`` (``release``/``close`` of every object held). A
+worker that does not hold the object (it was replaced after a timeout, or the conversation's earlier
+calls were answered from the run's record) makes it and first repeats the conversation's earlier calls
+(``history``), their answers discarded, so the call finds the state those calls left.
+"""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import traceback
+from dataclasses import dataclass, field
 from typing import Any
 
 OK, ERROR, UNAVAILABLE, TIMEOUT = "ok", "error", "unavailable", "timeout"
+RELEASE = "release"  # the pool's message: release every object held (a rollout ended)
+# kind -> (its setup, its call, its release): the methods a stateful tool and an environment have
+KINDS = {"tool": ("create", "call", "release"), "environment": ("reset", "step", "close")}
+
+
+@dataclass(frozen=True)
+class Session:
+    """A call to the object one conversation keeps (a stateful tool or an environment)."""
+
+    kind: str  # tool or environment (``KINDS``)
+    spec: str  # module:Class
+    instance: str  # the conversation's name for the object, unique within a rank's rollout
+    setup: dict[str, Any] = field(default_factory=dict)  # keyword arguments of create / reset
+    history: tuple[Any, ...] = ()  # the arguments of the conversation's earlier calls, in order
 
 
 def resolve(spec: str) -> Any:
@@ -21,15 +45,47 @@ def resolve(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def run_call(functions: dict[str, Any], spec: str, arguments: dict[str, Any]) -> tuple[str, str]:
+def _invoke(fn, arguments: Any) -> Any:
+    """A tool's arguments are keywords; an environment's action is positional (a one-item list)."""
+    return fn(*arguments) if isinstance(arguments, (list, tuple)) else fn(**arguments)
+
+
+def _session_call(cache: dict[str, Any], held: dict[str, list], session: Session, arguments: Any) -> Any:
+    setup, method, _ = KINDS[session.kind]
+    entry = held.get(session.instance)
+    if entry is None:
+        if session.spec not in cache:
+            cache[session.spec] = resolve(session.spec)
+        obj = cache[session.spec]()
+        if callable(getattr(obj, setup, None)):
+            getattr(obj, setup)(**session.setup)
+        entry = held[session.instance] = [obj, 0, session.kind]
+    obj, applied, _ = entry
+    for earlier in session.history[applied:]:  # rebuild the state the earlier calls left
+        try:
+            _invoke(getattr(obj, method), earlier)
+        except Exception:  # answered already (recorded): only its effect on the state counts
+            pass
+        entry[1] += 1
+    entry[1] += 1
+    return _invoke(getattr(obj, method), arguments)
+
+
+def run_call(functions: dict[str, Any], spec: str | Session, arguments: Any, held=None) -> tuple[str, str]:
     """(outcome, text) of one call: (ok, str(result)); (error, "TypeName: message") when the tool raised;
-    (unavailable, message) when it raised ``ToolUnavailable`` (its infrastructure failed)."""
+    (unavailable, message) when it raised ``ToolUnavailable`` (its infrastructure failed). An
+    environment's step answers its (observation, reward, done) as JSON."""
     from rlctl.tools import ToolUnavailable
 
     try:
-        if spec not in functions:
-            functions[spec] = resolve(spec)
-        result = functions[spec](**arguments)
+        if isinstance(spec, Session):
+            result = _session_call(functions, held if held is not None else {}, spec, arguments)
+            if spec.kind == "environment":
+                return OK, _step_json(result)
+        else:
+            if spec not in functions:
+                functions[spec] = resolve(spec)
+            result = functions[spec](**arguments)
     except ToolUnavailable as exc:
         return UNAVAILABLE, str(exc) or "the tool is unavailable"
     except Exception as exc:  # the tool's own mistake (or the model's arguments): told to the model
@@ -41,9 +97,33 @@ def run_call(functions: dict[str, Any], spec: str, arguments: dict[str, Any]) ->
     )
 
 
-def _json(value: Any) -> str:
-    import json
+def _step_json(result: Any) -> str:
+    """An environment's step answer as JSON; a TypeError naming the shape expected otherwise."""
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise TypeError(f"step() must return (observation, reward, done), got {result!r}")
+    observation, reward, done = result
+    if observation is not None and not isinstance(observation, str):
+        raise TypeError(f"step()'s observation must be a string or None, got {observation!r}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward:
+        raise TypeError(f"step()'s reward must be a finite number, got {reward!r}")
+    return json.dumps({"observation": observation, "reward": float(reward), "done": bool(done)})
 
+
+def release(held: dict[str, list]) -> int:
+    """``release()`` / ``close()`` every object held (what they raise is ignored); how many there were."""
+    for obj, _, kind in held.values():
+        try:
+            done = getattr(obj, KINDS[kind][2], None)
+            if callable(done):
+                done()
+        except Exception:
+            pass
+    count = len(held)
+    held.clear()
+    return count
+
+
+def _json(value: Any) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
@@ -59,10 +139,12 @@ def _die_with_parent() -> None:
 
 
 def main(conn) -> None:
-    """Answer calls ``(spec, arguments)`` until the pipe closes or None arrives. The worker dies with its
-    rank (PR_SET_PDEATHSIG): a call still running when the rank is killed stops there."""
+    """Answer calls ``(spec or Session, arguments)`` until the pipe closes or None arrives; ``RELEASE``
+    releases the objects held. The worker dies with its rank (PR_SET_PDEATHSIG): a call still running when
+    the rank is killed stops there."""
     _die_with_parent()
     functions: dict[str, Any] = {}
+    held: dict[str, list] = {}
     conn.send(("ready", ""))  # started: the pool's clock for the first call starts now
     while True:
         try:
@@ -71,4 +153,7 @@ def main(conn) -> None:
             return
         if job is None:
             return
-        conn.send(run_call(functions, *job))
+        if job == RELEASE:
+            conn.send(("released", str(release(held))))
+            continue
+        conn.send(run_call(functions, *job, held=held))
