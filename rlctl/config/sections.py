@@ -217,8 +217,6 @@ class RolloutConfig(Strict):
         mt = self.multi_turn
         if mt is None:
             return self
-        if self.backend != "hf":
-            raise ValueError(f"multi_turn is not available with backend {self.backend} yet (issue 29): use backend hf")
         if mt.max_total_tokens < self.max_new_tokens:
             raise ValueError(
                 f"multi_turn.max_total_tokens ({mt.max_total_tokens}) must be at least max_new_tokens "

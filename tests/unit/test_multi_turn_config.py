@@ -1,6 +1,5 @@
 """rollout.multi_turn's config: strict, its sentences located; a tool file inlined where the config is
-loaded (its keys located in it); what is not built yet (the vllm backend) refused with a sentence saying
-so."""
+loaded (its keys located in it)."""
 
 import pytest
 
@@ -59,12 +58,12 @@ def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):
         load_config(write(cfg, cfg.read_text().replace("tools.yaml", "nope.yaml")))
 
 
-def test_multi_turn_needs_the_chat_template_and_the_hf_backend(tmp_path):
+def test_multi_turn_needs_the_chat_template_on_either_backend(tmp_path):
     tools = "rollout: {multi_turn: {tools: [{function: 'toolbox:lookup'}]}"
     with pytest.raises(ConfigError, match="set data.apply_chat_template to true"):
         load_config(write(tmp_path / "a.yaml", tools + "}\n"))
-    with pytest.raises(ConfigError, match="multi_turn is not available with backend vllm yet"):
-        load_config(write(tmp_path / "b.yaml", tools + ", backend: vllm}\ndata: {apply_chat_template: true}\n"))
+    on_vllm = load_config(write(tmp_path / "b.yaml", tools + ", backend: vllm}\ndata: {apply_chat_template: true}\n"))
+    assert on_vllm.rollout.backend == "vllm" and on_vllm.rollout.multi_turn is not None  # both backends
     with pytest.raises(ConfigError, match=r"max_total_tokens \(16\) must be at least max_new_tokens \(256\)"):
         load_config(
             write(

@@ -69,17 +69,23 @@ def make_backend(
     record=None,
     transcripts=None,
 ) -> RolloutBackend:
-    """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn (hf only: the schema
-    refuses the rest) the multi-turn rollout, with the run's ``tools`` (``engine.tools.loader``), the
+    """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn the multi-turn rollout
+    (its turns sampled by the HF module or the vLLM engine), with the run's ``tools`` (``engine.tools.loader``), the
     rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
     run's ``record`` of tool calls (``engine.tools.record``) and ``transcripts`` of its conversations
     (``transcript``)."""
-    if name == "hf" and cfg.rollout.multi_turn is not None:
-        from rlctl.engine.rollout.multi_turn import MultiTurnRollout
-
+    if cfg.rollout.multi_turn is not None:
         if tools is None or pool is None:
             raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
-        return MultiTurnRollout(cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record, transcripts)
+        turns = (cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record, transcripts)
+        if name == "vllm":
+            from rlctl.engine.rollout.vllm import VLLMRollout
+            from rlctl.engine.rollout.vllm_multi_turn import VLLMMultiTurnRollout
+
+            return VLLMMultiTurnRollout(VLLMRollout(cfg, actor, tokenizer, model_dir), *turns)
+        from rlctl.engine.rollout.multi_turn import MultiTurnRollout
+
+        return MultiTurnRollout(*turns)
     if name == "hf":
         from rlctl.engine.rollout.hf import HFRollout
 

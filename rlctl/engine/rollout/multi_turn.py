@@ -177,7 +177,7 @@ class MultiTurnRollout(HFRollout):
         was_training = module.training
         module.eval()
         try:  # gathered once for all the turns (ZeRO-3): ranks may take different numbers of turns
-            with self.actor.full_parameters():
+            with self.weights_for_turns():
                 for turn in range(self.mt.max_turns):
                     live = [i for i, c in enumerate(convs) if not c.done]
                     if not live:
@@ -194,6 +194,10 @@ class MultiTurnRollout(HFRollout):
             self.emit({"event": names.TOOL_CALLS_REPLAYED, "step": step, "calls": stats.replayed})
         self._last = convs
         return batch_of(enc, convs, self.tokenizer.pad_token_id)
+
+    def weights_for_turns(self):
+        """What every turn of a generate samples under: the actor's parameters gathered once (ZeRO-3)."""
+        return self.actor.full_parameters()
 
     def reward_columns(self) -> dict[str, list[Any]]:
         """What the reward function gets of the last generated conversations besides the completion (the

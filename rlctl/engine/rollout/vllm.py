@@ -149,8 +149,11 @@ class VLLMRollout(HFRollout):
             )
 
     def max_model_len(self) -> int | None:
-        """The longest prompt plus the longest completion, unless the model's own limit is shorter."""
-        want = self.cfg.data.max_prompt_length + self.cfg.rollout.max_new_tokens
+        """The longest prompt plus the longest completion (a multi-turn conversation's tokens after its
+        prompt, the tools' included), unless the model's own limit is shorter."""
+        r = self.cfg.rollout
+        after = r.multi_turn.max_total_tokens if r.multi_turn is not None else r.max_new_tokens  # tools' tokens too
+        want = self.cfg.data.max_prompt_length + after
         limit = getattr(self.actor.module.config, "max_position_embeddings", None)
         return want if limit is None or want <= limit else None
 
