@@ -59,7 +59,7 @@ from rlctl.checkpoint.layout import (
 from rlctl.checkpoint.manifest import FORMAT, checksum_problem, val_problem
 from rlctl.checkpoint.retention import Retention, RollbackReach
 from rlctl.checkpoint.staging import DirStateful, dir_file_rank, stage_files
-from rlctl.checkpoint.writer import NoSharedMemory, pickle_job, writer
+from rlctl.checkpoint.writer import LIVE_READS, NoSharedMemory, pickle_job, writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
 from rlctl.storage import Storage
@@ -261,8 +261,17 @@ class SnapshotManager:
 
     def _write_files(self, job: _Job) -> Written | None:
         """Have the job's files written (by the writer process, or here) and brought to storage."""
-        if job.payload is None:
-            return finish(job.work, job.staged.set)
+        if job.payload is None:  # (no storage moves into shared memory while this reads the live state)
+            end = LIVE_READS.begin()
+
+            def staged() -> None:
+                end()
+                job.staged.set()
+
+            try:
+                return finish(job.work, staged)
+            finally:
+                end()
         return writer().run(job.payload, stage_copy=self.asynchronous, staged=job.staged.set, hold=job.work.hold)
 
     def _commit(self, job: _Job) -> bool:

@@ -162,14 +162,53 @@ def _check_room(nbytes: int) -> None:
         raise NoSharedMemory(f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the snapshot's state needs more")
 
 
+class LiveReads:
+    """The threads of this process that read live state (a snapshot written in a thread, until it is
+    staged), which no storage may move into shared memory under: a move frees the storage's old memory,
+    and torch.save hands the file a view of that memory, which such a thread may be writing and hashing
+    with the GIL released. ``pickle_job`` moves storages only ``while_none``."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+
+    def begin(self) -> Callable[[], None]:
+        """A thread starts reading live state (it waits for a move under way); returns what ends it."""
+        with self._cond:
+            self._readers += 1
+        ended = []
+
+        def end() -> None:
+            with self._cond:
+                if not ended:
+                    ended.append(True)
+                    self._readers -= 1
+                    self._cond.notify_all()
+
+        return end
+
+    @contextlib.contextmanager
+    def while_none(self):
+        """Wait until no thread reads live state, and let none begin until the block ends."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._readers == 0)
+            yield
+
+
+LIVE_READS = LiveReads()
+
+
 def pickle_job(job: WriteJob) -> bytes:
     """The job as the writer receives it (call on the training thread: moving a tensor's storage into
-    shared memory swaps its memory under anything that computes with it). Raises NoSharedMemory: before
-    any storage moves when the state dicts' tensors would not fit together (each storage pickled is
-    registered for the writer to fetch, and stays so if pickling stops half-way)."""
-    _check_room(sum(_to_share(job.deferred, {}).values()))
+    shared memory swaps its memory under anything that computes with it; a snapshot another manager of
+    this process writes in a thread is waited for until staged, ``LIVE_READS``). Raises NoSharedMemory:
+    before any storage moves when the state dicts' tensors would not fit together (each storage pickled
+    is registered for the writer to fetch, and stays so if pickling stops half-way)."""
+    moving = _to_share(job.deferred, {})
+    _check_room(sum(moving.values()))
     buf = io.BytesIO()
-    _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
+    with LIVE_READS.while_none() if moving else contextlib.nullcontext():
+        _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
     return buf.getvalue()
 
 

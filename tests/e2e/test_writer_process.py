@@ -1,5 +1,6 @@
 """The snapshot writer process (rlctl.checkpoint.writer) killed in the middle of a snapshot, and the
-training process killed while its writer works: never a committed partial snapshot, never a lost run."""
+training process killed while its writer works: never a committed partial snapshot, never a lost run.
+And the state moved into shared memory for it never under a snapshot written in a thread."""
 
 import json
 import os
@@ -56,3 +57,67 @@ def test_a_killed_trainer_takes_its_writer_along_and_resume_starts_from_the_last
     assert "continuing from step 3" in r.stderr
     committed = [e["step"] for e in events_of(run) if e["event"] == "snapshot_committed"]
     assert committed == [3, 6, 9]
+
+
+class _Tensors:
+    """A directory-Stateful that defers its tensors to the snapshot writer, as the engines do."""
+
+    def __init__(self, **tensors):
+        self.tensors = tensors
+
+    def save_to_dir(self, path, defer=None):
+        os.makedirs(path, exist_ok=True)
+        defer(os.path.join(path, "tensors.pt"), self.tensors)
+
+    def load_from_dir(self, path):
+        raise NotImplementedError
+
+
+def test_no_storage_moves_into_shared_memory_under_a_snapshot_a_thread_writes(tmp_path, monkeypatch):
+    """Two managers of one process snapshot the same live tensors: one writes them in a thread, the
+    other hands them to the writer process, which moves their storages into shared memory and frees the
+    memory they were in. torch.save hands the thread's file a view of that memory: the move waits until
+    the thread has written it, and both files are the bytes of the state."""
+    import hashlib
+    import io
+    import threading
+
+    import torch
+
+    from rlctl.checkpoint import writer
+    from rlctl.checkpoint.durable import DurableFile, save_object
+    from rlctl.checkpoint.snapshots import SnapshotManager
+    from rlctl.storage import Storage
+
+    tensors = _Tensors(w=torch.arange(1 << 14, dtype=torch.float32), b=torch.ones(1 << 12))
+    expected = io.BytesIO()
+    save_object(tensors.tensors, expected)
+    storage = tensors.tensors["w"].untyped_storage()
+    writing, arrived, seen, write = threading.Event(), threading.Event(), [], DurableFile.write
+    while_none = writer.LIVE_READS.while_none
+
+    def mover_arrives():
+        arrived.set()
+        return while_none()
+
+    def held_write(fh, data):  # the thread is descheduled in the middle of a tensor's bytes
+        if len(memoryview(data).cast("B")) == storage.nbytes() and not seen:
+            before = storage.is_shared()
+            writing.set()
+            assert arrived.wait(timeout=60)
+            seen.append((before, storage.is_shared()))
+        return write(fh, data)
+
+    monkeypatch.setattr(writer.LIVE_READS, "while_none", mover_arrives)
+    monkeypatch.setattr(DurableFile, "write", held_write)
+    managers = [SnapshotManager(Storage(str(tmp_path / w)), writer=w) for w in ("thread", "process")]
+    managers[0].save(1, {}, {"t": tensors}, good=True)
+    assert writing.wait(timeout=60)
+    managers[1].save(1, {}, {"t": tensors}, good=True)
+    arrived.set()  # (a move that never waited: the thread goes on, and sees it)
+    for manager in managers:
+        manager.close()
+    assert seen == [(False, False)]  # nothing moved while the thread wrote
+    assert storage.is_shared()  # (then the writer process's manager moved it)
+    digests = [{i.step: i.manifest["files"]["t/tensors.pt"]["sha256"] for i in m.catalog.scan()} for m in managers]
+    assert digests == [{1: hashlib.sha256(expected.getvalue()).hexdigest()}] * 2
