@@ -156,6 +156,27 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_step_off_fits(self) -> RunConfig:
+        if self.rollout.mode != "one_step_off":
+            return self
+        clash = [
+            why
+            for why, on in (
+                (f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),
+                ("rollout.multi_turn", self.rollout.multi_turn is not None),
+                (
+                    "algorithm.dynamic_sampling (its rounds agree across the ranks)",
+                    self.algorithm.dynamic_sampling.enabled,
+                ),
+                ("actor.zero_stage 3 (a copy of the weights generates)", self.actor.zero_stage == 3),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(f"rollout.mode one_step_off is not available with {', '.join(clash)} yet (issue 30)")
+        return self
+
+    @model_validator(mode="after")
     def _multi_turn_is_chat(self) -> RunConfig:
         if self.rollout.multi_turn is not None and not self.data.apply_chat_template:
             raise ValueError(

@@ -230,7 +230,9 @@ class Recovery:
         info, tag, moved = self.turn_to(candidates, tag_of, unusable, rollback=True)
         if info is None:
             self.halt_no_target(verdict)
-        h.emit({**tag, **moved})
+        ahead = getattr(h, "ahead", None)  # rollout.mode one_step_off: the batch in flight, sampled by undone weights
+        dropped = {"dropped_trajectories": ahead.take_dropped()} if ahead is not None else {}
+        h.emit({**tag, **moved, **dropped})
 
     def resume(self, plan: ResumePlan, note: Callable[[str], None]) -> None:
         """Restore the first snapshot of ``plan`` that loads (with the knobs its policy state records, but

@@ -25,6 +25,7 @@ from rlctl.config import RunConfig
 from rlctl.config.knob_values import follow_schedules, knob_settings, may_exceed
 from rlctl.engine.actor import METRICS as ACTOR_METRICS
 from rlctl.engine.actor import Actor, sequence_log_probs
+from rlctl.engine.ahead import STALENESS_METRICS, rollout_ahead
 from rlctl.engine.batch import Sequences
 from rlctl.engine.counters import TrainerState
 from rlctl.engine.critic import METRICS as CRITIC_METRICS
@@ -115,9 +116,8 @@ class Trainer:
         self.experience = Experience(
             cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist, tokenizer=self.tokenizer
         )
-        self.validator = (
-            Validator(cfg, prompts.val, self.rollout, reward_fn, self.dist) if prompts.val is not None else None
-        )
+        self.validator = Validator(cfg, prompts.val, self.rollout, reward_fn, self.dist) if prompts.val else None
+        self.ahead = rollout_ahead(cfg, self.actor, self.experience)  # rollout.mode one_step_off, else None
         self.recovery = Recovery(self)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
@@ -211,7 +211,7 @@ class Trainer:
         states = {"trainer": self.state, "data": self.data, "kl_ctrl": self.kl_ctrl, "rng": self.rng}
         if self.guard is not None:
             states["policy"] = self.guard
-        return states
+        return {**states, "rollout_ahead": self.ahead} if self.ahead is not None else states
 
     def dir_stateful(self) -> dict[str, Any]:
         """The engines, saved in their own checkpoint format."""
@@ -262,8 +262,7 @@ class Trainer:
         self._snapshotted = self.state.step
 
     def request_stop(self, reason: str) -> None:
-        """Finish the current step, snapshot it, and stop (SIGTERM / SIGUSR1 land here, and tools down past
-        rollout.multi_turn.tool_retry_budget)."""
+        """Finish the current step, snapshot it, and stop (SIGTERM / SIGUSR1, tools down past the budget)."""
         self.stop_signal = reason
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -294,6 +293,8 @@ class Trainer:
             self._finish(passed, healthy)
         finally:
             self.metrics.close()
+            if self.ahead is not None:
+                self.ahead.close()
             if self.tool_pool is not None:  # however training ends (a dead trainer's workers see EOF and exit)
                 self.tool_pool.close()
         if self.stop_signal is not None:
@@ -304,18 +305,10 @@ class Trainer:
         self._check_final_commit()
 
     def _count_tool_outage(self, row: dict[str, Any]) -> None:
-        """rollout.multi_turn.tool_retry_budget: a step whose tool calls all failed (infrastructure) one
-        more than it allows stops the run after this step, as a preemption (``request_stop``: its snapshot
-        committed, exit 75), unless the run is over anyway. The row is reduced: every rank decides alike."""
-        if (
-            self.tool_budget is None
-            or not self.tool_budget.spent(row)
-            or self.state.step >= self.cfg.trainer.total_steps
-        ):
-            return
-        b = self.tool_budget
-        self.emit({"event": names.TOOLS_UNAVAILABLE, "step": row["step"], "steps": b.streak, "budget": b.budget})
-        self.request_stop(names.TOOLS_UNAVAILABLE)
+        """rollout.multi_turn.tool_retry_budget: past it, the run stops after this step as a preemption
+        (its snapshot committed, exit 75). The row is reduced: every rank decides alike."""
+        if self.tool_budget is not None and self.tool_budget.stops(row, self.cfg.trainer.total_steps, self.emit):
+            self.request_stop(names.TOOLS_UNAVAILABLE)
 
     def _after_step(self, step: int) -> None:
         """The drills of step ``step`` that act after it, whatever its verdict (a rollback may have taken
@@ -327,6 +320,8 @@ class Trainer:
         """``row`` with the validation of the current weights added (and its time); the trainer's state
         remembers it for the snapshots' manifests."""
         t0 = time.perf_counter()
+        if self.ahead is not None:  # the reward function's recording is the generator's meanwhile
+            self.ahead.wait()
         metrics = self.validator.run()
         self.state.last_val = {"step": row["step"], "metrics": metrics}
         took = self.dist.reduce_row({"timing_s/validation": time.perf_counter() - t0}, {"timing_s/validation": MAX})
@@ -398,7 +393,7 @@ class Trainer:
         self.follow_schedules(step)
         with timed(t, "step"):
             with timed(t, "gen"):
-                seqs, scores, sampling = self.experience.rollout_batch(step)
+                seqs, scores, sampling = self.batch_for(step)
             old, ref, values, drift = self.forward_passes(seqs, t)
             rewards, current_kl, advantages, returns = advantages_of(
                 self.cfg.algorithm, seqs, scores, old, ref, values, self.kl_ctrl.value
@@ -421,6 +416,18 @@ class Trainer:
             "perf/throughput": tokens / t["timing_s/step"],
         }
         return self.record(step, stats, rest)
+
+    def batch_for(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
+        """The step's batch: made now (rollout.mode sync), or during the step before (one_step_off), the
+        next step's then started in the background before this one trains (``engine.ahead``)."""
+        if self.ahead is None:
+            return self.experience.rollout_batch(step)
+        skipped = self.guard.skipped_prompts if self.guard is not None else ()
+        batch, staleness = self.ahead.take(step, self.state.step, skipped)
+        self.experience.drawn = batch.drawn  # what a policy's skip skips
+        if step < self.cfg.trainer.total_steps:
+            self.ahead.start(step + 1, self.state.step)
+        return batch.seqs, batch.scores, {**batch.sampling, **staleness}
 
     def forward_passes(self, seqs: Sequences, t: dict[str, float]):
         """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
@@ -478,6 +485,7 @@ class Trainer:
             **SAMPLING_METRICS,
             **metrics_of(self.experience.reward_fn),  # each reward source's mean (reward.sources)
             **self.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
+            **(STALENESS_METRICS if self.ahead is not None else {}),
             **STEP_METRICS,
             **{key: MAX for key in rest if key.startswith("timing_s/")},
         }  # a step takes its slowest rank's time

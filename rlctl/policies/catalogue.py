@@ -84,6 +84,8 @@ METRICS: dict[str, str] = {
     "multi_turn/env_token_frac": "share of the tokens after the prompts that tools and the chat template wrote (masked)",
     "multi_turn/template_drift_frac": "share of conversations whose ids differ from the whole conversation re-rendered",
     "multi_turn/infra_masked_frac": "share of conversations masked out of the update after a tool's infrastructure failed",
+    "rollout/staleness/mean": "rollout.mode one_step_off: updates between the weights that sampled the batch and those it trains",
+    "rollout/staleness/max": "the most updates between the weights that sampled a trajectory of the batch and those it trains",
     "multi_turn/turn_reward/mean": "rewards an environment gave the turns of a conversation, summed, mean over them",
     "tool/calls/mean": "tool calls the model tried per conversation (well-formed or not; an environment's steps)",
     "tool/error_frac": "share of tool calls whose tool raised an exception (told to the model)",

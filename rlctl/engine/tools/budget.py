@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlctl.events import TOOLS_UNAVAILABLE
+
 TOLERANCE = 1e-9  # the shares are ratios of counts: equal counts may differ in the last bits
 
 
@@ -35,6 +37,14 @@ class ToolRetryBudget:
     def __init__(self, budget: int):
         self.budget = budget
         self.streak = 0
+
+    def stops(self, row: dict[str, Any], total: int, emit) -> bool:
+        """Count the step of ``row``; whether the run should stop after it (the streak past the budget, the
+        run not over anyway), said in a ``tools_unavailable`` event."""
+        if not self.spent(row) or row["step"] >= total:
+            return False
+        emit({"event": TOOLS_UNAVAILABLE, "step": row["step"], "steps": self.streak, "budget": self.budget})
+        return True
 
     def spent(self, row: dict[str, Any]) -> bool:
         """Count the step of ``row``; whether the streak now exceeds the budget (the run should end)."""
