@@ -38,6 +38,9 @@ KEY_METRICS = (
     "tool/invalid_call_frac",
     "multi_turn/infra_masked_frac",
     "multi_turn/template_drift_frac",
+    "multi_turn/turn_reward/mean",
+    # rollout.mode one_step_off's (its batches trained an update after the weights that sampled them)
+    "rollout/staleness/mean",
 )
 SPARKS = "▁▂▃▄▅▆▇█"
 
