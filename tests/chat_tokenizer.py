@@ -68,3 +68,19 @@ def tool_model_dir(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def tool_run_config(model_dir: Path, max_prompt_length: int = 400, **rollout):
+    """A run of the tiny chat model at ``model_dir`` with the chat template, 2 prompts x 2 samples a step
+    and ``rollout`` (its section, as keywords)."""
+    from rlctl.config import RunConfig
+
+    return RunConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "data": {"apply_chat_template": True, "max_prompt_length": max_prompt_length},
+            "trainer": {"prompts_per_step": 2},
+            "algorithm": {"group_size": 2},
+            "rollout": rollout,
+        }
+    )

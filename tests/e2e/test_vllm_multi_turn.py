@@ -5,11 +5,10 @@ backend's does, token for token at temperature 0, and a whole generate keeps the
 
 import pytest
 import torch
-from chat_tokenizer import tool_model_dir
+from chat_tokenizer import tool_model_dir, tool_run_config
 
 pytest.importorskip("vllm")
 
-from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer
 from rlctl.engine.rollout import make_backend
@@ -26,19 +25,13 @@ CALL = '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_ca
 def both(runtime, tmp_path_factory):
     """The vllm and the hf multi-turn rollouts of one actor (ZeRO-2) of the tiny chat model."""
     model_dir = tool_model_dir(tmp_path_factory.mktemp("tool-model"))
-    cfg = RunConfig.model_validate(
-        {
-            "model": {"path": str(model_dir)},
-            "data": {"apply_chat_template": True, "max_prompt_length": 256},
-            "trainer": {"prompts_per_step": 2},
-            "algorithm": {"group_size": 2},
-            "rollout": {
-                "backend": "vllm",
-                "max_new_tokens": 24,
-                "temperature": 0.9,
-                "multi_turn": {"tools": [{"function": "toolbox:lookup"}], "max_total_tokens": 160, "tool_workers": 1},
-            },
-        }
+    cfg = tool_run_config(
+        model_dir,
+        max_prompt_length=256,
+        backend="vllm",
+        max_new_tokens=24,
+        temperature=0.9,
+        multi_turn={"tools": [{"function": "toolbox:lookup"}], "max_total_tokens": 160, "tool_workers": 1},
     )
     mt = cfg.rollout.multi_turn
     actor, tokenizer, tools = Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), load_tools(mt)

@@ -7,9 +7,9 @@ replayed from the record, its object gone) rebuilds it so the next call answers 
 
 import pytest
 import torch
-from chat_tokenizer import tool_model_dir
+from chat_tokenizer import tool_model_dir, tool_run_config
 
-from rlctl.config import AlgorithmConfig, RunConfig
+from rlctl.config import AlgorithmConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.experience import advantages_of
@@ -28,15 +28,7 @@ from rlctl.storage import Storage
 def made(runtime, tmp_path_factory):
     """make(mt): a multi-turn rollout of the tiny chat model under ``mt`` (its pool closed at the end)."""
     model_dir = tool_model_dir(tmp_path_factory.mktemp("tool-model"))
-    cfg = RunConfig.model_validate(
-        {
-            "model": {"path": str(model_dir)},
-            "data": {"apply_chat_template": True, "max_prompt_length": 400},
-            "trainer": {"prompts_per_step": 2},
-            "algorithm": {"group_size": 2},
-            "rollout": {"max_new_tokens": 200},
-        }
-    )
+    cfg = tool_run_config(model_dir, max_new_tokens=200)
     actor, tok, pools = Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), []
 
     def make(**mt):

@@ -5,9 +5,8 @@ answers are cut in tokens, and a generated batch keeps the model's log-probs ali
 
 import pytest
 import torch
-from chat_tokenizer import tool_model_dir
+from chat_tokenizer import tool_model_dir, tool_run_config
 
-from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
@@ -33,15 +32,7 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def rollout(runtime, tmp_path_factory):
     model_dir = tool_model_dir(tmp_path_factory.mktemp("tool-model"))
-    cfg = RunConfig.model_validate(
-        {
-            "model": {"path": str(model_dir)},
-            "data": {"apply_chat_template": True, "max_prompt_length": 400},
-            "trainer": {"prompts_per_step": 2},
-            "algorithm": {"group_size": 2},
-            "rollout": {"max_new_tokens": 48},
-        }
-    )
+    cfg = tool_run_config(model_dir, max_new_tokens=48)
     mt = MultiTurnConfig(tools=TOOLS, max_turns=3, max_total_tokens=400, max_tool_response_tokens=100, tool_timeout_s=5)
     with ToolPool(mt.tool_workers, mt.tool_timeout_s) as pool:
         yield MultiTurnRollout(cfg, Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), mt, load_tools(mt), pool)
