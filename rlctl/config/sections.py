@@ -75,12 +75,34 @@ class BuiltinModelConfig(Strict):
     hidden_size: int = Field(64, ge=32, description="Hidden size of the built-in model (head_dim is 32).")
     num_layers: int = Field(2, ge=1, description="Transformer layers of the built-in model.")
     intermediate_size: int = Field(256, ge=1, description="MLP width of the built-in model.")
+    tokenizer: Literal["chars", "chat"] = Field(
+        "chars",
+        description="The built-in model's tokenizer: chars (one token per character of a small set, no chat "
+        "template) or chat (one per printable ASCII character and newline, ChatML's <|im_start|> and "
+        "<|im_end|>, its eos, and a chat template that lists the tools in <tools> by name and description and "
+        "wraps their answers in <tool_response>, these tags one token each: for data.apply_chat_template and "
+        "rollout.multi_turn).",
+    )
+    added_tokens: list[str] = Field(
+        default_factory=list,
+        description="Texts the built-in tokenizer holds as one token each, as chat models hold <tool_call>: "
+        "a whole tool call, so that a model from random weights can sample it (`rlctl start tools-demo`).",
+    )
 
     @field_validator("hidden_size")
     @classmethod
     def _head_dim_32(cls, v: int) -> int:
         if v % 32:
             raise ValueError(f"must be a multiple of 32 (head_dim is fixed at 32), got {v}")
+        return v
+
+    @field_validator("added_tokens")
+    @classmethod
+    def _texts(cls, v: list[str]) -> list[str]:
+        if "" in v:
+            raise ValueError("an added token is an empty text")
+        if twice := sorted({t for t in v if v.count(t) > 1}):
+            raise ValueError(f"{', '.join(map(repr, twice))} is listed more than once")
         return v
 
 
@@ -140,6 +162,11 @@ class DataConfig(Strict):
     )
     shuffle: bool = Field(True, description="Reshuffle the prompts every epoch (seeded, resumable).")
     builtin_size: int = Field(4096, ge=1, description="Number of prompts in the built-in task.")
+    builtin_task: Literal["echo", "lookup"] = Field(
+        "echo",
+        description="The built-in task (without `data.path`): echo (repeat the letters before '=') or lookup "
+        "(answer a word that only the `lookup` tool returns, its hidden argument: `rlctl start tools-demo`).",
+    )
 
     @model_validator(mode="before")
     @classmethod

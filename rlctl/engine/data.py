@@ -33,9 +33,7 @@ from rlctl.stateful import check_version
 def load_rows(cfg: DataConfig, seed: int) -> list[dict[str, Any]]:
     """The training prompts: ``data.path``, or the built-in task."""
     if cfg.path is None:
-        from rlctl.engine.reward.builtin import make_prompts
-
-        return make_prompts(cfg.builtin_size, seed)
+        return builtin_task(cfg).make_prompts(cfg.builtin_size, seed)
     return read_prompt_file(Path(cfg.path).expanduser(), cfg.prompt_key, "data.path", TRAIN_SPLITS)
 
 
@@ -44,9 +42,18 @@ def load_val_rows(cfg: DataConfig, seed: int, training: list[dict[str, Any]]) ->
     none of which is among the ``training`` rows)."""
     if cfg.val_path is not None:
         return read_prompt_file(Path(cfg.val_path).expanduser(), cfg.prompt_key, "data.val_path", VAL_SPLITS)
-    from rlctl.engine.reward.builtin import make_held_out_prompts
+    return builtin_task(cfg).make_held_out_prompts(cfg.builtin_val_size, seed, training)
 
-    return make_held_out_prompts(cfg.builtin_val_size, seed, training)
+
+def builtin_task(cfg: DataConfig):
+    """The module of the built-in task ``data.builtin_task``: its ``make_prompts`` and ``make_held_out_prompts``."""
+    if cfg.builtin_task == "lookup":
+        from rlctl.engine.reward import lookup
+
+        return lookup
+    from rlctl.engine.reward import builtin
+
+    return builtin
 
 
 @dataclass(frozen=True)
@@ -172,8 +179,8 @@ def drop_overlong(
 
 
 def check_prompt_template(cfg: RunConfig) -> None:
-    """``check_chat_template`` before any work (the preflight): the built-in model's tokenizer, which has no
-    chat template, or the tokenizer of ``model.path``; the trainer checks the tokenizer it loads again."""
+    """``check_chat_template`` before any work (the preflight): the built-in model's tokenizer (its chars one has no
+    chat template), or the tokenizer of ``model.path``; the trainer checks the tokenizer it loads again."""
     if not cfg.data.apply_chat_template:
         return
     check_chat_template(config_tokenizer(cfg), cfg.data, model_name(cfg))
@@ -182,10 +189,10 @@ def check_prompt_template(cfg: RunConfig) -> None:
 def config_tokenizer(cfg: RunConfig):
     """The tokenizer the run will load (the built-in model's, or that of ``model.path``), for the
     preflight's checks; no weights are read."""
-    from rlctl.engine.model import build_char_tokenizer, load_tokenizer
+    from rlctl.engine.model import build_builtin_tokenizer, load_tokenizer
 
     if cfg.model.path is None:
-        return build_char_tokenizer()
+        return build_builtin_tokenizer(cfg.model.builtin)
     return load_tokenizer(Path(cfg.model.path).expanduser(), cfg.model.trust_remote_code)
 
 

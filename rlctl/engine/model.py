@@ -1,4 +1,4 @@
-"""The built-in tiny model and its character-level tokenizer, and loading of any HF causal LM.
+"""The built-in tiny model and its character-level tokenizers, and loading of any HF causal LM.
 
 The tiny model is a Llama- or Qwen2-style transformer with head_dim 32 (vLLM's CPU attention backend
 needs it), built from a transformers config with seeded random weights and saved with
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from rlctl.config import BuiltinModelConfig, RunConfig
@@ -60,6 +60,57 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=BUILTIN_CONTEXT,
     )
+
+
+# The chat tokenizer: ChatML's markers, the Hermes tags (one token each, as in Qwen2.5's vocabulary) and a
+# template in Qwen2.5's layout, shortened: the system message lists the tools inside <tools> by name and
+# description, not as JSON schemas, which at one token per character would be most of a prompt.
+CHAT_SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHAT_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+HERMES_TAGS = ["<tools>", "</tools>", "<tool_response>", "</tool_response>"]
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>\n"
+    "{% for t in tools %}{{ t.function.name }}: {{ t.function.get('description', '') }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_builtin_tokenizer(spec: BuiltinModelConfig) -> PreTrainedTokenizerFast:
+    """The built-in model's tokenizer (``model.builtin.tokenizer``), holding ``model.builtin.added_tokens``."""
+    tok = build_char_tokenizer() if spec.tokenizer == "chars" else build_chat_tokenizer()
+    if spec.added_tokens:
+        tok.add_tokens([AddedToken(text, special=False, normalized=False) for text in spec.added_tokens])
+    return tok
+
+
+def build_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character and newline, ChatML's <|im_start|> and <|im_end|> (eos: the
+    end of a turn), the Hermes tags as one token each, and a chat template that renders tools
+    (``CHAT_TEMPLATE``)."""
+    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIALS + CHAT_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")  # (?m: '.' takes a newline too
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        model_max_length=BUILTIN_CONTEXT,
+    )
+    fast.add_tokens([AddedToken(text, special=False, normalized=False) for text in HERMES_TAGS])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny_model(spec: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int):
@@ -205,7 +256,7 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 
 def _save_builtin(cfg: RunConfig, out: Path) -> None:
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_builtin_tokenizer(cfg.model.builtin)
     model = build_tiny_model(cfg.model.builtin, tokenizer, cfg.seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
