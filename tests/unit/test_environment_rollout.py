@@ -32,7 +32,7 @@ def made(runtime, tmp_path_factory):
     actor, tok, pools = Actor(cfg, model_dir, runtime), load_tokenizer(model_dir), []
 
     def make(**mt):
-        mt = MultiTurnConfig(max_turns=3, max_total_tokens=400, tool_timeout_s=5, **mt)
+        mt = MultiTurnConfig(**{"max_turns": 3, "max_total_tokens": 400, "tool_timeout_s": 5, **mt})
         pools.append(ToolPool(mt.tool_workers, mt.tool_timeout_s))
         return MultiTurnRollout(cfg, actor, tok, mt, load_tools(mt), pools[-1])
 
@@ -136,3 +136,16 @@ def test_a_stateful_tool_keeps_its_state_and_a_step_run_again_rebuilds_it(made, 
         rollout.record = None
     with pytest.raises(ConfigError, match=r"tools\[0\].hidden': 'secret' is not a parameter of toolbox:Counter"):
         made(tools=[{"stateful": "toolbox:Counter", "hidden": ["secret"]}])
+
+
+def test_an_answer_with_no_room_left_is_none_in_the_calls_the_reward_reads(made):
+    """A call that ran but whose answer does not fit in max_total_tokens: the conversation ends, and its
+    call says the model never saw an answer (a reward counting answers must not count it)."""
+    rollout = made(tools=[{"function": "toolbox:lookup"}], max_total_tokens=40)
+    call = '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>'
+    convs, turns = _start(rollout, [call])
+    assert len(turns[0]) < 40
+    rollout._answer(list(enumerate(convs)), turns, 1, 0, ToolStats(by_name={"lookup": 0}))
+    (c,) = convs
+    assert c.done and c.ids == turns[0] and c.calls[0]["outcome"] == "ok" and c.calls[0]["answer"] is None
+    assert [m["role"] for m in c.messages] == ["user", "assistant"]  # no tool message

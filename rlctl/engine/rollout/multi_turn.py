@@ -320,8 +320,11 @@ class MultiTurnRollout(HFRollout):
                     messages.append((a[0], self._cut(a[1])))
                     c.calls.append({"turn": turn, "name": a[0], "arguments": None, "outcome": "invalid"})
                 c.calls[-1]["answer"] = messages[-1][1]
-            self._append(c, tokens, self.offers.chat(c.offer).tool_ids(messages))
-            c.messages += [tool_message(n, content) for n, content in messages] if not c.done else []
+            if self._append(c, tokens, self.offers.chat(c.offer).tool_ids(messages)):
+                c.messages += [tool_message(n, content) for n, content in messages]
+            else:  # no room: the model never saw them (a reward reading tool_calls must not count them)
+                for call in c.calls[len(c.calls) - len(answers) :]:
+                    call["answer"] = None
 
     def _tool_job(self, index: int, c: Conversation, step: int, turn: int, position: int, name: str, args) -> Job:
         """A well-formed call: a function called with the row's hidden values among its arguments, or a
@@ -373,9 +376,12 @@ class MultiTurnRollout(HFRollout):
             elif turn == self.mt.max_turns - 1:
                 c.done = c.max_turns_reached = True
             else:
-                observation = call["answer"] = self._cut(answer["observation"])
-                self._append(c, tokens, self.chat.user_ids(observation))
-                c.messages += [] if c.done else [{"role": "user", "content": observation}]
+                observation = self._cut(answer["observation"])
+                if self._append(c, tokens, self.chat.user_ids(observation)):
+                    call["answer"] = observation
+                    c.messages.append({"role": "user", "content": observation})
+                else:
+                    call["answer"] = None  # no room: the model never saw it
 
     def _count(self, res: CallResult, stats: ToolStats) -> None:
         stats.errors += res.outcome == ERROR
@@ -414,17 +420,18 @@ class MultiTurnRollout(HFRollout):
             results[i] = res
         return results  # type: ignore[return-value]
 
-    def _append(self, c: Conversation, tokens: list[int], answer: list[int]) -> None:
+    def _append(self, c: Conversation, tokens: list[int], answer: list[int]) -> bool:
         """The template's close of the model's turn and the ``answer``'s ids (a tool's or the
         environment's message and the next turn's opening), unless there is no room for them and a turn
-        after them: then the conversation ends."""
+        after them: then the conversation ends (False)."""
         env = self.offers.chat(c.offer).closing(tokens) + answer
         if len(c.ids) + len(env) >= self.mt.max_total_tokens:
             c.done = True
-            return
+            return False
         c.ids += env
         c.model += [False] * len(env)
         c.log_probs += [0.0] * len(env)
+        return True
 
     def _spent(self, c: Conversation) -> bool:
         return c.model_tokens >= self.cfg.rollout.max_new_tokens or len(c.ids) >= self.mt.max_total_tokens
