@@ -1,7 +1,8 @@
 """What DeepSpeed ZeRO costs in a world of one: forward, backward and the optimizer step of the 25.8M
 Llama from grpo_vs_trl.py (hidden 512, 8 layers, MLP 1408, head_dim 64) on one CPU thread, plain
-PyTorch against ZeRO-1 and ZeRO-2 (and ZeRO-2 with other bucket settings), all with torch's fused AdamW
-and grad-norm clipping at 1.0; with --unfused, also the unfused AdamW.
+PyTorch against DeepSpeed without partitioning (ZeRO stage 0: DeepSpeed's engine and its data-parallel
+allreduce around the torch optimizer), ZeRO-1 and ZeRO-2 (and ZeRO-2 with other bucket settings), all
+with torch's fused AdamW and grad-norm clipping at 1.0; with --unfused, also the unfused AdamW.
 
     .venv/bin/python benchmarks/zero_overhead.py [--batch 32] [--seq 38] [--steps 6] [--unfused]
 
@@ -50,6 +51,7 @@ def main() -> None:
     )
     setups = [
         ("plain PyTorch", None, True),
+        ("ZeRO-0 (no partitioning)", {"stage": 0}, True),
         ("ZeRO-1", {"stage": 1}, True),
         ("ZeRO-2", {"stage": 2}, True),
         ("ZeRO-2 non-contiguous", {"stage": 2, "contiguous_gradients": False}, True),
@@ -115,12 +117,12 @@ def main() -> None:
                 times[i].append(t)
 
     print(f"25.8M Llama, batch {args.batch}x{args.seq}, one thread, median of {args.steps} alternating turns")
-    print(f"{'setup':34} {'forward s':>9} {'backward s':>10} {'opt step ms':>11} {'total s':>8}")
+    print(f"{'setup':40} {'forward s':>9} {'backward s':>10} {'opt step ms':>11} {'total s':>8}")
     for (name, _, fused), ts in zip(setups, times):
         fwd, bwd, opt = (statistics.median(t[k] for t in ts) for k in range(3))
         total = statistics.median(sum(t) for t in ts)
         label = f"{name} ({'fused' if fused else 'unfused'})"
-        print(f"{label:34} {fwd:9.3f} {bwd:10.3f} {opt * 1e3:11.0f} {total:8.3f}")
+        print(f"{label:40} {fwd:9.3f} {bwd:10.3f} {opt * 1e3:11.0f} {total:8.3f}")
 
 
 if __name__ == "__main__":

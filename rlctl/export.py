@@ -1,7 +1,8 @@
 """Export a snapshot as a Hugging Face model directory (safetensors plus tokenizer).
 
 The weights are consolidated in fp32 from the DeepSpeed files of any ZeRO stage with DeepSpeed's own
-``zero_to_fp32`` reader (no engine, no process group); the model's config and tokenizer come from the
+``zero_to_fp32`` reader (no engine, no process group), or at stage 0, which has no partitions to
+consolidate, from the model states file (``stage0_fp32_state_dict``); the model's config and tokenizer come from the
 snapshot's ``hf/`` copy, so the export needs nothing but the snapshot. Checksums are verified first.
 A LoRA run's snapshot holds the adapter alone: its base weights come from the run's model directory
 (``model.path``, or the built-in model in RUN_DIR/model), and the adapter is merged into them (a plain
@@ -54,14 +55,19 @@ def export_snapshot(
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoTokenizer
 
+    from rlctl.engine.ds_module import stage0_fp32_state_dict
+
     local, cleanup = snapshots.storage.local_copy(info.name)
     try:
         problem = checksum_problem(local, info.manifest or {})
         if problem:
             raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
         hf = os.path.join(local, "hf")
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's reader prints progress to stdout
-            state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor", exclude_frozen_parameters=lora)
+        if cfg.actor.zero_stage == 0:  # (the catalog refuses a snapshot of another stage)
+            state = stage0_fp32_state_dict(os.path.join(local, "actor"))
+        else:
+            with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's reader prints progress to stdout
+                state = get_fp32_state_dict_from_zero_checkpoint(local, tag="actor", exclude_frozen_parameters=lora)
         if lora:
             model = _lora_model(cfg, run, state, info.name)
             model = model if adapter_only else model.merge_and_unload()

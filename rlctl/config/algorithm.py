@@ -178,7 +178,11 @@ class ActorConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear lr warm-up, in optimizer steps.")
-    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the actor.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2,
+        description="DeepSpeed ZeRO stage of the actor; 0: no partitioning (each rank holds the whole "
+        "optimizer state; several ranks are plain data parallelism; not with model.dtype fp16).",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
     mini_batch_size: int | None = Field(
         None,
@@ -216,7 +220,9 @@ class CriticConfig(Strict):
         None, description="Value model initialisation (a causal-LM directory); empty: the actor's model."
     )
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
-    zero_stage: Literal[1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the critic.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="DeepSpeed ZeRO stage of the critic; 0: no partitioning (not with model.dtype fp16)."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm to this value.")
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
     warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the actor starts.")

@@ -60,6 +60,7 @@ class Critic(DSModule):
             mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini,
             max_tokens=cfg.actor.max_tokens_per_micro_batch,
+            section="critic",
         )
         path = Path(cfg.critic.path).expanduser() if cfg.critic.path else model_dir
         model = load_value_model(path, runtime.dtype, cfg.model.trust_remote_code)

@@ -110,6 +110,7 @@ class EngineSpec:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     max_tokens: int | None = None  # micro-batches by token budget (actor.max_tokens_per_micro_batch)
+    section: str = "actor"  # the config section it comes from, for refusals
 
 
 # fp16's dynamic loss scaling (DeepSpeed's defaults, spelt out): start at 2**16; halve on every overflow
@@ -128,8 +129,17 @@ FP16_LOSS_SCALING = {
 
 def ds_config(spec: EngineSpec, dtype: torch.dtype) -> dict:
     """DeepSpeed's config for an engine of ``spec`` training in ``dtype``: bf16 and fp16 keep fp32 master
-    weights and optimizer state in the ZeRO optimizer; fp16 adds dynamic loss scaling."""
+    weights and optimizer state in the ZeRO optimizer (at stage 0, bf16's in DeepSpeed's unfused
+    FP16_Optimizer wrapper, saved whole in the model states file); fp16 adds dynamic loss scaling, which
+    needs a ZeRO optimizer (stage 0's wrapper has no hysteresis): refused at stage 0."""
     fp16 = dtype == torch.float16
+    if fp16 and spec.zero_stage == 0:
+        from rlctl.errors import ConfigError
+
+        raise ConfigError(
+            f"model.dtype fp16 needs {spec.section}.zero_stage 1, 2 or 3: at stage 0 DeepSpeed's fp16 "
+            "optimizer scales the loss without the hysteresis rlctl's fp16 runs rely on; use bf16 or fp32"
+        )
     return {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": spec.mini_batch // spec.micro_batch,
@@ -141,6 +151,40 @@ def ds_config(spec: EngineSpec, dtype: torch.dtype) -> dict:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def _keep_clip_norm(engine) -> None:
+    """Make ``engine`` (DeepSpeed without a ZeRO or fp16 optimizer: stage 0 in fp32) keep the gradient
+    norm it clips, as the wrappers do, so that ``get_global_grad_norm`` reports it (DeepSpeed drops it)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        norm = clip_grad_norm_(engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip
+
+
+def stage0_fp32_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a stage-0 DeepSpeed checkpoint directory ``path`` (one tag's), which has no
+    ZeRO partitions for ``zero_to_fp32`` to read: the model states file's module state (what it saved:
+    without frozen parameters when they were excluded), its trainable parameters replaced by the fp32
+    master weights where an fp16/bf16 wrapper kept them (``fp32_groups``, in parameter order; a tied
+    parameter counts once)."""
+    ckpt = torch.load(os.path.join(path, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)
+    state = dict(ckpt["module"])
+    groups = (ckpt.get("optimizer") or {}).get("fp32_groups")
+    if groups:
+        buffers = set(ckpt.get("buffer_names") or ())
+        params = [k for k in state if k not in buffers]
+        ptrs = list(dict.fromkeys(state[k].data_ptr() for k in params))  # a tied parameter once
+        masters = [p for group in groups for p in group]
+        first = {ptr: next(k for k in params if state[k].data_ptr() == ptr) for ptr in ptrs}
+        if len(masters) != len(ptrs) or any(state[first[q]].shape != m.shape for q, m in zip(ptrs, masters)):
+            raise RuntimeError(f"the fp32 master weights of {path} do not match its module's parameters")
+        by_ptr = dict(zip(ptrs, masters))
+        state.update({k: by_ptr[state[k].data_ptr()] for k in params})
+    return {k: v.float() for k, v in state.items()}
 
 
 class DSModule:
@@ -180,6 +224,8 @@ class DSModule:
             lr_scheduler=scheduler,
             config=ds_config(spec, runtime.dtype),
         )
+        if self.engine.optimizer is optimizer:  # stage 0 in fp32: no wrapper keeps the clipped norm
+            _keep_clip_norm(self.engine)
         self._ckpt_engine = DeferringCheckpointEngine()
         self.engine.checkpoint_engine = self._ckpt_engine
         self.collectives = collectives or Local()

@@ -45,7 +45,7 @@ def test_file_holds_only_differences_and_set_overrides_are_typed(tmp_path):
             "unknown key 'trainer.total_step' (--set trainer.total_step=3); did you mean 'trainer.total_steps'?",
         ),
         ("actor:\n  lr: fast\n", [], "'actor.lr' (run.yaml line 2): input should be a valid number"),
-        ("actor:\n  zero_stage: 4\n", [], "'actor.zero_stage' (run.yaml line 2): input should be 1, 2 or 3"),
+        ("actor:\n  zero_stage: 4\n", [], "'actor.zero_stage' (run.yaml line 2): input should be 0, 1, 2 or 3"),
         (
             "algorithm:\n  kl_estimator: k4\n",
             [],

@@ -28,9 +28,11 @@ from helpers import (
 )
 
 
-def test_sigkill_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("stage", [3, 0])
+def test_sigkill_and_resume_is_exact(tmp_path, stage):
     """An uninterrupted run and one killed with SIGKILL after step 4 (last snapshot: 3) and resumed end
-    with bit-identical weights and identical per-step metrics. ZeRO-3, whose parameters are partitioned;
+    with bit-identical weights and identical per-step metrics. ZeRO-3, whose parameters are partitioned,
+    and stage 0, DeepSpeed without partitioning (no ZeRO files: the model states file holds it all);
     ZeRO-2 resumes exactly in test_run_and_snapshots_on_s3 and after SIGKILL with two ranks (test_multirank.py),
     and is exported bit for bit in test_resume_set_only_safe_keys_and_lr_change_is_applied."""
     common = [
@@ -40,7 +42,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
         "--set",
         "checkpoint.every=3",
         "--set",
-        "actor.zero_stage=3",
+        f"actor.zero_stage={stage}",
     ]
     ref = tmp_path / "ref"
     assert start_here(ref, *common).returncode == 0
@@ -57,7 +59,7 @@ def test_sigkill_and_resume_is_exact(tmp_path):
     resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
     assert resume["step"] == 3 and resume["snapshot"] == "step-000003" and resume["abandoned_metric_rows"] == 1
 
-    # export consolidates ZeRO-3's partitioned weights into a Hugging Face directory, bit for bit
+    # export consolidates ZeRO-3's partitioned weights (stage 0's whole ones) into a Hugging Face directory, bit for bit
     out = tmp_path / "hf"
     r = invoke("export", str(run), str(out))
     assert r.returncode == 0 and r.stdout == f"{out}\n", r.stderr

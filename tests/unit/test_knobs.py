@@ -434,7 +434,7 @@ def test_resume_set_takes_a_multi_turn_runs_tool_settings_and_refuses_them_witho
 
 
 # -- the engine follows the gradient clip and weight decay (real DeepSpeed) -----------------------------
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_new_grad_clip_is_the_one_deepspeed_applies(runtime, stage):
     from rlctl.engine.ds_module import DSModule, EngineSpec
 
@@ -446,10 +446,11 @@ def test_a_new_grad_clip_is_the_one_deepspeed_applies(runtime, stage):
     def step_and_clipped_norm() -> float:
         """One optimizer step on a loss of gradient norm ~ 1e3; AdamW's first moment holds the
         gradient after clipping: exp_avg = (1 - beta1) * g on the first step."""
-        for state in module.optimizer.optimizer.state.values():
+        adamw = getattr(module.optimizer, "optimizer", module.optimizer)  # (stage 0 in fp32: no wrapper)
+        for state in adamw.state.values():
             state.clear()
         module.step(module.engine(x).sum() * 100)
-        avg = [s["exp_avg"] for s in module.optimizer.optimizer.state.values()]
+        avg = [s["exp_avg"] for s in adamw.state.values()]
         return float(torch.sqrt(sum((a.float() ** 2).sum() for a in avg))) / 0.1
 
     assert step_and_clipped_norm() > 100  # clip 1e6: nothing clipped

@@ -94,7 +94,7 @@ def dir_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lora_trains_only_the_adapter_and_restores_bit_exactly(runtime, tmp_path, stage):
     cfg = small_cfg(zero_stage=stage)
     actor, rollout, _ = build(cfg, runtime, tmp_path)
