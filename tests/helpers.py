@@ -57,6 +57,7 @@ def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
     resumes that no test compares with a run in a fresh process; ``start_here`` for a start)."""
     from click.testing import CliRunner
 
+    from rlctl import faults
     from rlctl.cli import main
 
     with CliRunner().isolation(env=env) as (out, err, _):
@@ -65,6 +66,8 @@ def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            faults.configure(None)  # a run's drills stay armed in this process: disarmed for the next test
     return subprocess.CompletedProcess(["rlctl", *args], code, out.getvalue().decode(), err.getvalue().decode())
 
 

@@ -9,6 +9,7 @@ The failures are real: an S3 endpoint on a closed loopback port refuses every co
 
 import gc
 import pickle
+import re
 import socket
 import sys
 import time
@@ -156,7 +157,8 @@ def test_the_fence_ends_the_run_once_any_store_is_out_for_the_budget(tmp_path):
         with pytest.raises(StorageError) as info:
             lease.check()
         assert info.value.exit_code == ExitCode.STORAGE
-        assert info.value.message.startswith("storage outage: s3://rlctl-snapshots has failed for 1 s since ")
+        # at least the budget (1 s); more when the machine is slow to retry
+        assert re.match(r"storage outage: s3://rlctl-snapshots has failed for [1-9]\d* s since ", info.value.message)
         assert "its last failure: cannot check s3://rlctl-snapshots/run/step-000002/manifest.json: endpoint" in (
             info.value.message
         )
