@@ -140,9 +140,10 @@ def completed_hash(run_dir):
     return [e for e in events_of(run_dir) if e["event"] == "completed"][-1]["weights_sha256"]
 
 
-def spawn(*args, faults="", env=None):
-    """`rlctl ARGS` left running (``popen``): ``faults`` for RLCTL_FAULTS, ``env`` added."""
-    return popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=REPO)
+def spawn(*args, faults="", env=None, cwd=None):
+    """`rlctl ARGS` left running (``popen``): ``faults`` for RLCTL_FAULTS, ``env`` added, in ``cwd`` (the
+    repository's root by default)."""
+    return popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=cwd or REPO)
 
 
 def wait_for(predicate, proc, timeout=300):

@@ -39,7 +39,7 @@ def copied(tmp_path_factory):
         "policies": ["default"],
     }
     run = home / "run"
-    r = start(run, config=config, steps=4, every=2, env={"PYTHONPATH": str(home)})
+    r = start(run, config=config, steps=4, every=2, cwd=home)  # the reward module found in the working directory
     assert r.returncode == 0, r.stderr
     copy = tmp_path_factory.mktemp("laptop") / "run"
     shutil.copytree(run, copy)

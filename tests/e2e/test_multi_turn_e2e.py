@@ -146,16 +146,16 @@ def task(tmp_path_factory):
 
 
 def env_of(task, run, **extra) -> dict[str, str]:
-    """The modules found through PYTHONPATH (in the trainer and in the tool workers); the tool's counter
-    file of ``run``."""
-    return {"PYTHONPATH": str(task), "CAPITALS_COUNTER": str(run) + ".counter", **extra}
+    """The tool's counter file of ``run``. (The tool and reward modules are found in the working directory,
+    ``task``, by the trainer and the tool workers.)"""
+    return {"CAPITALS_COUNTER": str(run) + ".counter", **extra}
 
 
 @pytest.fixture(scope="module")
 def reference(task):
     """The uninterrupted run; its tool answers are numbered by the run's calls."""
     run = task / "reference"
-    r = start(run, config=task / "run.yaml", env=env_of(task, run))
+    r = start(run, config=task / "run.yaml", env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -229,14 +229,16 @@ def test_sigkill_during_a_tool_call_and_resume_is_bit_exact_with_a_tool_that_nev
     hold_at = sum(calls[: KILL_AT - 1]) + min(1, calls[KILL_AT - 1] - 1)  # step KILL_AT's second call, if any
     run = task / "killed"
     env = env_of(task, run)
-    proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), env={**env, "CAPITALS_HOLD_AT": str(hold_at)})
+    proc = spawn(
+        "start", str(task / "run.yaml"), "--run-dir", str(run), env={**env, "CAPITALS_HOLD_AT": str(hold_at)}, cwd=task
+    )
     snapshot = run / "checkpoints" / f"step-{EVERY:06d}" / "manifest.json"  # committed: the resume's start
     holding = Path(env["CAPITALS_COUNTER"] + ".holding")
     wait_for(lambda: holding.exists() and snapshot.exists(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert has_step(run, KILL_AT - 1)() and not has_step(run, KILL_AT)()
-    r = run_cli("resume", str(run), "--from", "latest", env=env)
+    r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
     assert r.returncode == 0, r.stderr
     assert f"continuing from step {EVERY}" in r.stderr
     replayed = {e["step"]: e["calls"] for e in events_of(run) if e["event"] == "tool_calls_replayed"}
@@ -261,7 +263,7 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
     config["rollout"]["multi_turn"]["tool_retry_budget"] = 1
     run = task / "outage"
     env = env_of(task, run)
-    r = start(run, config=config, env=env)
+    r = start(run, config=config, env=env, cwd=task)
     assert r.returncode == 75, r.stderr
     assert "stopped by tools_unavailable after step 2" in r.stderr
     assert "more than rollout.multi_turn.tool_retry_budget (1)" in r.stderr
@@ -280,7 +282,7 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
         assert math.isfinite(row["actor/pg_loss"])
     assert [row["step"] for row in metrics_of(run)] == [1, EVERY]
 
-    r = run_cli("resume", str(run), "--from", "latest", env=env)
+    r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
@@ -296,7 +298,7 @@ def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_wor
     tool workers and records them and its transcripts under its rank; step 1 makes the 1-rank run's calls
     (the same weights and seeds sample the same first turns; only a first turn's calls run, max_turns=2)."""
     run = task / "two-ranks"
-    r = start(run, "--nproc", "2", config=task / "run.yaml", env=env_of(task, run))
+    r = start(run, "--nproc", "2", config=task / "run.yaml", env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     rows, ref = metrics_of(run), metrics_of(reference)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
