@@ -163,7 +163,6 @@ class RunConfig(Strict):
             why
             for why, on in (
                 (f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),
-                ("rollout.multi_turn", self.rollout.multi_turn is not None),
                 (
                     "algorithm.dynamic_sampling (its rounds agree across the ranks)",
                     self.algorithm.dynamic_sampling.enabled,

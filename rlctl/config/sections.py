@@ -197,7 +197,7 @@ class RolloutConfig(Strict):
         description="sync: each step generates its batch, then trains on it. one_step_off: step N+1's batch is "
         "generated (by a copy of the weights step N starts from, in a background thread) while step N trains, "
         "so a batch trains one update after the weights that sampled it (rollout/staleness/mean); the batch in "
-        "flight is part of every snapshot (hf backend, ZeRO 1-2, no multi_turn or dynamic sampling).",
+        "flight is part of every snapshot (hf backend, ZeRO 1-2, no dynamic sampling).",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm: fraction of device memory the engine may take (weights + KV cache)."

@@ -15,7 +15,9 @@ the uninterrupted run trained. A batch is dropped, its prompts given back to the
 be trained as sampled: a rollback restores the snapshot's batch instead (the one in flight was sampled
 by weights the rollback undoes), and a batch sampled with other sampling knobs than the step's (a
 policy's ``adjust``, a schedule) or holding a prompt a policy skipped is made again, synchronously,
-with the current weights. No prompt is trained twice or skipped by a drop.
+with the current weights. No prompt is trained twice or skipped by a drop. Under rollout.multi_turn the
+generating rollout has tool workers of its own; its calls are recorded as they end (a resume replays
+them) and its events are held with the batch and emitted when it trains.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from rlctl.config import RunConfig
 from rlctl.engine.batch import Sequences
 from rlctl.engine.dist import MAX, MEAN
 from rlctl.engine.experience import Experience
+from rlctl.engine.tools.pool import ToolPool
 from rlctl.stateful import check_version
 
 STALENESS_METRICS = {"rollout/staleness/mean": MEAN, "rollout/staleness/max": MAX}
@@ -58,6 +61,7 @@ class Batch:
     version: int
     knobs: dict[str, Any]
     cursor_before: dict[str, Any]
+    events: list[dict[str, Any]] = field(default_factory=list)  # the generation's, emitted when it trains
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +74,7 @@ class Batch:
             "version": self.version,
             "knobs": self.knobs,
             "cursor_before": self.cursor_before,
+            "events": self.events,
         }
 
     @staticmethod
@@ -85,6 +90,7 @@ class Batch:
             state["version"],
             state["knobs"],
             state["cursor_before"],
+            list(state.get("events", [])),
         )
 
 
@@ -112,10 +118,21 @@ class RolloutAhead:
 
     VERSION = 1
 
-    def __init__(self, cfg: RunConfig, actor, experience: Experience, knobs: Callable[[], dict[str, Any]]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        actor,
+        experience: Experience,
+        knobs: Callable[[], dict[str, Any]],
+        events: list[dict[str, Any]] | None = None,
+        pool=None,
+    ):
         """``experience``: draws, generates and scores with a rollout over a ``GeneratingActor`` of
-        ``actor`` (its cursor the run's); ``knobs``: the sampling knobs of the step about to run."""
+        ``actor`` (its cursor the run's); ``knobs``: the sampling knobs of the step about to run;
+        ``events``: where its rollout emits (gathered into each batch); ``pool``: its tool workers
+        (multi-turn; closed by ``close``)."""
         self.cfg, self.actor, self.experience, self.knobs = cfg, actor, experience, knobs
+        self.events, self.pool = events if events is not None else [], pool
         self.generating: GeneratingActor = experience.rollout.actor
         self.ready: Batch | None = None
         self._thread: threading.Thread | None = None
@@ -172,17 +189,22 @@ class RolloutAhead:
         return n
 
     def close(self) -> None:
-        """Training is over: the batch in flight finished, what it raised ignored (the run ends anyway)."""
+        """Training is over: the batch in flight finished, what it raised ignored (the run ends anyway); the
+        tool workers closed."""
         if self._thread is not None:
             self._thread.join()
             self._thread, self._error = None, None
+        if self.pool is not None:
+            self.pool.close()
 
     def _make(self, step: int, trained: int, synced: bool = False) -> Batch:
         if not synced:
             self.generating.load_from(self.actor)
         before = self.experience.data.state_dict()
+        self.events.clear()
         seqs, scores, sampling = self.experience.rollout_batch(step)
-        return Batch(step, seqs, scores, sampling, list(self.experience.drawn), trained, self.knobs(), before)
+        drawn, events = list(self.experience.drawn), list(self.events)
+        return Batch(step, seqs, scores, sampling, drawn, trained, self.knobs(), before, events)
 
     def _give_back(self, batch: Batch) -> None:
         self.dropped += len(batch.seqs)
@@ -203,16 +225,18 @@ class RolloutAhead:
         self.ready = Batch.from_state(ready, self.generating.runtime.device) if ready is not None else None
 
 
-def rollout_ahead(cfg: RunConfig, actor, experience: Experience) -> RolloutAhead | None:
-    """Under rollout.mode one_step_off (else None), the generator of a rank: an HF rollout over a copy of
-    ``actor``'s module and its own tokenizer (the trainer's stays the main thread's), drawing from the
-    run's cursor and scoring with the run's reward, as ``experience`` does."""
+def rollout_ahead(host) -> RolloutAhead | None:
+    """Under rollout.mode one_step_off (else None), the generator of the trainer ``host``'s rank: an HF
+    rollout (``host.make_rollout``) over a copy of the actor's module, with its own tokenizer (the trainer's
+    stays the main thread's) and, under multi_turn, its own pool of tool workers and the run's record and
+    transcripts; it draws from the run's cursor and scores with the run's reward, as the trainer's
+    experience does. Its events are gathered into each batch and emitted when the batch trains."""
+    cfg = host.cfg
     if cfg.rollout.mode != "one_step_off":
         return None
-    from rlctl.engine.rollout import make_backend
-
-    e = experience
-    own = copy.deepcopy(e.tokenizer if e.tokenizer is not None else e.rollout.tokenizer)
-    rollout = make_backend("hf", cfg=cfg, actor=GeneratingActor(actor), tokenizer=own)
+    mt, e, events = cfg.rollout.multi_turn, host.experience, []
+    pool = ToolPool(mt.tool_workers, mt.tool_timeout_s) if mt is not None else None
+    own = copy.deepcopy(host.tokenizer)
+    rollout = host.make_rollout("hf", GeneratingActor(host.actor), own, pool, events.append)
     ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, e.dist, tokenizer=own)
-    return RolloutAhead(cfg, actor, ahead, lambda: sampling_knobs(cfg))
+    return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool)

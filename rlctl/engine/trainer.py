@@ -117,7 +117,7 @@ class Trainer:
             cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist, tokenizer=self.tokenizer
         )
         self.validator = Validator(cfg, prompts.val, self.rollout, reward_fn, self.dist) if prompts.val else None
-        self.ahead = rollout_ahead(cfg, self.actor, self.experience)  # rollout.mode one_step_off, else None
+        self.ahead = rollout_ahead(self)  # rollout.mode one_step_off, else None
         self.recovery = Recovery(self)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
@@ -157,17 +157,18 @@ class Trainer:
             if cfg.algorithm.name == "ppo"
             else None
         )
-        self.rollout = make_backend(
-            cfg.rollout.backend,
-            cfg=cfg,
-            actor=self.actor,
-            tokenizer=self.tokenizer,
-            model_dir=self.model_dir,
+        self.rollout = self.make_rollout(cfg.rollout.backend, self.actor, self.tokenizer, self.tool_pool, self.emit)
+
+    def make_rollout(self, name: str, actor, tokenizer, pool: ToolPool | None, emit):
+        """A rollout backend of the rank over ``actor`` (the actor, or a copy generating beside it); with a
+        ``pool`` of tool workers (rollout.multi_turn), the run's record of tool calls and transcripts."""
+        return make_backend(
+            name,
+            **{"cfg": self.cfg, "actor": actor, "tokenizer": tokenizer, "model_dir": self.model_dir, "emit": emit},
             tools=self.tools,
-            pool=self.tool_pool,
-            emit=self.emit,
-            record=ToolRecord(self.run, self.dist.rank, self.dist.world) if self.tool_pool is not None else None,
-            transcripts=TranscriptLog(self.run, self.dist.rank) if self.tool_pool is not None else None,
+            pool=pool,
+            record=ToolRecord(self.run, self.dist.rank, self.dist.world) if pool is not None else None,
+            transcripts=TranscriptLog(self.run, self.dist.rank) if pool is not None else None,
         )
 
     def ensure_reference(self) -> None:
@@ -425,6 +426,8 @@ class Trainer:
         skipped = self.guard.skipped_prompts if self.guard is not None else ()
         batch, staleness = self.ahead.take(step, self.state.step, skipped)
         self.experience.drawn = batch.drawn  # what a policy's skip skips
+        for event in batch.events:  # the generation's (multi-turn: drift, replayed calls), in order
+            self.emit(event)
         if step < self.cfg.trainer.total_steps:
             self.ahead.start(step + 1, self.state.step)
         return batch.seqs, batch.scores, {**batch.sampling, **staleness}

@@ -355,3 +355,30 @@ def test_an_environment_answers_the_turns_and_its_rewards_are_the_scores(task, t
     shown = run_cli("trajectories", str(run), "--step", "1", "--format", "json", cwd=tmp_path)
     first = json.loads(shown.stdout)[0]["calls"][0]  # a list of conversations
     assert first["name"] == "environment" and first["outcome"] == "ok" and "reward" in first
+
+
+def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
+    """rollout.mode one_step_off with tools that never answer twice alike: the next step's conversations
+    run in the background (their calls recorded as they end) while a step trains. Killed after step 3 (the
+    last snapshot: step 2, holding step 3's batch), resumed: the same weights and metric rows as the
+    uninterrupted run, the background step's calls replayed from the record, every call asked once."""
+    off = ["--set", "rollout.mode=one_step_off"]
+    ref = task / "off-ref"
+    r = start(ref, *off, config=task / "run.yaml", env=env_of(task, ref), cwd=task)
+    assert r.returncode == 0, r.stderr
+    assert [row["rollout/staleness/mean"] for row in metrics_of(ref)] == [0.0] + [1.0] * (STEPS - 1)
+    run = task / "off-killed"
+    env = env_of(task, run)
+    proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), *off, env=env, cwd=task, faults="sleep@3=120")
+    snapshot = run / "checkpoints" / f"step-{EVERY:06d}" / "manifest.json"
+    assert metrics_of(ref)[3]["tool/lookup/calls"] >= 1
+    step4 = run / "tools" / "step-000004.rank-0.jsonl"  # step 4's calls, made in the background meanwhile
+    wait_for(lambda: has_step(run, 3)() and snapshot.exists() and step4.exists(), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
+    assert r.returncode == 0, r.stderr
+    assert completed_hash(run) == completed_hash(ref)
+    assert stable(metrics_of(run)) == stable(metrics_of(ref))
+    asked = sum(int(row["tool/lookup/calls"]) for row in metrics_of(ref))
+    assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == asked  # every call asked once, none twice

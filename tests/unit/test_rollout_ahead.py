@@ -8,7 +8,7 @@ import torch
 
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor
-from rlctl.engine.ahead import RolloutAhead, rollout_ahead
+from rlctl.engine.ahead import GeneratingActor, RolloutAhead, sampling_knobs
 from rlctl.engine.data import PromptCursor, load_prompts
 from rlctl.engine.dist import Dist
 from rlctl.engine.experience import Experience
@@ -28,10 +28,9 @@ def ahead(runtime, tiny_model_dir):
     )
     actor, tok = Actor(cfg, tiny_model_dir, runtime), load_tokenizer(tiny_model_dir)
     data = PromptCursor(load_prompts(cfg, tok).train, cfg.seed)
-    experience = Experience(
-        cfg, data, HFRollout(cfg, actor, tok), load_reward(cfg.reward), tok.pad_token_id, Dist(runtime.device)
-    )
-    made = rollout_ahead(cfg, actor, experience)
+    rollout = HFRollout(cfg, GeneratingActor(actor), tok)  # what rollout_ahead makes, without a trainer
+    experience = Experience(cfg, data, rollout, load_reward(cfg.reward), tok.pad_token_id, Dist(runtime.device))
+    made = RolloutAhead(cfg, actor, experience, lambda: sampling_knobs(cfg))
     yield made
     made.close()
 
