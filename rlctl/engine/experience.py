@@ -22,6 +22,7 @@ from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.reward.sources import recording
 from rlctl.engine.rollout import RolloutBackend
+from rlctl.engine.rollout.conversation import turn_reward_tensor
 from rlctl.errors import ConfigError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
@@ -135,8 +136,13 @@ class Experience:
         seqs = self.rollout.generate(prompts, keys, step, columns=columns)
         if drill is not None:
             seqs = repeated_token(seqs, self.drill_token(drill), cfg.rollout.max_new_tokens)
-        scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()})
-        if seqs.turn_rewards is not None:  # an environment's rewards of single turns are the completion's too
+        ends = self.rollout.turn_ends() if drill is None else None
+        turns = [None] * len(prompts) if ends is not None else None  # a reward function's of single turns
+        scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()}, turns)
+        if turns is not None and any(turns):
+            placed = turn_reward_tensor(turns, ends, seqs.response_mask, f"reward function '{cfg.reward.function}'")
+            seqs.turn_rewards = placed if seqs.turn_rewards is None else seqs.turn_rewards + placed
+        if seqs.turn_rewards is not None:  # rewards of single turns (an environment's, a reward's) are the score's too
             scores = scores + seqs.turn_rewards.sum(-1).float().cpu()
         if a.overlong.enabled:
             lengths = seqs.response_mask.sum(-1)
@@ -184,11 +190,14 @@ class Experience:
         columns = columns_of(expanded, key)
         return keys, [r[key] for r in expanded], columns
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], turns: list | None = None
+    ) -> torch.Tensor:
         """(B,) float32 scores from the reward function, called as untrusted code: an InputError names
-        it, and the value and completion index, for anything but one finite number per completion."""
+        it, and the value and completion index, for anything but one finite number per completion (or,
+        with ``turns``, a multi-turn rollout's, a score and its turns' rewards: ``check_scores``)."""
         reward = self.cfg.reward
-        scores = score_completions(self.reward_fn, reward.function, prompts, completions, columns, reward.kwargs)
+        scores = score_completions(self.reward_fn, reward.function, prompts, completions, columns, reward.kwargs, turns)
         return torch.as_tensor(scores, dtype=torch.float32)
 
 

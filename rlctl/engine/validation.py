@@ -30,6 +30,7 @@ from rlctl.engine.data import columns_of
 from rlctl.engine.dist import SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
+from rlctl.engine.rollout.conversation import turn_reward_tensor
 
 VAL_STEP = -1  # the "step" of every validation's sampling seeds: the same answers from the same weights
 SOURCE = "data_source"
@@ -86,14 +87,18 @@ class Validator:
         t = self.cfg.rollout.val_temperature
         seqs = self.rollout.generate(prompts, keys, VAL_STEP, temperature=t, columns=columns)
         columns = {**columns, **self.rollout.reward_columns()}
-        reward = self.cfg.reward
+        reward, ends = self.cfg.reward, self.rollout.turn_ends()
+        turns = [None] * len(prompts) if ends is not None else None  # a reward function's of single turns
         scores = score_completions(
-            self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs
+            self.reward_fn, reward.function, prompts, self.rollout.decode(seqs), columns, reward.kwargs, turns
         )
         keep = torch.tensor(counted)
         scores_t = torch.as_tensor(scores, dtype=torch.float64)
         if seqs.turn_rewards is not None:  # an environment's rewards of single turns
             scores_t = scores_t + seqs.turn_rewards.sum(-1).double().cpu()
+        if turns is not None and any(turns):
+            placed = turn_reward_tensor(turns, ends, seqs.response_mask, f"reward function '{reward.function}'")
+            scores_t = scores_t + placed.sum(-1).double().cpu()
         scores_t = scores_t.view(len(indices), self.n)[keep]
         lengths = seqs.response_mask.sum(-1).view(len(indices), self.n)[keep]
         sums["answers"] += float(scores_t.numel())

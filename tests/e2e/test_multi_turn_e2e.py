@@ -382,3 +382,26 @@ def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
     assert stable(metrics_of(run)) == stable(metrics_of(ref))
     asked = sum(int(row["tool/lookup/calls"]) for row in metrics_of(ref))
     assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == asked  # every call asked once, none twice
+
+
+TURN_REWARD = """
+def score(prompts, completions, answer, conversation, **kw):
+    # the answer's score, and 0.5 for each turn of the model's, on that turn's last token
+    return [
+        {"score": float(a in c), "turns": [0.5] * sum(m["role"] == "assistant" for m in conv)}
+        for c, a, conv in zip(completions, answer, conversation)
+    ]
+"""
+
+
+def test_a_reward_functions_turn_rewards_are_part_of_each_conversations_score(task, tmp_path):
+    (task / "turn_reward.py").write_text(TURN_REWARD)
+    config = json.loads((task / "run.yaml").read_text())
+    config["reward"] = {"function": "turn_reward:score"}
+    config["trainer"]["total_steps"], config["checkpoint"]["every"] = 2, 0
+    run = tmp_path / "run"
+    r = start(run, config=config, env=env_of(task, run), cwd=task)
+    assert r.returncode == 0, r.stderr
+    convs = json.loads(invoke("trajectories", str(run), "--step", "2", "--format", "json").stdout)
+    assert convs and all(c["score"] - 0.5 * c["turns"] in (0.0, 1.0) for c in convs)
+    assert any(c["turns"] > 1 for c in convs)  # a call, then a second turn: two turn rewards

@@ -118,6 +118,9 @@ class EchoBackend:
     def reward_columns(self):
         return {}
 
+    def turn_ends(self):
+        return None
+
     reductions: dict = {}
 
     def take_metrics(self):

@@ -4,7 +4,9 @@ A reward function is called once per step as ``fn(prompts, completions, **column
 ``prompts`` and ``completions`` are lists of strings of equal length (each prompt repeated
 ``group_size`` times) and ``columns`` are the dataset's other columns, aligned the same way. It returns
 one finite number per completion (a list, tuple, 1-D numpy array or tensor; ints, floats, numpy numbers
-and bools count). This is the signature TRL's reward functions use, so they carry over.
+and bools count). This is the signature TRL's reward functions use, so they carry over. Under a
+multi-turn rollout an item may instead be ``{"score": number, "turns": [number, ...]}``: rewards of the
+model's single turns besides the score (``check_scores``).
 
 The module's import and every call are user code: whatever they raise or exit with (an exception,
 ``SystemExit`` even with code 0, a ``KeyboardInterrupt`` they raise themselves, ``GeneratorExit``) is an
@@ -24,7 +26,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -37,8 +39,10 @@ RewardFn = Callable[..., list[float]]
 class BatchScorer(Protocol):
     """A reward rlctl composes itself (``sources.RewardSources``): it calls and checks its own sources."""
 
-    def score_batch(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-        """One checked float per completion."""
+    def score_batch(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], turns: list | None = None
+    ) -> list[float]:
+        """One checked float per completion (``turns``: as for ``check_scores``)."""
         ...
 
 
@@ -155,20 +159,31 @@ def _import(name: str) -> Any:
 
 
 def score_completions(
-    fn: RewardFn, spec: str, prompts: list[str], completions: list[str], columns: dict[str, list], kwargs: dict
+    fn: RewardFn,
+    spec: str,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+    kwargs: dict,
+    turns: list | None = None,
 ) -> list[float]:
     """One float per completion from the reward function ``fn`` (named ``spec``), called as untrusted
     code; an InputError naming it, the value and the completion's index for anything else. A
-    ``BatchScorer`` (the run's ``load_reward``) scores with its own sources and kwargs."""
+    ``BatchScorer`` (the run's ``load_reward``) scores with its own sources and kwargs. ``turns``: as for
+    ``check_scores``."""
     if isinstance(fn, BatchScorer):
-        return fn.score_batch(prompts, completions, columns)
+        return fn.score_batch(prompts, completions, columns, turns)
     scores = call_user_code(f"reward function '{spec}'", fn, prompts, completions, **columns, **kwargs)
-    return check_scores(spec, scores, len(completions))
+    return check_scores(spec, scores, len(completions), turns=turns)
 
 
-def check_scores(spec: str, scores: Any, n: int, what: str = "reward function") -> list[float]:
+def check_scores(
+    spec: str, scores: Any, n: int, what: str = "reward function", turns: list | None = None
+) -> list[float]:
     """``scores`` as n floats when it is a sequence of n finite real numbers; else an InputError naming
-    ``what`` and ``spec``."""
+    ``what`` and ``spec``. With ``turns`` (n slots: a multi-turn rollout's), an item may also be
+    ``{"score": number, "turns": [number, ...]}``: its score is the float, its turns' rewards go to
+    ``turns[index]`` (the model's turns in order, each on its turn's last token)."""
     expected = f"expected a list of {n} finite numbers, one per completion"
     if hasattr(scores, "ndim") and hasattr(scores, "tolist"):  # a numpy array or a tensor
         if scores.ndim != 1:
@@ -180,14 +195,34 @@ def check_scores(spec: str, scores: Any, n: int, what: str = "reward function") 
         raise InputError(f"{what} '{spec}' returned {len(scores)} scores for {n} completions")
     out = []
     for index, value in enumerate(scores):
+        if turns is not None and isinstance(value, Mapping):
+            value = _with_turns(f"{what} '{spec}'", value, index, turns)
         number = finite_number(value)
         if number is None:
+            hint = (
+                " (per-turn rewards, {'score': ..., 'turns': [...]}, need rollout.multi_turn)"
+                if isinstance(value, Mapping)
+                else ""
+            )
             raise InputError(
                 f"{what} '{spec}' returned {_short(repr(value))} for completion {index}; "
-                "expected one finite number per completion"
+                f"expected one finite number per completion{hint}"
             )
         out.append(number)
     return out
+
+
+def _with_turns(who: str, value: Mapping, index: int, turns: list) -> Any:
+    """The score of a ``{"score": ..., "turns": [...]}`` item; its turns' rewards into ``turns[index]``."""
+    rewards = value.get("turns", [])
+    numbers_ = [finite_number(r) for r in rewards] if isinstance(rewards, (list, tuple)) else [None]
+    if set(value) - {"score", "turns"} or "score" not in value or None in numbers_:
+        raise InputError(
+            f"{who} returned {_short(repr(dict(value)))} for completion {index}; expected a number or "
+            "{'score': number, 'turns': [one number per turn of the model's, in order]}"
+        )
+    turns[index] = numbers_
+    return value["score"]
 
 
 def finite_number(value: Any) -> float | None:

@@ -38,10 +38,13 @@ class Source:
     kwargs: dict[str, Any] = field(default_factory=dict)
     what: str | None = None  # how errors name a source of ours ("reward URL"); None: a user's function
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-        """One checked float per completion; a function is called as untrusted code, a URL or model is ours."""
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], turns: list | None = None
+    ) -> list[float]:
+        """One checked float per completion; a function is called as untrusted code, a URL or model is ours.
+        ``turns``: a function's per-turn rewards (``check_scores``)."""
         if self.what is None:
-            return score_completions(self.fn, self.spec, prompts, completions, columns, self.kwargs)
+            return score_completions(self.fn, self.spec, prompts, completions, columns, self.kwargs, turns)
         return check_scores(self.spec, self.fn(prompts, completions, **columns), len(completions), what=self.what)
 
 
@@ -62,17 +65,29 @@ class RewardSources:
         """The weighted sum of every source's scores, one per completion."""
         return self.score_batch(prompts, completions, columns)
 
-    def score_batch(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-        """The weighted sum of the sources' checked scores (InputError naming the source that failed)."""
+    def score_batch(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], turns: list | None = None
+    ) -> list[float]:
+        """The weighted sum of the sources' checked scores (InputError naming the source that failed), and
+        into ``turns`` (a multi-turn rollout's) the weighted sum of their per-turn rewards."""
         if len(self.sources) == 1 and self.sources[0].weight == 1.0 and self._sums is None:
-            return self.sources[0].score(prompts, completions, columns)
+            return self.sources[0].score(prompts, completions, columns, turns)
         total = [0.0] * len(completions)
         for source in self.sources:
-            scores = source.score(prompts, completions, columns)
+            own = [None] * len(completions) if turns is not None else None
+            scores = source.score(prompts, completions, columns, own)
+            earned = [s + sum(t or ()) for s, t in zip(scores, own or [None] * len(scores))]
             if self._sums is not None:
                 acc = self._sums.setdefault(source.name, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + sum(scores), acc[1] + len(scores)
+                acc[0], acc[1] = acc[0] + sum(earned), acc[1] + len(scores)
             total = [t + source.weight * s for t, s in zip(total, scores)]
+            for i, rewards in enumerate(own or ()):
+                if rewards:
+                    mine = turns[i] or []
+                    mine += [0.0] * (len(rewards) - len(mine))
+                    turns[i] = [
+                        m + source.weight * (rewards[k] if k < len(rewards) else 0.0) for k, m in enumerate(mine)
+                    ]
         return check_scores(self.spec, total, len(completions), what="reward")
 
     @contextlib.contextmanager

@@ -43,6 +43,10 @@ class RolloutBackend(Protocol):
 
     def decode(self, seqs: Sequences) -> list[str]: ...
 
+    def turn_ends(self) -> list[list[int | None]] | None:
+        """Each last generated completion's turns of the model's, by their last position after the prompt
+        (a multi-turn rollout's: per-turn rewards sit there); None for single-turn generation."""
+
     def reward_columns(self) -> dict[str, list]:
         """Columns the reward function gets for the last generate's completions besides the dataset's (a
         multi-turn rollout's ``conversation`` and ``tool_calls``); {} for single-turn generation."""

@@ -16,6 +16,7 @@ import torch
 from rlctl.engine.batch import Sequences
 from rlctl.engine.dist import MAX, MEAN
 from rlctl.engine.rollout.offers import EVERY_TOOL, Offer
+from rlctl.errors import InputError
 
 # How the ranks reduce the metrics of a step's conversations (tool/<name>/calls: SUM, the rollout's
 # ``reductions``).
@@ -59,10 +60,19 @@ class Conversation:
     # the arguments of the calls each of its objects (a stateful tool, the environment) answered, in order
     history: dict[str, list[Any]] = field(default_factory=dict)
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)  # (position in ids, the environment's)
+    turn_ends: list[int | None] = field(default_factory=list)  # each model turn's last position (None: empty)
 
     @property
     def model_tokens(self) -> int:
         return sum(self.model)
+
+    def add_turn(self, tokens: list[int], log_probs: list[float]) -> None:
+        """A turn of the model's: its tokens and their log-probs appended, its end remembered."""
+        self.ids += tokens
+        self.model += [True] * len(tokens)
+        self.log_probs += log_probs
+        self.turns += 1
+        self.turn_ends.append(len(self.ids) - 1 if tokens else None)
 
     def last_model_position(self) -> int | None:
         """The position of its last token of the model's so far (None: none yet)."""
@@ -128,3 +138,27 @@ def metrics_row(convs: list[Conversation], stats: ToolStats, drifted: int, envir
     if environment:
         row["multi_turn/turn_reward/mean"] = sum(r for c in convs for _, r in c.turn_rewards) / n
     return row
+
+
+def turn_reward_tensor(
+    turns: list[list[float] | None], ends: list[list[int | None]], mask: torch.Tensor, who: str
+) -> torch.Tensor:
+    """(B, T) the rewards a reward function gave single turns (``turns[i][k]``: conversation i's k-th turn
+    of the model's) on those turns' last tokens (``ends``; an empty turn's on the conversation's last token
+    of the model's), 0 for a conversation masked whole. More rewards than turns is an InputError naming
+    ``who`` and the completion."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    last = [max((i for i, m in enumerate(row) if m), default=None) for row in mask.cpu().tolist()]
+    for i, rewards in enumerate(turns):
+        if not rewards:
+            continue
+        if len(rewards) > len(ends[i]):
+            raise InputError(
+                f"{who} gave completion {i} {len(rewards)} turn rewards, but its conversation has "
+                f"{len(ends[i])} turn(s) of the model's"
+            )
+        for k, reward in enumerate(rewards):
+            at = ends[i][k] if ends[i][k] is not None else last[i]
+            if last[i] is not None and at is not None:
+                out[i, at] += reward
+    return out.to(mask.device)

@@ -218,6 +218,10 @@ class HFRollout:
         """None of its own: a completion's metrics are the batch's (``experience.batch_metrics``)."""
         return {}
 
+    def turn_ends(self) -> None:
+        """One turn per completion: no per-turn rewards (a multi-turn rollout's)."""
+        return None
+
     def reward_columns(self) -> dict[str, list]:
         """Nothing besides the completions: the reward function gets the dataset's columns."""
         return {}

@@ -199,6 +199,11 @@ class MultiTurnRollout(HFRollout):
         """What every turn of a generate samples under: the actor's parameters gathered once (ZeRO-3)."""
         return self.actor.full_parameters()
 
+    def turn_ends(self) -> list[list[int | None]]:
+        """Each of the last generated conversations' turns of the model's: its last position after the
+        prompt (per-turn rewards sit there)."""
+        return [c.turn_ends for c in self._last]
+
     def reward_columns(self) -> dict[str, list[Any]]:
         """What the reward function gets of the last generated conversations besides the completion (the
         text of the model's last turn): ``conversation``, each one's messages (the prompt's, then the
@@ -265,10 +270,7 @@ class MultiTurnRollout(HFRollout):
         for k, (c, budget) in enumerate(zip(convs, budgets)):
             n = min(int(mask[k].sum()), budget)
             tokens = out[k, :n].tolist()
-            c.ids += tokens
-            c.model += [True] * n
-            c.log_probs += lps[k, :n].tolist()
-            c.turns += 1
+            c.add_turn(tokens, lps[k, :n].tolist())
             new.append(tokens)
         return new
 

@@ -79,9 +79,6 @@ class VLLMMultiTurnRollout(MultiTurnRollout):
             sampled = out.outputs[0]
             n = min(self.turn_stops.length(list(sampled.token_ids), self.eos_ids), budget)
             tokens = list(sampled.token_ids[:n])
-            c.ids += tokens
-            c.model += [True] * n
-            c.log_probs += [lp[x].logprob for x, lp in zip(tokens, sampled.logprobs)]
-            c.turns += 1
+            c.add_turn(tokens, [lp[x].logprob for x, lp in zip(tokens, sampled.logprobs)])
             new.append(tokens)
         return new
