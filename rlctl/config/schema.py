@@ -157,7 +157,10 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _one_step_off_fits(self) -> RunConfig:
-        if self.rollout.mode != "one_step_off":
+        mode = self.rollout.mode
+        if self.rollout.max_staleness != 1 and mode != "async":
+            raise ValueError(f"rollout.max_staleness applies with rollout.mode async (the mode is {mode})")
+        if mode == "sync":
             return self
         clash = [
             why
@@ -172,7 +175,7 @@ class RunConfig(Strict):
             if on
         ]
         if clash:
-            raise ValueError(f"rollout.mode one_step_off is not available with {', '.join(clash)} yet (issue 30)")
+            raise ValueError(f"rollout.mode {mode} is not available with {', '.join(clash)} yet (issue 30)")
         return self
 
     @model_validator(mode="after")

@@ -192,12 +192,19 @@ class RolloutConfig(Strict):
         description="Generation backend: hf (a lean KV-cache decode loop on the actor's own weights, "
         "no extra dependency) or vllm (vLLM's offline engine; weights pushed into it after every update).",
     )
-    mode: Literal["sync", "one_step_off"] = Field(
+    mode: Literal["sync", "one_step_off", "async"] = Field(
         "sync",
         description="sync: each step generates its batch, then trains on it. one_step_off: step N+1's batch is "
         "generated (by a copy of the weights step N starts from, in a background thread) while step N trains, "
-        "so a batch trains one update after the weights that sampled it (rollout/staleness/mean); the batch in "
-        "flight is part of every snapshot (hf backend, ZeRO 1-2, no dynamic sampling).",
+        "so a batch trains one update after the weights that sampled it (rollout/staleness/mean). async: "
+        "generation runs up to max_staleness steps ahead. The batches in flight are part of every snapshot "
+        "(hf backend, ZeRO 1-2, no dynamic sampling).",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=1,
+        description="mode async: the steps generation runs ahead, so the most updates between the weights "
+        "that sampled a batch and those it trains (its batches held in memory and in every snapshot).",
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm: fraction of device memory the engine may take (weights + KV cache)."

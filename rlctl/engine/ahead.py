@@ -1,21 +1,25 @@
-"""``rollout.mode: one_step_off``: the batch of step N+1 is generated while step N trains.
+"""``rollout.mode: one_step_off`` and ``async``: the batches of the next steps are generated while a step
+trains.
 
-At the start of step N the trainer takes step N's batch (``take``), generated during step N-1, and
-starts step N+1's (``start``): a copy of the actor's module takes the weights step N starts from and
-generates in a background thread (its own core; torch runs each thread's ops on that thread), while
-the main thread trains step N on the actor. So a batch is sampled by the weights one update older than
-those it trains (``rollout/staleness/mean`` 1; the first step's batch has none older, 0), and the
-result depends on nothing but the step: prompts are drawn from the run's cursor in step order, seeds
-come from (seed, step, prompt, sample), the weights from the step the generation started at.
+At the start of step N the trainer takes step N's batch (``take``), generated during an earlier step,
+and starts the batches of the steps up to N+K (``fill``; K is 1 for one_step_off, rollout.max_staleness
+for async): each takes a copy of the weights step N starts from, and a copy of the actor's module
+generates them one after another in background threads (a core of their own; torch runs each thread's
+ops on that thread), while the main thread trains step N on the actor. So a batch trains K updates after
+the weights that sampled it (``rollout/staleness/mean``; fewer in the first K steps, which have no older
+weights), and the result depends on nothing but the step: prompts are drawn from the run's cursor in
+step order, seeds come from (seed, step, prompt, sample), the weights from the step the generation was
+started at.
 
-The batch in flight is part of the run's state (``Stateful``): a snapshot waits for it and holds its
-tokens, masks, rollout log-probs, scores, generation metrics, the dataset indices it drew, the weight
-version that sampled it and the cursor's state before it drew, so a resume trains exactly the batch
-the uninterrupted run trained. A batch is dropped, its prompts given back to the cursor, when it cannot
-be trained as sampled: a rollback restores the snapshot's batch instead (the one in flight was sampled
-by weights the rollback undoes), and a batch sampled with other sampling knobs than the step's (a
-policy's ``adjust``, a schedule) or holding a prompt a policy skipped is made again, synchronously,
-with the current weights. No prompt is trained twice or skipped by a drop. Under rollout.multi_turn the
+The batches in flight are part of the run's state (``Stateful``): a snapshot waits for them and holds
+each one's tokens, masks, rollout log-probs, scores, generation metrics, the dataset indices it drew,
+the weight version that sampled it and the cursor's state before it drew, so a resume trains exactly
+the batches the uninterrupted run trained. Batches are dropped, their prompts given back to the cursor,
+when one cannot be trained as sampled: a rollback restores the snapshot's batches instead (those in
+flight were sampled by weights the rollback undoes), and a batch sampled with other sampling knobs than
+its step's (a policy's ``adjust``, a schedule) or holding a prompt a policy skipped is made again,
+synchronously, with the current weights, with every batch after it (drawn after it). No prompt is
+trained twice or skipped by a drop. Under rollout.multi_turn the
 generating rollout has tool workers of its own; its calls are recorded as they end (a resume replays
 them) and its events are held with the batch and emitted when it trains.
 """
@@ -107,6 +111,11 @@ class GeneratingActor:
             for mine, theirs in zip(self.module.parameters(), actor.module.parameters()):
                 mine.copy_(theirs)
 
+    def load(self, weights: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for mine, theirs in zip(self.module.parameters(), weights):
+                mine.copy_(theirs)
+
     def full_parameters(self):
         import contextlib
 
@@ -114,9 +123,11 @@ class GeneratingActor:
 
 
 class RolloutAhead:
-    """One batch generated ahead, in a background thread (see the module). Stateful (version 1)."""
+    """Batches generated ahead, one after another in background threads (see the module): ``ahead`` of
+    them at most (1: one_step_off; async: rollout.max_staleness). Stateful (version 2, a list of batches;
+    version 1, one batch or none, still loads)."""
 
-    VERSION = 1
+    VERSION = 2
 
     def __init__(
         self,
@@ -126,74 +137,92 @@ class RolloutAhead:
         knobs: Callable[[], dict[str, Any]],
         events: list[dict[str, Any]] | None = None,
         pool=None,
+        ahead: int = 1,
     ):
         """``experience``: draws, generates and scores with a rollout over a ``GeneratingActor`` of
         ``actor`` (its cursor the run's); ``knobs``: the sampling knobs of the step about to run;
         ``events``: where its rollout emits (gathered into each batch); ``pool``: its tool workers
-        (multi-turn; closed by ``close``)."""
+        (multi-turn; closed by ``close``); ``ahead``: how many steps ahead it generates."""
         self.cfg, self.actor, self.experience, self.knobs = cfg, actor, experience, knobs
-        self.events, self.pool = events if events is not None else [], pool
+        self.events, self.pool, self.ahead = events if events is not None else [], pool, ahead
         self.generating: GeneratingActor = experience.rollout.actor
-        self.ready: Batch | None = None
-        self._thread: threading.Thread | None = None
+        self.ready: dict[int, Batch] = {}  # step -> its batch, made
+        self._threads: dict[int, threading.Thread] = {}  # step -> the thread making its batch
+        self._scheduled = 0  # the last step whose batch is made or being made
         self._error: BaseException | None = None
         self.dropped = 0  # trajectories dropped since the last ``take_dropped``
 
     def take(self, step: int, trained: int, skipped: frozenset[int] | set[int]) -> tuple[Batch, dict[str, float]]:
         """Step ``step``'s batch, and its staleness metrics: the one made ahead when it can be trained as
-        sampled, else one made now by the current weights (``trained``: updates so far)."""
-        self.wait()
-        batch, self.ready = self.ready, None
-        if batch is not None and (batch.step != step or batch.knobs != self.knobs() or set(batch.drawn) & set(skipped)):
-            self._give_back(batch)
+        sampled, else one made now by the current weights (``trained``: updates so far), every batch made
+        after it dropped too (their prompts were drawn after its)."""
+        self.wait(step)
+        batch = self.ready.pop(step, None)
+        if batch is not None and (batch.knobs != self.knobs() or set(batch.drawn) & set(skipped)):
+            self.ready[step] = batch
             batch = None
         if batch is None:
+            self._drop_all()
             batch = self._make(step, trained)
+            self._scheduled = max(self._scheduled, step)
         stale = float(trained - batch.version)
         return batch, {"rollout/staleness/mean": stale, "rollout/staleness/max": stale}
 
-    def start(self, step: int, trained: int) -> None:
-        """Generate step ``step``'s batch in the background, by the actor's weights now (``trained``
-        updates)."""
-        self.wait()
-        self.generating.load_from(self.actor)
+    def fill(self, step: int, trained: int, total: int) -> None:
+        """Start the batches of the steps after ``step`` up to ``ahead`` of it (not past ``total``), each
+        by the actor's weights now (``trained`` updates), one after another in the background."""
+        for later in range(max(self._scheduled, step) + 1, min(step + self.ahead, total) + 1):
+            self._start(later, trained)
+            self._scheduled = later
+
+    def _start(self, step: int, trained: int) -> None:
+        with torch.no_grad(), self.actor.full_parameters():  # the weights of now, whenever it runs
+            weights = [p.detach().clone() for p in self.actor.module.parameters()]
+        before = self._threads.get(max(self._threads)) if self._threads else None
 
         def run() -> None:
             try:
-                self.ready = self._make(step, trained, synced=True)
+                if before is not None:
+                    before.join()
+                if self._error is None:
+                    self.generating.load(weights)
+                    self.ready[step] = self._make(step, trained, synced=True)
             except BaseException as exc:  # raised again in the trainer's thread (``wait``)
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name="rlctl-rollout-ahead", daemon=True)
-        self._thread.start()
+        thread = self._threads[step] = threading.Thread(target=run, name=f"rlctl-rollout-{step}", daemon=True)
+        thread.start()
 
-    def wait(self) -> None:
-        """The batch in flight finished (what it raised raised here)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def wait(self, step: int | None = None) -> None:
+        """The batches in flight up to ``step`` (all: None) finished (what one raised raised here)."""
+        for s in sorted(self._threads):
+            if step is None or s <= step:
+                self._threads.pop(s).join()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def drop(self) -> None:
-        """Drop the batch in flight or ready (a rollback: sampled by weights it undoes), its prompts given
-        back to the cursor."""
+    def _drop_all(self) -> None:
+        """Drop every batch made or in flight, their prompts given back to the cursor (from the first's)."""
         self.wait()
-        if self.ready is not None:
-            self._give_back(self.ready)
-            self.ready = None
+        if self.ready:
+            batches = sorted(self.ready.values(), key=lambda b: b.step)
+            self.dropped += sum(len(b.seqs) for b in batches)
+            self.experience.data.load_state_dict(batches[0].cursor_before)
+            self.ready.clear()
+        self._scheduled = 0
 
     def take_dropped(self) -> int:
         n, self.dropped = self.dropped, 0
         return n
 
     def close(self) -> None:
-        """Training is over: the batch in flight finished, what it raised ignored (the run ends anyway); the
-        tool workers closed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread, self._error = None, None
+        """Training is over: the batches in flight finished, what they raised ignored (the run ends anyway);
+        the tool workers closed."""
+        for thread in self._threads.values():
+            thread.join()
+        self._threads.clear()
+        self._error = None
         if self.pool is not None:
             self.pool.close()
 
@@ -206,23 +235,22 @@ class RolloutAhead:
         drawn, events = list(self.experience.drawn), list(self.events)
         return Batch(step, seqs, scores, sampling, drawn, trained, self.knobs(), before, events)
 
-    def _give_back(self, batch: Batch) -> None:
-        self.dropped += len(batch.seqs)
-        self.experience.data.load_state_dict(batch.cursor_before)
-
     def state_dict(self) -> dict[str, Any]:
         self.wait()
-        return {"version": self.VERSION, "ready": self.ready.state_dict() if self.ready is not None else None}
+        return {"version": self.VERSION, "ready": [self.ready[s].state_dict() for s in sorted(self.ready)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The snapshot's batch; the one in flight (sampled by weights the restore replaces) discarded
+        """The snapshot's batches; those in flight (sampled by weights the restore replaces) discarded
         without touching the cursor, which the snapshot restores too."""
-        check_version("rollout buffer", state, self.VERSION)
+        if state.get("version") != 1:
+            check_version("rollout buffer", state, self.VERSION)
         self.wait()
-        if self.ready is not None:
-            self.dropped += len(self.ready.seqs)
-        ready = state.get("ready")
-        self.ready = Batch.from_state(ready, self.generating.runtime.device) if ready is not None else None
+        self.dropped += sum(len(b.seqs) for b in self.ready.values())
+        kept = state.get("ready")
+        kept = [kept] if isinstance(kept, dict) else kept or []  # version 1: one batch or None
+        device = self.generating.runtime.device
+        self.ready = {b.step: b for b in (Batch.from_state(k, device) for k in kept)}
+        self._scheduled = max(self.ready, default=0)
 
 
 def rollout_ahead(host) -> RolloutAhead | None:
@@ -232,11 +260,12 @@ def rollout_ahead(host) -> RolloutAhead | None:
     transcripts; it draws from the run's cursor and scores with the run's reward, as the trainer's
     experience does. Its events are gathered into each batch and emitted when the batch trains."""
     cfg = host.cfg
-    if cfg.rollout.mode != "one_step_off":
+    if cfg.rollout.mode == "sync":
         return None
     mt, e, events = cfg.rollout.multi_turn, host.experience, []
     pool = ToolPool(mt.tool_workers, mt.tool_timeout_s) if mt is not None else None
     own = copy.deepcopy(host.tokenizer)
     rollout = host.make_rollout("hf", GeneratingActor(host.actor), own, pool, events.append)
     ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, e.dist, tokenizer=own)
-    return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool)
+    steps = 1 if cfg.rollout.mode == "one_step_off" else cfg.rollout.max_staleness
+    return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool, steps)

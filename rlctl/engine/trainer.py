@@ -428,8 +428,7 @@ class Trainer:
         self.experience.drawn = batch.drawn  # what a policy's skip skips
         for event in batch.events:  # the generation's (multi-turn: drift, replayed calls), in order
             self.emit(event)
-        if step < self.cfg.trainer.total_steps:
-            self.ahead.start(step + 1, self.state.step)
+        self.ahead.fill(step, self.state.step, self.cfg.trainer.total_steps)
         return batch.seqs, batch.scores, {**batch.sampling, **staleness}
 
     def forward_passes(self, seqs: Sequences, t: dict[str, float]):

@@ -1,20 +1,22 @@
-"""rollout.mode one_step_off end to end through the CLI: a batch trains one update after the weights that
-sampled it, the batch in flight is part of every snapshot (a SIGKILL while it is generated resumes bit for
-bit), and a rollback drops it, counted, and completes the run."""
+"""rollout.mode one_step_off and async end to end through the CLI: a batch trains one update (async: up to
+max_staleness) after the weights that sampled it, the batches in flight are part of every snapshot (a
+SIGKILL while they are generated resumes bit for bit), and a rollback drops them, counted, and completes
+the run."""
+
+import pytest
 
 from helpers import SMALL, completed_hash, events_of, kill_and_resume, metrics_of, stable, start_here
 
 COMMON = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
 OFF = [*COMMON, "--set", "rollout.mode=one_step_off"]
+ASYNC = [*COMMON, "--set", "rollout.mode=async", "--set", "rollout.max_staleness=2"]
 
 
-def test_one_step_off_trains_a_step_behind_and_a_sigkill_mid_generation_resumes_exactly(tmp_path):
-    ref = tmp_path / "ref"
+def test_one_step_off_starts_as_sync_and_then_trains_on_older_weights(tmp_path):
+    ref, sync = tmp_path / "ref", tmp_path / "sync"
     assert start_here(ref, *OFF).returncode == 0
-    rows = metrics_of(ref)
-    assert [r["rollout/staleness/mean"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    sync = tmp_path / "sync"
     assert start_here(sync, *COMMON).returncode == 0
+    rows = metrics_of(ref)
     same = {k for k in stable(rows)[0] if not k.startswith("rollout/staleness")}
     first = [{k: r[k] for k in same} for r in (stable(rows)[0], stable(metrics_of(sync))[0])]
     assert first[0] == first[1]  # step 1: both sampled by the initial weights and trained alike
@@ -22,8 +24,19 @@ def test_one_step_off_trains_a_step_behind_and_a_sigkill_mid_generation_resumes_
     assert max(r["rollout/logprob_diff"] for r in rows) > 1e-2
     assert max(r["rollout/logprob_diff"] for r in metrics_of(sync)) < 1e-5
 
-    run = tmp_path / "killed"  # killed after step 4, while step 5's batch was generated; snapshot 3 holds step 4's
-    r = kill_and_resume(run, OFF, 4)
+
+@pytest.mark.parametrize(
+    ("args", "staleness"), [(OFF, [0, 1, 1, 1, 1, 1]), (ASYNC, [0, 1, 2, 2, 2, 2])], ids=["one_step_off", "async2"]
+)
+def test_a_sigkill_while_batches_are_generated_ahead_resumes_exactly(tmp_path, args, staleness):
+    """Killed after step 4, while the next batches are generated; snapshot 3 holds the batches made
+    during step 3 (one_step_off: step 4's; async 2: steps 4 and 5)."""
+    ref = tmp_path / "ref"
+    assert start_here(ref, *args).returncode == 0
+    rows = metrics_of(ref)
+    assert [r["rollout/staleness/max"] for r in rows] == staleness
+    run = tmp_path / "killed"
+    r = kill_and_resume(run, args, 4)
     assert "continuing from step 3" in r.stderr
     assert completed_hash(run) == completed_hash(ref)
     assert stable(metrics_of(run)) == stable(rows)
