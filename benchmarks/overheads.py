@@ -1,6 +1,7 @@
 """What the safety machinery costs, against a real step and a real save or load measured in the same run.
 
     .venv/bin/python benchmarks/overheads.py [--steps 40] [--snapshots 15] [--restarts 5] [--rollbacks 8]
+                                             [--only-buffer]
 
 Everything runs the tiny built-in workload (the built-in config with 8 prompts x 4 samples x 16 new
 tokens) through the real Trainer, with real snapshot managers on local disk (a temp dir).
@@ -35,6 +36,9 @@ tokens) through the real Trainer, with real snapshot managers on local disk (a t
    Statefuls and engine (checksums verified, state loaded), as the rollback calls it; the engines'
    ``load_from_dir`` alone is printed too, and how long the rollback waited for the commit of the
    snapshot it rolls back to (its ``snapshot_committed`` event after the firing). Medians; target <= 1.5x.
+5. rollout.mode one_step_off: the bytes of the batch made ahead in a snapshot (its state, serialised as
+   the snapshot serialises it) and the time to take and serialise it once made, against the whole
+   snapshot's bytes and a synchronous save (``--only-buffer``: this section alone).
 """
 
 from __future__ import annotations
@@ -358,14 +362,52 @@ def print_rollbacks(r: dict[str, Any], title: str, unit: str = "ms") -> None:
     print(f"  rollback / pure load:                 {m['total'] / m['load']:.2f}x (target <= 1.5x)")
 
 
+def measure_buffer(root: str, reps: int = 5) -> dict[str, float]:
+    """rollout.mode one_step_off: what the batch made ahead adds to a snapshot (bytes of its state, the
+    time to take and serialise it once made) against the whole snapshot (bytes; a synchronous save)."""
+    import io
+
+    import torch
+
+    trainer = build(str(Path(root, "buffer")), ["rollout.mode=one_step_off", "checkpoint.every=1"], Events())
+    trainer.metrics = trainer._metrics_log()
+    took, saves, size = [], [], 0
+    for step in range(1, reps + 1):
+        trainer.train_step(step)
+        trainer.ahead.wait()  # the next step's batch made: what a snapshot then holds
+        t0, buf = time.perf_counter(), io.BytesIO()
+        torch.save(trainer.ahead.state_dict(), buf)
+        took.append(time.perf_counter() - t0)
+        size = buf.tell()
+        saves.append(timed_sync_snapshot(trainer))
+    out = {"buffer_bytes": size, "buffer_s": median(took), "snapshot_bytes": snapshot_bytes(trainer)}
+    out["save_s"] = median(saves)
+    trainer.ahead.close()
+    return out
+
+
+def print_buffer(b: dict[str, float]) -> None:
+    print("\none_step_off: the batch made ahead in a snapshot (tiny workload, 8 prompts x 4 samples)")
+    print(
+        f"  its state: {b['buffer_bytes'] / 1024:.1f} KiB of a {b['snapshot_bytes'] / 2**20:.2f} MiB snapshot "
+        f"({b['buffer_bytes'] / b['snapshot_bytes']:.2%}); taken and serialised in {b['buffer_s'] * 1e3:.2f} ms "
+        f"({b['buffer_s'] / b['save_s']:.2%} of a synchronous save, {b['save_s'] * 1e3:.0f} ms)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--snapshots", type=int, default=15, help="snapshots of each kind, per writer")
     ap.add_argument("--restarts", type=int, default=5, help="start + resume pairs")
     ap.add_argument("--rollbacks", type=int, default=8)
+    ap.add_argument("--only-buffer", action="store_true", help="only the one_step_off buffer's cost (section 5)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="rlctl-overheads-")  # (kept when something fails: the CLI's logs are there)
+    if args.only_buffer:
+        print_buffer(measure_buffer(root))
+        shutil.rmtree(root, ignore_errors=True)
+        return
     rows, step_s, figures = measure_writers(args, root)
     check_s, log_s, n_rules = checks_and_logging(rows, root)
     print_writers(args, step_s, check_s, log_s, n_rules, figures)
@@ -373,6 +415,7 @@ def main() -> None:
         title = f"in-process rollback to the snapshot {after} step(s) back, {when} at the firing (process writer)"
         print_rollbacks(measure_rollbacks(args, root, after), title)
     print_restarts(*measure_restarts(args, root))
+    print_buffer(measure_buffer(root))
     shutil.rmtree(root, ignore_errors=True)
 
 
