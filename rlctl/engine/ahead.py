@@ -48,7 +48,13 @@ SEQ_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs
 def sampling_knobs(cfg: RunConfig) -> dict[str, Any]:
     """What a batch was sampled with, beyond the weights and the seeds."""
     r = cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p}
+    return {
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "min_p": r.min_p,
+        "max_new_tokens": r.max_new_tokens,
+    }
 
 
 @dataclass
