@@ -405,3 +405,22 @@ def test_a_reward_functions_turn_rewards_are_part_of_each_conversations_score(ta
     convs = json.loads(invoke("trajectories", str(run), "--step", "2", "--format", "json").stdout)
     assert convs and all(c["score"] - 0.5 * c["turns"] in (0.0, 1.0) for c in convs)
     assert any(c["turns"] > 1 for c in convs)  # a call, then a second turn: two turn rewards
+
+
+def test_on_two_ranks_a_tool_outage_past_the_budget_stops_every_rank_after_the_same_step(task):
+    """tool_retry_budget 0 and the tools down from step 2 on both ranks (each rank's own workers): the
+    step's reduced row says every call failed, so both ranks stop after step 2, exit 75, one
+    tools_unavailable event; the resume, the outage over, completes the run."""
+    config = json.loads((task / "run.yaml").read_text())
+    config["faults"] = "tool_outage@2=1"
+    config["rollout"]["multi_turn"]["tool_retry_budget"] = 0
+    run = task / "two-ranks-outage"
+    env = env_of(task, run)
+    r = start(run, "--nproc", "2", config=config, env=env, cwd=task)
+    assert r.returncode == 75, r.stderr
+    assert "stopped by tools_unavailable after step 2" in r.stderr
+    assert [(e["step"], e["steps"]) for e in events_of(run, "tools_unavailable")] == [(2, 1)]
+    assert metrics_of(run)[-1]["tool/unavailable_frac"] == 1.0
+    r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, STEPS + 1))
