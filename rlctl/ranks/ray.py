@@ -141,7 +141,9 @@ def launch_ray(
     if started_here:
         reporter.note(f"connecting to Ray at {cfg.cluster.address}" if cfg.cluster.address else "starting a local Ray")
         ray.init(
-            address=cfg.cluster.address,
+            # "local": a Ray of its own even where RAY_ADDRESS is set or `ray start` ran on this machine
+            # (a bare ray.init() would join that cluster, and refuse the _system_config below)
+            address=cfg.cluster.address or "local",
             include_dashboard=False,
             log_to_driver=True,
             logging_level="ERROR",

@@ -1,8 +1,8 @@
-"""Several DeepSpeed ranks: local processes (`--nproc 2`) and Ray actors (`--ray-address local`), real
-gloo process groups, real signals. A 2-rank run samples exactly what a 1-rank run samples (seeds depend
-on the prompt and sample, not on the rank) and takes the same gradient up to float rounding; it
-snapshots every rank's files under one manifest (on local disk or object storage) and resumes bit-exactly
-after SIGKILL or SIGTERM."""
+"""Several DeepSpeed ranks: local processes (`--nproc 2`) and Ray actors on two Ray nodes of this
+machine (tests/ray_nodes.py), real gloo process groups, real signals. A 2-rank run samples exactly what a
+1-rank run samples (seeds depend on the prompt and sample, not on the rank) and takes the same gradient
+up to float rounding; it snapshots every rank's files under one manifest (on local disk or object
+storage) and resumes bit-exactly after SIGKILL or SIGTERM."""
 
 import os
 import signal
@@ -10,8 +10,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+from ray_nodes import ENV as RAY_ENV
+from ray_nodes import RayNodes
 
 from rlctl.errors import ExitCode
+from rlctl.storage import Storage
 
 from helpers import (
     completed_hash,
@@ -31,7 +34,8 @@ BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4"
 # validation too: 5 held-out prompts over 2 ranks, so one rank's share is padded (ZeRO-3 gathers together)
 VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]
 COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", *VAL]
-RAY = ["--nproc", "2", "--ray-address", "local", "--set", "cluster.cpus_per_rank=0.5"]
+# two Ray nodes of one CPU each (tests/ray_nodes.py), one rank on each
+TWO_NODES = ["--set", "trainer.nnodes=2", "--set", "trainer.n_devices_per_node=1", "--set", "cluster.cpus_per_rank=0.5"]
 # the 2-rank ZeRO-3 runs micro-batch by token budget (test_token_budget_...); ZeRO-2's take one per rank
 BUDGET = {2: [], 3: ["--set", "actor.max_tokens_per_micro_batch=40"]}
 # files of both ranks that a 2-rank snapshot's manifest lists
@@ -179,30 +183,48 @@ def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(one_
     close_to_one_rank(metrics_of(two_local(3)), metrics_of(one_rank[3]))
 
 
-def test_ray_two_ranks_match_and_resume_exactly_after_sigterm(tmp_path, one_rank, two_local):
-    """SIGTERM (a preemption) after step 3: the driver forwards it to the Ray actors, every rank stops
-    after the same step, rank 0 commits that step's snapshot, exit 75. Resumed under Ray, the run ends
-    bit-identical to an uninterrupted local 2-rank run (the same ranks, placed differently). ZeRO-3 only:
-    ZeRO-2's two ranks are proven by the local SIGKILL test, and placement does not depend on the stage."""
+def test_ray_two_nodes_match_and_resume_exactly_after_sigterm(one_rank, two_local, s3_env, monkeypatch):
+    """Two Ray nodes on this machine (`ray start --head`, `ray start --address`: two raylets of one CPU
+    each) take one rank each (STRICT_SPREAD over trainer.nnodes, asserted from Ray's own state), with the
+    run directory on S3 (ranks on several nodes need storage that every node reaches). SIGTERM (a
+    preemption) after step 3: the driver forwards it to the actors, every rank stops after the same step,
+    rank 0 commits that step's snapshot, exit 75. Resumed on the cluster (placed anew), the run ends
+    bit-identical to an uninterrupted local 2-rank run on one node. ZeRO-3 only: ZeRO-2's two ranks are
+    proven by the local SIGKILL test, and placement does not depend on the stage."""
     pytest.importorskip("ray")
-    stage = 3
-    common = [*COMMON, *RAY, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
+    import fsspec.config
+
+    s3, opts = s3_env
+    monkeypatch.setitem(fsspec.config.conf, "s3", opts)  # this process reads the run as its ranks write it
+    env, url, stage = {**s3, **RAY_ENV}, "s3://rlctl-runs/ray/two-nodes", 3
     ref = two_local(stage)
-    run = tmp_path / "preempted"
-    proc = spawn_start(run, *common, faults="sleep@3=120")
-    wait_for(has_step(run, 3), proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=180)
-    assert proc.returncode == ExitCode.PREEMPTED, err
-    assert "snapshot of step 3 committed" in err
-    assert [e["event"] for e in events_of(run)][-2:] == ["snapshot_committed", "preempted"]
-    r = run_cli("resume", str(run), "--from", "latest")
+    nodes = RayNodes(2)  # the run connects once the head is up; its placement waits for the other node
+    try:
+        args = ["--ray-address", nodes.address, *TWO_NODES, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
+        proc = spawn_start(url, *COMMON, *args, faults="sleep@3=120", env=env)
+        # the drill's event (events reach the store at once; metric rows are buffered there)
+        wait_for(lambda: any(e["step"] == 3 for e in events_of(url, "drill_fired")), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == ExitCode.PREEMPTED, err
+        assert "snapshot of step 3 committed" in err, err
+        assert [e["event"] for e in events_of(url)][-2:] == ["snapshot_committed", "preempted"], err
+        r = run_cli("resume", url, "--from", "latest", env=env)
+        state = nodes.state()
+    finally:
+        nodes.stop()
     assert r.returncode == 0, r.stderr
-    assert r.stdout == f"{run}\n"
-    assert manifest(run, 6)["world_size"] == 2
-    close_to_one_rank(metrics_of(run), metrics_of(one_rank[stage]))
-    assert completed_hash(run) == completed_hash(ref)
-    assert stable(metrics_of(run)) == stable(metrics_of(ref))
+    assert r.stdout == f"{url}\n"
+    # Ray's own account: the start's two rank actors, and the resume's, each on a node of its own
+    assert len(state["nodes"]) == 2, state
+    by_job = {}
+    for actor in (a for a in state["actors"] if a["class"] == "RankActor"):
+        by_job.setdefault(actor["job"], []).append(actor["node"])
+    assert sorted(map(sorted, by_job.values())) == [sorted(state["nodes"])] * 2, state
+    assert orjson.loads(Storage(url).read_bytes("checkpoints/step-000006/manifest.json"))["world_size"] == 2
+    close_to_one_rank(metrics_of(url), metrics_of(one_rank[stage]))
+    assert completed_hash(url) == completed_hash(ref)
+    assert stable(metrics_of(url)) == stable(metrics_of(ref))
 
 
 def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
