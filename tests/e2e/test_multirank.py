@@ -90,13 +90,19 @@ def one_rank(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_local(tmp_path_factory):
-    """Uninterrupted local 2-rank runs by ZeRO stage (``BUDGET``), made on first use."""
+    """Uninterrupted 2-rank runs on this machine by ZeRO stage (``BUDGET``), made on first use: ZeRO-2's as
+    local processes (--nproc 2), ZeRO-3's as actors of a Ray that rlctl starts itself (--ray-address local),
+    so that both ways of placing ranks on one machine run end to end."""
     runs = {}
 
     def get(stage: int):
         if stage not in runs:
             run = tmp_path_factory.mktemp("two") / f"z{stage}"
-            r = start(run, "--nproc", "2", *COMMON, "--set", f"actor.zero_stage={stage}", *BUDGET[stage])
+            where = (
+                ["--nproc", "2"] if stage == 2 else ["--ray-address", "local", "--set", "trainer.n_devices_per_node=2"]
+            )
+            kw = {} if stage == 2 else {"env": RAY_ENV}
+            r = start(run, *where, *COMMON, "--set", f"actor.zero_stage={stage}", *BUDGET[stage], **kw)
             assert r.returncode == 0, r.stderr
             assert r.stdout == f"{run}\n"  # data only: the ranks' chatter stays on stderr
             runs[stage] = run
