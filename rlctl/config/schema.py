@@ -156,6 +156,19 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _fp16_is_partitioned(self) -> RunConfig:
+        """Stage 0's fp16 optimizer lacks the loss-scale hysteresis rlctl's fp16 runs rely on (a dtype
+        that ``auto`` resolves to fp16 is refused when the engine is built, ``ds_module.ds_config``)."""
+        sections = [("actor", self.actor)] + ([("critic", self.critic)] if self.algorithm.name == "ppo" else [])
+        for name, section in sections:
+            if self.model.dtype == "fp16" and section.zero_stage == 0:
+                raise ValueError(
+                    f"model.dtype fp16 needs {name}.zero_stage 1, 2 or 3: at stage 0 DeepSpeed's fp16 optimizer "
+                    "scales the loss without the hysteresis rlctl's fp16 runs rely on; use bf16 or fp32"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _one_step_off_fits(self) -> RunConfig:
         mode = self.rollout.mode
         if self.rollout.max_staleness != 1 and mode != "async":

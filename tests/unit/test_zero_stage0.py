@@ -24,6 +24,8 @@ def tied_model() -> torch.nn.Module:
 def test_stage_0_is_a_config_value_and_fp16_is_refused_there():
     assert validate_config({"actor": {"zero_stage": 0}, "critic": {"zero_stage": 0}}).actor.zero_stage == 0
     assert ds_config(SPEC, torch.bfloat16)["zero_optimization"] == {"stage": 0}
+    with pytest.raises(ConfigError, match="model.dtype fp16 needs actor.zero_stage 1, 2 or 3"):
+        validate_config({"model": {"dtype": "fp16"}, "actor": {"zero_stage": 0}})  # when the config loads
     with pytest.raises(ConfigError, match="model.dtype fp16 needs critic.zero_stage 1, 2 or 3"):
         ds_config(
             EngineSpec(lr=1e-3, zero_stage=0, grad_clip=1.0, mini_batch=1, micro_batch=1, section="critic"),
