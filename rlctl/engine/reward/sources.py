@@ -83,11 +83,7 @@ class RewardSources:
             total = [t + source.weight * s for t, s in zip(total, scores)]
             for i, rewards in enumerate(own or ()):
                 if rewards:
-                    mine = turns[i] or []
-                    mine += [0.0] * (len(rewards) - len(mine))
-                    turns[i] = [
-                        m + source.weight * (rewards[k] if k < len(rewards) else 0.0) for k, m in enumerate(mine)
-                    ]
+                    turns[i] = added(turns[i] or [], [source.weight * r for r in rewards])
         return check_scores(self.spec, total, len(completions), what="reward")
 
     @contextlib.contextmanager
@@ -162,3 +158,9 @@ def recording(fn: Callable[..., Any]) -> Iterator[dict[str, float]]:
 def metrics_of(fn: Callable[..., Any]) -> dict[str, str]:
     """The reductions of the per-source metrics ``recording(fn)`` gives (none for a plain function)."""
     return fn.metrics if isinstance(fn, RewardSources) else {}
+
+
+def added(a: list[float], b: list[float]) -> list[float]:
+    """``a + b`` element by element, the shorter padded with zeros (two sources' rewards of the turns)."""
+    n = max(len(a), len(b))
+    return [(a[k] if k < len(a) else 0.0) + (b[k] if k < len(b) else 0.0) for k in range(n)]
