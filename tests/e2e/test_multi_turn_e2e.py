@@ -371,9 +371,16 @@ def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
     env = env_of(task, run)
     proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), *off, env=env, cwd=task, faults="sleep@3=120")
     snapshot = run / "checkpoints" / f"step-{EVERY:06d}" / "manifest.json"
-    assert metrics_of(ref)[3]["tool/lookup/calls"] >= 1
+    calls4 = int(metrics_of(ref)[3]["tool/lookup/calls"])
+    assert calls4 >= 1
     step4 = run / "tools" / "step-000004.rank-0.jsonl"  # step 4's calls, made in the background meanwhile
-    wait_for(lambda: has_step(run, 3)() and snapshot.exists() and step4.exists(), proc)
+
+    def step4_recorded() -> bool:
+        # every call of step 4 on record (whole lines): a kill between a call's answer and its line would
+        # ask that call again on resume, and this tool answers every call differently
+        return step4.exists() and step4.read_bytes().count(b"\n") >= calls4
+
+    wait_for(lambda: has_step(run, 3)() and snapshot.exists() and step4_recorded(), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
