@@ -38,7 +38,6 @@ from rlctl.config import RunConfig
 from rlctl.engine.batch import Sequences
 from rlctl.engine.dist import MAX, MEAN
 from rlctl.engine.experience import Experience
-from rlctl.engine.tools.pool import ToolPool
 from rlctl.stateful import check_version
 
 STALENESS_METRICS = {"rollout/staleness/mean": MEAN, "rollout/staleness/max": MAX}
@@ -261,17 +260,17 @@ class RolloutAhead:
 
 def rollout_ahead(host) -> RolloutAhead | None:
     """Under rollout.mode one_step_off (else None), the generator of the trainer ``host``'s rank: an HF
-    rollout (``host.make_rollout``) over a copy of the actor's module, with its own tokenizer (the trainer's
+    rollout (``host.rollouts``) over a copy of the actor's module, with its own tokenizer (the trainer's
     stays the main thread's) and, under multi_turn, its own pool of tool workers and the run's record and
     transcripts; it draws from the run's cursor and scores with the run's reward, as the trainer's
     experience does. Its events are gathered into each batch and emitted when the batch trains."""
     cfg = host.cfg
     if cfg.rollout.mode == "sync":
         return None
-    mt, e, events = cfg.rollout.multi_turn, host.experience, []
-    pool = ToolPool(mt.tool_workers, mt.tool_timeout_s) if mt is not None else None
+    e, events = host.experience, []
+    pool = host.rollouts.new_pool()
     own = copy.deepcopy(host.tokenizer)
-    rollout = host.make_rollout("hf", GeneratingActor(host.actor), own, pool, events.append)
+    rollout = host.rollouts.make("hf", GeneratingActor(host.actor), own, pool, events.append)
     ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, e.dist, tokenizer=own)
     steps = 1 if cfg.rollout.mode == "one_step_off" else cfg.rollout.max_staleness
     return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool, steps)

@@ -37,13 +37,8 @@ from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of,
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir_once
 from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
-from rlctl.engine.rollout import make_backend
-from rlctl.engine.rollout.transcript import TranscriptLog
+from rlctl.engine.rollouts import Rollouts
 from rlctl.engine.runtime import RankContext
-from rlctl.engine.tools.budget import ToolRetryBudget
-from rlctl.engine.tools.loader import Tools, load_tools
-from rlctl.engine.tools.pool import ToolPool
-from rlctl.engine.tools.record import ToolRecord
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
 from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
@@ -107,8 +102,9 @@ class Trainer:
         reward_fn = load_reward(cfg.reward, device=self.runtime.device)
         self.model_dir = prepare_model_dir_once(cfg, run, self.dist)
         self.tokenizer = load_tokenizer(self.model_dir, cfg.model.trust_remote_code)
-        self.tools, self.tool_pool, self.tool_budget = self._tools()
-        schemas = list(self.tools.schemas.values()) if self.tools is not None else None  # prompts render them
+        self.rollouts = Rollouts(cfg, run, self.dist.rank, self.dist.world, self.model_dir)
+        tools = self.rollouts.tools
+        schemas = list(tools.schemas.values()) if tools is not None else None  # prompts render them
         prompts = load_prompts(cfg, self.tokenizer, schemas)  # filtered before the cursor numbers the rows
         prompts.announce(self.emit, self.dist.is_main)
         self.data = PromptCursor(prompts.train, cfg.seed, cfg.data.shuffle)
@@ -135,15 +131,6 @@ class Trainer:
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
 
-    def _tools(self) -> tuple[Tools | None, ToolPool | None, ToolRetryBudget | None]:
-        """Under rollout.multi_turn: its tools, the rank's pool of tool workers (each started at its first
-        call; closed when training ends, ``train``) and the count of steps with the tools down, against
-        its tool_retry_budget (past it, the run stops as a preemption does)."""
-        mt = self.cfg.rollout.multi_turn
-        if mt is None:
-            return None, None, None
-        return load_tools(mt), ToolPool(mt.tool_workers, mt.tool_timeout_s), ToolRetryBudget(mt.tool_retry_budget)
-
     def _build_models(self) -> None:
         """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
         No optimizer step while a snapshot still reads the weights: the modules wait at its fence."""
@@ -157,19 +144,8 @@ class Trainer:
             if cfg.algorithm.name == "ppo"
             else None
         )
-        self.rollout = self.make_rollout(cfg.rollout.backend, self.actor, self.tokenizer, self.tool_pool, self.emit)
-
-    def make_rollout(self, name: str, actor, tokenizer, pool: ToolPool | None, emit):
-        """A rollout backend of the rank over ``actor`` (the actor, or a copy generating beside it); with a
-        ``pool`` of tool workers (rollout.multi_turn), the run's record of tool calls and transcripts."""
-        return make_backend(
-            name,
-            **{"cfg": self.cfg, "actor": actor, "tokenizer": tokenizer, "model_dir": self.model_dir, "emit": emit},
-            tools=self.tools,
-            pool=pool,
-            record=ToolRecord(self.run, self.dist.rank, self.dist.world) if pool is not None else None,
-            transcripts=TranscriptLog(self.run, self.dist.rank) if pool is not None else None,
-        )
+        r = self.rollouts
+        self.rollout = r.make(cfg.rollout.backend, self.actor, self.tokenizer, r.pool, self.emit)
 
     def ensure_reference(self) -> None:
         """The frozen reference model (the initial weights), loaded the first time a KL term needs it; under
@@ -296,8 +272,7 @@ class Trainer:
             self.metrics.close()
             if self.ahead is not None:
                 self.ahead.close()
-            if self.tool_pool is not None:  # however training ends (a dead trainer's workers see EOF and exit)
-                self.tool_pool.close()
+            self.rollouts.close()
         if self.stop_signal is not None:
             raise Preempted(
                 f"stopped by {self.stop_signal} after step {self.state.step}; {self._stop_outcome()}. "
@@ -308,7 +283,8 @@ class Trainer:
     def _count_tool_outage(self, row: dict[str, Any]) -> None:
         """rollout.multi_turn.tool_retry_budget: past it, the run stops after this step as a preemption
         (its snapshot committed, exit 75). The row is reduced: every rank decides alike."""
-        if self.tool_budget is not None and self.tool_budget.stops(row, self.cfg.trainer.total_steps, self.emit):
+        budget = self.rollouts.budget
+        if budget is not None and budget.stops(row, self.cfg.trainer.total_steps, self.emit):
             self.request_stop(names.TOOLS_UNAVAILABLE)
 
     def _after_step(self, step: int) -> None:
