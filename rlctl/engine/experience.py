@@ -22,7 +22,7 @@ from rlctl.engine.dist import MAX, MEAN, MIN, SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.reward.sources import recording
 from rlctl.engine.rollout import RolloutBackend
-from rlctl.engine.rollout.conversation import turn_reward_tensor
+from rlctl.engine.rollout.conversation import add_turn_rewards
 from rlctl.errors import ConfigError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
@@ -139,11 +139,9 @@ class Experience:
         ends = self.rollout.turn_ends() if drill is None else None
         turns = [None] * len(prompts) if ends is not None else None  # a reward function's of single turns
         scores = self.score(prompts, self.rollout.decode(seqs), {**columns, **self.rollout.reward_columns()}, turns)
-        if turns is not None and any(turns):
-            placed = turn_reward_tensor(turns, ends, seqs.response_mask, f"reward function '{cfg.reward.function}'")
-            seqs.turn_rewards = placed if seqs.turn_rewards is None else seqs.turn_rewards + placed
-        if seqs.turn_rewards is not None:  # rewards of single turns (an environment's, a reward's) are the score's too
-            scores = scores + seqs.turn_rewards.sum(-1).float().cpu()
+        # rewards of single turns (an environment's, the reward function's) are the score's too
+        if (turn_sums := add_turn_rewards(seqs, turns, ends, f"reward function '{cfg.reward.function}'")) is not None:
+            scores = scores + turn_sums.float()
         if a.overlong.enabled:
             lengths = seqs.response_mask.sum(-1)
             scores = scores + algos.overlong_penalty(

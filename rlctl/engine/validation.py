@@ -30,7 +30,7 @@ from rlctl.engine.data import columns_of
 from rlctl.engine.dist import SUM, Dist
 from rlctl.engine.reward import score_completions
 from rlctl.engine.rollout import RolloutBackend
-from rlctl.engine.rollout.conversation import turn_reward_tensor
+from rlctl.engine.rollout.conversation import add_turn_rewards
 
 VAL_STEP = -1  # the "step" of every validation's sampling seeds: the same answers from the same weights
 SOURCE = "data_source"
@@ -94,11 +94,9 @@ class Validator:
         )
         keep = torch.tensor(counted)
         scores_t = torch.as_tensor(scores, dtype=torch.float64)
-        if seqs.turn_rewards is not None:  # an environment's rewards of single turns
-            scores_t = scores_t + seqs.turn_rewards.sum(-1).double().cpu()
-        if turns is not None and any(turns):
-            placed = turn_reward_tensor(turns, ends, seqs.response_mask, f"reward function '{reward.function}'")
-            scores_t = scores_t + placed.sum(-1).double().cpu()
+        # rewards of single turns (an environment's, the reward function's) are the score's too
+        if (turn_sums := add_turn_rewards(seqs, turns, ends, f"reward function '{reward.function}'")) is not None:
+            scores_t = scores_t + turn_sums.double()
         scores_t = scores_t.view(len(indices), self.n)[keep]
         lengths = seqs.response_mask.sum(-1).view(len(indices), self.n)[keep]
         sums["answers"] += float(scores_t.numel())

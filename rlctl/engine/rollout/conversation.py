@@ -140,6 +140,16 @@ def metrics_row(convs: list[Conversation], stats: ToolStats, drifted: int, envir
     return row
 
 
+def add_turn_rewards(seqs, turns: list[list[float] | None] | None, ends, who: str) -> torch.Tensor | None:
+    """Place a reward function's rewards of single turns (``turns``; None: it gave none) beside those an
+    environment gave (``seqs.turn_rewards``, updated), and return each completion's sum of them (B,) on the
+    CPU, part of its score; None when no turn has a reward."""
+    if turns is not None and any(turns):
+        placed = turn_reward_tensor(turns, ends, seqs.response_mask, who)
+        seqs.turn_rewards = placed if seqs.turn_rewards is None else seqs.turn_rewards + placed
+    return seqs.turn_rewards.sum(-1).cpu() if seqs.turn_rewards is not None else None
+
+
 def turn_reward_tensor(
     turns: list[list[float] | None], ends: list[list[int | None]], mask: torch.Tensor, who: str
 ) -> torch.Tensor:
