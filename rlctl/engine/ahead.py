@@ -112,9 +112,8 @@ class GeneratingActor:
         self.module.requires_grad_(False)
 
     def load_from(self, actor) -> None:
-        with torch.no_grad(), actor.full_parameters():
-            for mine, theirs in zip(self.module.parameters(), actor.module.parameters()):
-                mine.copy_(theirs)
+        with actor.full_parameters():
+            self.load(list(actor.module.parameters()))
 
     def load(self, weights: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -181,16 +180,23 @@ class RolloutAhead:
             self._scheduled = later
 
     def _start(self, step: int, trained: int) -> None:
-        with torch.no_grad(), self.actor.full_parameters():  # the weights of now, whenever it runs
-            weights = [p.detach().clone() for p in self.actor.module.parameters()]
+        """Step ``step``'s batch made in a thread of its own, by the weights of now: copied straight into
+        the generator when it is idle (one_step_off), else kept aside until the batch before is made."""
         before = self._threads.get(max(self._threads)) if self._threads else None
+        weights = None
+        if before is None or not before.is_alive():
+            self.generating.load_from(self.actor)
+        else:
+            with torch.no_grad(), self.actor.full_parameters():
+                weights = [p.detach().clone() for p in self.actor.module.parameters()]
 
         def run() -> None:
             try:
                 if before is not None:
                     before.join()
                 if self._error is None:
-                    self.generating.load(weights)
+                    if weights is not None:
+                        self.generating.load(weights)
                     self.ready[step] = self._make(step, trained, synced=True)
             except BaseException as exc:  # raised again in the trainer's thread (``wait``)
                 self._error = exc
