@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
     HALTED = 20  # a rollback policy halted the run; the last good snapshot is there to resume from
     PREEMPTED = 75  # SIGTERM/SIGUSR1 at any moment, or tools down past tool_retry_budget: resume me (EX_TEMPFAIL)
+    NODE_LOST = 76  # a Ray node that held ranks was lost: the others were stopped; resume me on healthy nodes
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
 
 
@@ -63,6 +64,17 @@ class Preempted(RlctlError):
 
 class Halted(RlctlError):
     exit_code = ExitCode.HALTED
+
+
+class NodeLost(RlctlError):
+    """A node of the Ray cluster that held ranks of the run was lost (Ray declared it dead, or it did not
+    answer for cluster.node_loss_timeout); ``nodes``: [{"id", "ip", "ranks", "cause"}] for the event."""
+
+    exit_code = ExitCode.NODE_LOST
+
+    def __init__(self, message: str, nodes: list[dict]):
+        super().__init__(message)
+        self.nodes = nodes
 
 
 class Stopped(BaseException):

@@ -18,6 +18,7 @@ HALTED = "halted"
 PREEMPTED = "preempted"
 CRASHED = "crashed"
 INTERRUPTED = "interrupted"
+NODE_LOST = "node_lost"  # a Ray node that held ranks was lost (its nodes: id, ip, ranks, cause): resume elsewhere
 
 # the policies and what carrying out a verdict did
 POLICY = "policy"
@@ -44,4 +45,4 @@ TOOL_CALLS_REPLAYED = "tool_calls_replayed"  # a step run again got its recorded
 TOOLS_UNAVAILABLE = "tools_unavailable"  # every tool call failed (infrastructure) past tool_retry_budget: stopping
 
 # the outcomes a run can end with: the last of them (after the last start or resume) is how it ended
-ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED})
+ENDED = frozenset({COMPLETED, HALTED, PREEMPTED, CRASHED, INTERRUPTED, NODE_LOST})

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlctl.errors import ConfigError
-from rlctl.events import HALTED, POLICY, ROLLBACK, SNAPSHOT_COMMITTED, SNAPSHOT_FAILED
+from rlctl.events import HALTED, NODE_LOST, POLICY, ROLLBACK, SNAPSHOT_COMMITTED, SNAPSHOT_FAILED
 from rlctl.numbers import is_number
 from rlctl.rundir.layout import CONFIG
 from rlctl.rundir.record import RunRecord
@@ -92,12 +92,13 @@ CHECK_CODES = {
     "stale": 44,
     "preempted": 45,
     "interrupted": 46,
+    "node_lost": 47,
 }
 
 
 def check(view: RunRecord, window: int = 100, stale_after: float = 1800.0, rules=None, now=None) -> tuple[str, str]:
-    """(verdict, one line). halted, crashed, preempted and interrupted come from the run's state; stale
-    is a run that claims to be running (live lease) but wrote no step for ``stale_after`` seconds;
+    """(verdict, one line). halted, crashed, preempted, interrupted and node_lost come from the run's
+    state; stale is a run that claims to be running (live lease) but wrote no step for ``stale_after`` seconds;
     warning is a snapshot that failed with none committed since, or a policy that fired within the
     last ``window`` steps, in the run or, with ``rules`` (a policy file), when the run's history is
     replayed through them (``replayed_events``: what `rlctl policy replay` lists)."""
@@ -113,6 +114,9 @@ def check(view: RunRecord, window: int = 100, stale_after: float = 1800.0, rules
         return "preempted", f"PREEMPTED {view.url} at {where}: resume it"
     if state == "interrupted":
         return "interrupted", f"INTERRUPTED {view.url} at {where} (Ctrl-C): resume it"
+    if state == "node_lost":
+        nodes = ", ".join(f"{n.get('ip')} (id {str(n.get('id'))[:12]})" for n in view.events_of(NODE_LOST)[-1]["nodes"])
+        return "node_lost", f"NODE LOST {view.url} at {where}: Ray node {nodes} was lost; resume it on healthy nodes"
     if state == "running":
         last_time = _last_progress(view)
         if last_time is not None and now - last_time > stale_after:

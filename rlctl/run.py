@@ -23,7 +23,7 @@ from typing import Any
 from rlctl import events as names
 from rlctl.checkpoint.catalog import Catalog, SnapshotInfo, parse_step_spec
 from rlctl.config import RunConfig
-from rlctl.errors import ConfigError, ExitCode, Preempted, RankFailed, RlctlError, SnapshotError
+from rlctl.errors import ConfigError, ExitCode, NodeLost, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.ray import launch_ray
@@ -262,6 +262,12 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
     except KeyboardInterrupt:
         if not _ended_since(run, offset):
             _record(events, {"event": names.INTERRUPTED})
+        raise
+    except NodeLost as exc:  # recorded even after a survivor's crash: the lost node is why it crashed
+        _record(
+            events,
+            {"event": names.NODE_LOST, "nodes": exc.nodes, "error": exc.message, "exit_code": int(exc.exit_code)},
+        )
         raise
     except RankFailed as exc:
         if not _ended_since(run, offset):

@@ -32,7 +32,8 @@ _ACTORS = """
 import json, sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-print(json.dumps({"nodes": nodes, "actors": [
+head = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]]
+print(json.dumps({"nodes": nodes, "head": head[0] if head else None, "actors": [
     {"class": a["ActorClassName"], "node": a["Address"]["NodeID"], "job": a["JobID"], "state": a["State"]}
     for a in ray._private.state.actors().values()]}))
 """
@@ -52,6 +53,7 @@ class RayNodes:
     def __init__(self, n: int, cpus: float = 1):
         self.tmp = tempfile.mkdtemp(prefix="rlctl-ray-", dir="/tmp")  # short: Ray's sockets live under it
         self.procs: list[subprocess.Popen] = []
+        self.killed: set[int] = set()
         self.address = f"127.0.0.1:{free_port()}"
         try:
             config = json.dumps(SYSTEM_CONFIG)
@@ -90,16 +92,31 @@ class RayNodes:
     def _until(self, ready, what: str) -> None:
         deadline = time.time() + START_TIMEOUT_S
         while not ready():
-            dead = [p.args for p in self.procs if p.poll() is not None]
+            dead = [p.args for i, p in enumerate(self.procs) if p.poll() is not None and i not in self.killed]
             if dead or time.time() > deadline:
                 logs = "".join(log.read_text(errors="replace")[-2000:] for log in self._logs())
                 raise RuntimeError(f"{what} did not start ({dead or 'timed out'}): {logs}")
             time.sleep(0.2)
 
+    def add(self, cpus: float = 1) -> None:
+        """Start one more node, joining the head (as a fresh node of an allocation would)."""
+        self._start("--address", self.address, cpus=cpus)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL node ``index``'s process group at once (0: the head): its raylet, its workers (the
+        rank actors placed there) and its agents, as a node that loses power."""
+        os.killpg(self.procs[index].pid, signal.SIGKILL)
+        self.procs[index].wait(timeout=30)
+        self.killed.add(index)
+
     def state(self) -> dict:
-        """Ray's own account, from its GCS, once every node is up: the alive nodes ({id: IP address}) and every actor the
-        cluster has had ({"class", "node", "job", "state"}: a dead actor keeps the node it ran on)."""
-        self._until(lambda: all(self._started()), f"{len(self.procs)} Ray nodes")
+        """Ray's own account, from its GCS, once every node that was not killed is up: the alive nodes ({id: IP
+        address}), the head's id ("head") and every actor the cluster has had ({"class", "node", "job",
+        "state"}: a dead actor keeps the node it ran on)."""
+        self._until(
+            lambda: all(up or i in self.killed for i, up in enumerate(self._started())),
+            f"{len(self.procs)} Ray nodes",
+        )
         done = subprocess.run(
             [sys.executable, "-c", _ACTORS, self.address],
             capture_output=True,

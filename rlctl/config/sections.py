@@ -356,3 +356,10 @@ class ClusterConfig(Strict):
         None, description="ray: address of a running cluster (`--ray-address`); empty: start a local Ray."
     )
     cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs reserved for each rank's actor.")
+    node_loss_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="ray: seconds a rank's actor may go without answering the driver's pings (sent every 2 s) "
+        "before its node is declared lost, when Ray has not declared it dead first (by its own health checks, "
+        "about 15 s by default). The driver then stops the other ranks and exits 76.",
+    )

@@ -17,6 +17,7 @@ from typing import Any
 
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError
+from rlctl.ranks.nodes import CRASHED, NodeWatch, Reach
 from rlctl.ranks.report import Reporter
 from rlctl.ranks.stops import STOPS
 from rlctl.ranks.supervise import StopForwarder, supervise
@@ -41,10 +42,14 @@ _PASS_ENV = (
 
 
 class RankActor:
-    def node_ip(self) -> str:
+    def node(self) -> dict[str, str]:
+        """The Ray node this actor runs on: {"id", "ip"}."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def ping(self) -> None:
+        """Answered while the actor (and its node) is there (``nodes.Reach``)."""
 
     def free_port(self) -> int:
         return free_port()
@@ -68,28 +73,41 @@ class ActorStop:
 
 
 class RayRank:
-    """A rank's actor and its running ``run`` call, as a supervisor's RankHandle."""
+    """A rank's actor and its running ``run`` call, as a supervisor's RankHandle; ``reach`` says when its
+    node is lost (then the rank ends with ExitCode.NODE_LOST)."""
 
-    def __init__(self, rank: int, actor, ref):
-        self.rank, self.actor, self.ref = rank, actor, ref
+    def __init__(self, rank: int, actor, ref, reach: Reach):
+        self.rank, self.actor, self.ref, self.reach = rank, actor, ref, reach
         self._code: int | None = None
         self._result: dict[str, Any] | None = None
+        self._failure: BaseException | None = None  # the actor's death or unreachability ended ``run``
 
     def poll(self) -> int | None:
         import ray
+        from ray.exceptions import RayActorError
 
-        if self._code is None and ray.wait([self.ref], timeout=0)[0]:
+        if self._code is None and self._failure is None and ray.wait([self.ref], timeout=0)[0]:
             try:
-                self._result = ray.get(self.ref)
-            except Exception as exc:  # the rank crashed: a bug, or its process died
-                last = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
-                self._result = {
-                    "code": 1,
-                    "message": f"rank {self.rank} crashed: {type(exc).__name__}: {last}",
-                    "summary": None,
-                }
-            self._code = self._result["code"]
+                self._end(ray.get(self.ref))
+            except RayActorError as exc:  # its process died, or its node is lost: ``reach`` decides
+                self._failure = exc
+            except Exception as exc:  # the rank crashed: a bug
+                self._end(self._crash(exc))
+        if self._code is None:
+            verdict = self.reach.verdict(self._failure)
+            if verdict == CRASHED:
+                self._end(self._crash(self._failure or self.reach.died))
+            elif verdict is not None:
+                self._end(self.reach.lost(self.rank, verdict))
         return self._code
+
+    def _end(self, result: dict[str, Any]) -> None:
+        self._result, self._code = result, result["code"]
+
+    def _crash(self, exc: BaseException | None) -> dict[str, Any]:
+        text = str(exc).strip()
+        last = text.splitlines()[-1] if text else ""
+        return {"code": 1, "message": f"rank {self.rank} crashed: {type(exc).__name__}: {last}", "summary": None}
 
     def stop(self, signal_name: str) -> None:
         self.actor.stop.remote(signal_name)
@@ -162,12 +180,7 @@ def launch_ray(
             _start_actors(actors, cfg, pg, accel, nnodes * per_node, per_node)
             for a in actors:
                 stops.add(ActorStop(a))
-            addr, port = ray.get([actors[0].node_ip.remote(), actors[0].free_port.remote()])
-            spec = rank_spec(run, cfg, plan, lease_owner)
-            ranks = [
-                RayRank(rank, a, a.run.remote(spec, rank, rank % per_node, per_node, addr, port))
-                for rank, a in enumerate(actors)
-            ]
+            ranks = _run_ranks(actors, rank_spec(run, cfg, plan, lease_owner), per_node, cfg.cluster.node_loss_timeout)
             return supervise(ranks, run, plan, t.total_steps, reporter, fence)
     finally:
         for a in actors:
@@ -175,6 +188,25 @@ def launch_ray(
         remove_placement_group(pg)
         if started_here:
             ray.shutdown()
+
+
+def _run_ranks(actors: list, spec: dict[str, Any], per_node: int, timeout: float) -> list[RayRank]:
+    """Start every actor's ``run`` of ``spec`` (the group's rendezvous at rank 0's node), each followed with
+    its node (``Reach``: pings and Ray's account of the node, one ``NodeWatch`` for them all)."""
+    import ray
+
+    where = ray.get([a.node.remote() for a in actors])
+    addr, port = where[0]["ip"], ray.get(actors[0].free_port.remote())
+    watch = NodeWatch()
+    return [
+        RayRank(
+            rank,
+            a,
+            a.run.remote(spec, rank, rank % per_node, per_node, addr, port),
+            Reach(a, where[rank], watch, timeout),
+        )
+        for rank, a in enumerate(actors)
+    ]
 
 
 def _wait_placed(pg, nnodes: int, per_node: int, bundle: dict[str, float]) -> None:

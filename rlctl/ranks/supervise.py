@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from rlctl.errors import ExitCode, RankFailed
+from rlctl.errors import ExitCode, NodeLost, RankFailed
 from rlctl.metrics import parse_rows
 from rlctl.ranks.report import Reporter, report_event
 from rlctl.ranks.stops import STOPS, on_stop_signals
@@ -93,7 +93,7 @@ def supervise(
             r.kill()
         raise
     follower.poll(force=True)
-    return outcome([r.result() for r in ranks], failed_first)
+    return outcome([r.result() for r in ranks], failed_first, run.url)
 
 
 def _wait(ranks: Sequence[RankHandle], follower: Follower, fence: Callable[[], None]) -> int | None:
@@ -108,6 +108,10 @@ def _wait(ranks: Sequence[RankHandle], follower: Follower, fence: Callable[[], N
         if all(c is not None for c in codes):
             return failed_first
         follower.poll()
+        if ExitCode.NODE_LOST in codes:  # the ranks left cannot finish a step without those of a lost
+            for r in ranks:  # node: each says whether it was on a lost node too, then it is ended now
+                r.poll()
+                r.kill()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             for r in ranks:  # a rank left the group: the others would wait in a collective forever
                 r.kill()
@@ -120,8 +124,12 @@ def starts_grace(code: int | None) -> bool:
     return code is not None and code not in COORDINATED
 
 
-def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, Any]:
-    """The run's result from the ranks' results: rank 0's, unless another rank failed first."""
+def outcome(results: list[dict | None], failed_first: int | None, url: str = "RUN") -> dict[str, Any]:
+    """The run's result from the ranks' results: rank 0's, unless another rank failed first, or a node
+    was lost (NodeLost: whatever the other ranks said, they failed for want of its ranks)."""
+    lost = [res for res in results if res and res["code"] == ExitCode.NODE_LOST]
+    if lost:
+        raise node_lost(lost, url)
     first = results[0]
     # a rank that ended with its own error (not a crash) says why the others went down
     own = [r for r, res in enumerate(results) if res and starts_grace(res["code"]) and res["code"] != 1]
@@ -141,6 +149,24 @@ def outcome(results: list[dict | None], failed_first: int | None) -> dict[str, A
     if first["code"]:
         raise RankFailed(first["message"] or f"rank 0 failed (exit code {first['code']})", first["code"])
     return first["summary"]
+
+
+def node_lost(results: list[dict[str, Any]], url: str) -> NodeLost:
+    """The error of a run whose ranks in ``results`` (each with its "rank" and "node") were on lost
+    nodes: each node once, with its ranks."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for res in results:
+        node = nodes.setdefault(res["node"]["id"], {**res["node"], "ranks": []})
+        node["ranks"].append(res["rank"])
+    said = "; ".join(
+        f"{n['cause']}, with rank{'s' if len(n['ranks']) > 1 else ''} {', '.join(map(str, n['ranks']))} on it"
+        for n in nodes.values()
+    )
+    return NodeLost(
+        f"{said}. The other ranks were stopped; what was committed is kept: resume on healthy nodes "
+        f"(rlctl resume {url} --from latest)",
+        list(nodes.values()),
+    )
 
 
 class Follower:

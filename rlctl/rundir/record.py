@@ -115,8 +115,8 @@ class RunRecord:
 
     def status(self, lease_timeout: float | None = None) -> str:
         """running (a live lease), completed, halted (by a policy), preempted (stopped by a signal:
-        resume it), interrupted (Ctrl-C: resume it), or crashed (no live lease and none of the above:
-        killed, or an error)."""
+        resume it), interrupted (Ctrl-C: resume it), node_lost (a Ray node that held ranks was lost:
+        resume it elsewhere), or crashed (no live lease and none of the above: killed, or an error)."""
         configured = self.setting("trainer", "lease_timeout")
         timeout = lease_timeout or (float(configured) if is_number(configured) else DEFAULT_LEASE_TIMEOUT)
         if lease_state(self.lease, timeout) == "live":
