@@ -11,7 +11,7 @@ from rlctl.config import Provenance, RunConfig, check_policies_fit, parse_set, v
 from rlctl.config.knob_values import get_knob
 from rlctl.errors import ConfigError
 from rlctl.policies import load_policies
-from rlctl.policies.knobs import SAFE_ON_RESUME
+from rlctl.policies.knobs import KNOBS, SAFE_ON_RESUME
 
 __all__ = ["SAFE_ON_RESUME", "apply_resume_overrides"]
 
@@ -51,4 +51,6 @@ def apply_resume_overrides(cfg: RunConfig, overrides: list[str]) -> tuple[RunCon
         change["to"] = sched.model_dump(mode="json") if isinstance(change["to"], dict) else get_knob(new, dotted)
     if new.policies:  # e.g. checkpoint.every=0 under a policy that rolls back
         check_policies_fit(new, load_policies(new.policies))
-    return new, changes
+    # a setting given its value again (a requeued job naming its Ray head) is no change; a knob is (a policy
+    # may have moved it since the config was written: the value given is set anew)
+    return new, {k: c for k, c in changes.items() if k in KNOBS or c["from"] != c["to"]}

@@ -1,0 +1,110 @@
+"""The project's Slurm scripts under a real Slurm (tests/slurm_cluster.py: Debian's slurm-wlm, a controller
+and a node daemon on this machine), as an operator submits them: examples/slurm-requeue.sbatch (one node)
+and examples/slurm-ray-multinode.sbatch (a Ray head started by the job, here on its one node). Each job is
+preempted as Slurm does before a time limit (SIGUSR1 to the batch shell, `--signal=B:USR1`), rlctl
+commits a snapshot and exits 75, the script requeues the job, and the requeued job resumes the run to its
+end: every step trained once, one preemption, exit 0. The scripts ask for GPUs (`--gres`), which the test
+lifts (`--gres=none`); a requeued job waits for its begin time, which the test brings forward (`scontrol
+update StartTime=now`) instead of waiting the two minutes or so that Slurm sets."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ray_nodes import SYSTEM_CONFIG, free_port
+from slurm_cluster import SlurmCluster
+
+from helpers import REPO, events_of, has_step, metrics_of
+
+STEPS = 4
+CONFIG = {
+    "name": "slurm",
+    "trainer": {"total_steps": STEPS, "prompts_per_step": 4},
+    "algorithm": {"group_size": 4},
+    "rollout": {"max_new_tokens": 6},
+    "checkpoint": {"every": 2},
+    "faults": "sleep@2=120",  # held after step 2 (once in the run) until Slurm's signal
+}
+JOB_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = SlurmCluster.skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(cpus=2)
+    yield cluster
+    cluster.stop()
+
+
+def submit(slurm, tmp_path: Path, script: str, env: dict[str, str], *opts: str) -> tuple[str, Path]:
+    """sbatch ``script`` from ``tmp_path`` (its logs/ there) with ``env`` exported; the job id and the run."""
+    (tmp_path / "logs").mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(CONFIG))
+    run = tmp_path / "run"
+    exported = {"RUN": str(run), "CONFIG": str(config), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", **env}
+    # sbatch hands its own environment to the job (--export=ALL, the default)
+    done = slurm.run(
+        "sbatch", "--parsable", "--gres=none", "--chdir", str(tmp_path), *opts, str(REPO / "examples" / script),
+        env=exported,
+    )  # fmt: skip
+    return done.stdout.strip().split(";")[0], run
+
+
+def preempt_and_finish(slurm, job: str, run: Path) -> str:
+    """Once the run has trained step 2, SIGUSR1 to the job's batch shell; the requeued job's begin time
+    brought forward; its log once it has left the queue."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    while not has_step(run, 2)():
+        assert slurm.job_state(job) and time.time() < deadline, _log(run, "the job did not reach step 2")
+        time.sleep(0.5)
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    while state := slurm.job_state(job):
+        assert time.time() < deadline, _log(run, f"the job is still {state}")
+        if state == "PENDING BeginTime":
+            slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+        time.sleep(0.5)
+    return _log(run, "")
+
+
+def _log(run: Path, why: str) -> str:
+    logs = sorted((run.parent / "logs").glob("*.log"))
+    return why + "\n" + "".join(p.read_text(errors="replace") for p in logs)
+
+
+def assert_requeued_and_complete(slurm, job: str, run: Path, log: str) -> None:
+    assert "preempted with a committed snapshot; requeueing" in log, log
+    assert log.rstrip().endswith("run complete"), log
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, STEPS + 1)), log  # every step once
+    assert [e["event"] for e in events_of(run)].count("preempted") == 1, log
+    restarts = slurm.run("scontrol", "show", "job", job, check=False).stdout
+    assert "Restarts=1" in restarts or not restarts, restarts  # (a finished job may have left the controller)
+
+
+def test_the_single_node_example_is_preempted_requeued_and_resumed_to_the_end(slurm, tmp_path):
+    job, run = submit(slurm, tmp_path, "slurm-requeue.sbatch", {})
+    log = preempt_and_finish(slurm, job, run)
+    assert_requeued_and_complete(slurm, job, run, log)
+
+
+def test_the_multi_node_ray_script_on_one_node_is_preempted_requeued_and_resumed(slurm, tmp_path):
+    """The job starts a Ray head (`srun ray start --head --block`) and rlctl against it; preempted, it
+    stops the head and requeues; the requeued job starts a new head and resumes the run there (the resume
+    names the new head's address and the allocation's size)."""
+    pytest.importorskip("ray")
+    temp = f"/tmp/rlctl-ray-{free_port()}"  # short: Ray's sockets live under it
+    head = [
+        f"--temp-dir={temp}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+        f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+        f"--system-config={json.dumps(SYSTEM_CONFIG, separators=(',', ':'))}",
+    ]  # fmt: skip
+    env = {"RANKS_PER_NODE": "1", "RAY_PORT": str(free_port()), "RAY_HEAD_ARGS": " ".join(head)}
+    job, run = submit(slurm, tmp_path, "slurm-ray-multinode.sbatch", env, "--nodes=1")
+    log = preempt_and_finish(slurm, job, run)
+    assert_requeued_and_complete(slurm, job, run, log)
+    (resume,) = [e for e in events_of(run) if e["event"] == "resume"]
+    assert resume["step"] == 2 and resume["replays_exactly"], resume  # the same head address: no change
