@@ -149,7 +149,9 @@ class Catalog:
     not usable here), ``candidates`` (what a spec such as "latest" or "best" chooses), ``best`` and
     ``quarantine``. ``world_size`` and ``topology``: what a snapshot must have been written for to be
     usable here; ``keep_best``: what "best" means for the run (checkpoint.keep_best; None: the highest
-    val/score/mean); ``on_event`` hears of every snapshot quarantined."""
+    val/score/mean); ``on_event`` hears of every snapshot quarantined. ``elastic``: a snapshot of another
+    world size is usable too (the run's engines convert their files as they load them,
+    ``rlctl.checkpoint.elastic``); else ``fixed_world`` says why it is not, after the mismatch."""
 
     def __init__(
         self,
@@ -159,9 +161,12 @@ class Catalog:
         topology: Sequence[Topology] = (),
         keep_best: BestRule | None = None,
         on_event: EventFn | None = None,
+        elastic: bool = False,
+        fixed_world: str = "",
     ):
         self.storage = storage
         self.world_size = world_size
+        self.elastic, self.fixed_world = elastic, fixed_world
         self.topology = tuple(topology)
         self.keep_best = keep_best
         self.on_event = on_event or (lambda event: None)
@@ -206,8 +211,9 @@ class Catalog:
             return f"manifest format {m['format']!r}; this rlctl reads format {FORMAT}"
         if m["step"] != info.step:
             return f"its manifest is of step {m['step']}, not of step {info.step}"
-        if m["world_size"] != self.world_size:
-            return f"written by {m['world_size']} rank(s); this run has {self.world_size}"
+        if m["world_size"] != self.world_size and not self.elastic:
+            why = f" ({self.fixed_world})" if self.fixed_world else ""
+            return f"written by {m['world_size']} rank(s); this run has {self.world_size}{why}"
         for fact in self.topology:
             if (problem := fact.problem(m)) is not None:
                 return problem

@@ -86,6 +86,11 @@ def stage_prefix(name: str) -> str:
     return f"rlctl-{name}-"
 
 
+def is_rank_file(rel: str) -> bool:
+    """Whether ``rel`` is one of the per-rank files named here (a rank's state file or list)."""
+    return rel == STATE_FILE or _RANK_FILE.match(rel) is not None
+
+
 def files_of_rank(files: Iterable[str], rank: int, file_rank: FileRank | None = None) -> list[str]:
     """The files of a snapshot that rank ``rank`` reads to restore: everything except the other ranks'
     own files. The per-rank files named here (``state.pt`` is rank 0's) are told apart here; any other

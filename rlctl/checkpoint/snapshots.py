@@ -45,12 +45,12 @@ from rlctl import __version__, events, faults
 from rlctl.checkpoint.catalog import Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
+from rlctl.checkpoint.elastic import files_to_restore, source_rank
 from rlctl.checkpoint.failure_count import FailureCount, describe
 from rlctl.checkpoint.job import WriteJob, Written, finish
 from rlctl.checkpoint.layout import (
     MANIFEST,
     abandoned_name,
-    files_of_rank,
     rank_list,
     stage_prefix,
     state_file,
@@ -113,6 +113,8 @@ class SnapshotManager:
         max_failures: int = 3,
         fence: Callable[[], None] | None = None,
         writer: str = "process",
+        elastic: bool = False,
+        fixed_world: str = "",
     ):
         self.storage = storage
         self.world_size = world_size
@@ -126,7 +128,13 @@ class SnapshotManager:
         self.on_event = on_event or (lambda event: None)
         best = self.retention.best.rule if self.retention.best is not None else None
         self.catalog = Catalog(
-            storage, world_size=world_size, topology=self.topology, keep_best=best, on_event=on_event
+            storage,
+            world_size=world_size,
+            topology=self.topology,
+            keep_best=best,
+            on_event=on_event,
+            elastic=elastic,  # (restore: another world's snapshot, rlctl.checkpoint.elastic)
+            fixed_world=fixed_world,
         )
         self.staging_dir = staging_dir
         self.asynchronous = asynchronous
@@ -458,21 +466,25 @@ class SnapshotManager:
         SnapshotError when the snapshot is not usable; nothing is loaded then. With several ranks, each
         rank fetches (from object storage) and checks only the shared files and its own, so together
         they check every file once plus the shared ones N times, and they agree before any loads: a
-        snapshot one rank finds broken is skipped by all of them."""
+        snapshot one rank finds broken is skipped by all of them. A snapshot of another world size (with
+        ``elastic``): every engine file, and one state file (``rlctl.checkpoint.elastic``)."""
         import torch
 
         self.wait()  # a snapshot still in flight is finished first
         problem, local, cleanup = info.problem, None, (lambda: None)
         try:
+            saved_world = (info.manifest or {}).get("world_size", self.world_size)
             if problem is None:
-                mine = files_of_rank((info.manifest or {}).get("files", {}), self.rank, dir_file_rank(dirs))
+                files = (info.manifest or {}).get("files", {})
+                mine = files_to_restore(files, self.rank, saved_world, self.world_size, dir_file_rank(dirs))
                 local, cleanup = self.storage.local_copy(info.name, files=mine)
                 problem = info.problem = checksum_problem(local, info.manifest or {}, only=mine)
             if not self.collectives.all(problem is None):
                 raise SnapshotError(
                     f"snapshot {info.name} is not usable: {problem or 'another rank found it broken (see its error)'}"
                 )
-            saved = torch.load(os.path.join(local, state_file(self.rank)), weights_only=False, map_location="cpu")
+            own = state_file(source_rank(self.rank, saved_world))
+            saved = torch.load(os.path.join(local, own), weights_only=False, map_location="cpu")
             missing = sorted(set(states) - set(saved))
             if missing:
                 raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")

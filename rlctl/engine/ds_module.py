@@ -30,8 +30,8 @@ _ZERO_PARTITION = re.compile(r"^(?:.*/)?zero_pp_rank_(\d+)_[^/]*$")
 
 def zero_file_rank(rel: str) -> int | None:
     """The rank that alone reads a file of a DeepSpeed checkpoint: its ZeRO partition's; None for a
-    shared file. (DeepSpeed loads only its own rank's partition unless checkpoints are elastic, which
-    rlctl never asks for.)"""
+    shared file. (A world of the snapshot's size loads only its own partition; another world size reads
+    every rank's: ``rlctl.checkpoint.elastic``.)"""
     m = _ZERO_PARTITION.match(rel)
     return int(m.group(1)) if m else None
 
@@ -336,6 +336,15 @@ class DSModule:
         return zero_file_rank(rel)
 
     def load_from_dir(self, path: str) -> None:
+        """Load the engine's state from its checkpoint directory ``path``; one that other ranks than this
+        world's partitioned (an elastic resume) through DeepSpeed's universal checkpoint
+        (``rlctl.engine.universal``: weights and optimizer state bit-identical)."""
+        from rlctl.engine.universal import load_resharded, saved_partitions
+
+        saved = saved_partitions(path)
+        if saved is not None and saved != self.engine.dp_world_size:
+            load_resharded(self.engine, path, strict=not self.frozen)
+            return
         parent, tag = os.path.split(path.rstrip("/"))
         loaded, _ = self.engine.load_checkpoint(
             parent,

@@ -54,6 +54,7 @@ class Host(Protocol):
     dist: Dist
     data: PromptCursor
     kl_ctrl: Any
+    actor: Any  # .weights_sha256(): what an elastic resume loaded
     state: Any  # .step: where the restore left the run
     emit: Callable[[dict[str, Any]], None]
 
@@ -261,6 +262,7 @@ class Recovery:
             info, moved = None, self.turn_away(-1, tag_of(0))
         self._take_changes(plan.changes)
         step = info.step if info is not None else 0
+        resharded = self._resharded(info)
         if h.dist.is_main:
             h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())  # only once the restore has succeeded
             h.emit(
@@ -272,9 +274,20 @@ class Recovery:
                     "snapshot": info.name if info else None,
                     "location": h.snapshots.storage.url_of(info.name) if info else None,
                     "changes": plan.changes,
+                    **resharded,
                     **moved,
                 }
             )
+
+    def _resharded(self, info: SnapshotInfo | None) -> dict[str, Any]:
+        """For a resume from a snapshot of another world size (an elastic one), the fields of its event:
+        the ranks before and now, and the hash of the weights loaded (every rank computes it: a collective
+        under ZeRO-3), which equals the snapshot's; nothing otherwise."""
+        h = self.host
+        saved = (info.manifest or {}).get("world_size") if info is not None else None
+        if saved is None or saved == h.dist.world:
+            return {}
+        return {"ranks": {"from": saved, "to": h.dist.world}, "weights_sha256": h.actor.weights_sha256()}
 
     def _take_changes(self, changes: dict[str, Any]) -> None:
         """The knobs resume --set changed keep their new values (the restore kept them); the KL

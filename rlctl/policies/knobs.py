@@ -44,6 +44,9 @@ RESUME_ONLY: frozenset[str] = frozenset(
         "checkpoint.writer",
         "checkpoint.staging_dir",
         "cluster.address",
+        "trainer.nproc",  # another world size: an elastic resume (rlctl.checkpoint.elastic)
+        "trainer.nnodes",
+        "trainer.n_devices_per_node",
         "rollout.multi_turn.tool_retry_budget",  # (a multi-turn run's tools: how long to ride out an outage,
         "rollout.multi_turn.tool_timeout_s",  # how long a call may run, how many run at once)
         "rollout.multi_turn.tool_workers",

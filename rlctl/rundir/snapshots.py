@@ -33,22 +33,43 @@ def zero_topology(stage: int | None) -> Topology:
     """The layout DeepSpeed's snapshot files have: the ZeRO stage they were partitioned for."""
     from rlctl.checkpoint.catalog import Topology
 
-    return Topology("zero_stage", stage, "written with ZeRO stage {recorded}; this run uses stage {value}")
+    return Topology(
+        "zero_stage",
+        stage,
+        "written with ZeRO stage {recorded}; this run uses stage {value} (the stage cannot change on resume)",
+    )
+
+
+def elastic_world(cfg: RunConfig) -> tuple[bool, str]:
+    """Whether the run resumes from snapshots of another world size (DeepSpeed's universal checkpoint
+    converts the engines' files of ZeRO 0 to 3 as they load, ``rlctl.engine.universal``), and when not,
+    why not: with rollout.mode one_step_off or async a snapshot holds each rank's share of the batches
+    generated ahead, which another number of ranks would split otherwise."""
+    if cfg.rollout.mode != "sync":
+        return False, (
+            f"a resume onto another number of ranks needs rollout.mode sync; this run's is {cfg.rollout.mode}, whose "
+            "snapshots hold each rank's share of the batches generated ahead"
+        )
+    return True, ""
 
 
 def snapshot_catalog(run: Storage, cfg: RunConfig, events: EventSink | None = None) -> Catalog:
     """The run's snapshots as they lie on its checkpoint storage, for listing, choosing and checking:
-    usable when written for the run's world size and ZeRO stage, "best" by checkpoint.keep_best.
+    usable when written for the run's ZeRO stage (and world size, unless ``elastic_world``), "best" by
+    checkpoint.keep_best.
     ``events`` hear of what ``remove_uncommitted`` quarantines (the run's writer alone tidies)."""
     from rlctl.checkpoint.catalog import BestRule, Catalog
 
     best = cfg.checkpoint.keep_best
+    elastic, fixed_world = elastic_world(cfg)
     return Catalog(
         checkpoint_storage(run, cfg),
         world_size=cfg.world_size,
         topology=[zero_topology(cfg.actor.zero_stage)],
         keep_best=BestRule(best.metric, best.mode) if best is not None else None,
         on_event=events.emit if events is not None else None,
+        elastic=elastic,
+        fixed_world=fixed_world,
     )
 
 
@@ -73,6 +94,7 @@ def snapshot_manager(
 
     c = cfg.checkpoint
     best = KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.k) if c.keep_best is not None else None
+    elastic, fixed_world = elastic_world(cfg)
     return SnapshotManager(
         checkpoint_storage(run, cfg),
         world_size=cfg.world_size,
@@ -93,4 +115,6 @@ def snapshot_manager(
         max_failures=c.max_failures,
         fence=fence,
         writer=c.writer,
+        elastic=elastic,
+        fixed_world=fixed_world,
     )
