@@ -52,6 +52,7 @@ class Reach:
         self.actor, self.node, self.watch, self.timeout = actor, node, watch, timeout
         self.seen = time.monotonic()  # the last answer (the actor has just told where it runs)
         self.died: BaseException | None = None  # a ping's ActorDiedError: the actor is dead
+        self.killed = False  # by the driver: no more pings (their errors would say nothing of the node)
         self._ping = None
         self._sent = -math.inf
 
@@ -67,7 +68,7 @@ class Reach:
         died = failure if isinstance(failure, ActorDiedError) else self.died
         where = f"Ray node {self.node['ip']} (id {node[:12]})"
         silent = time.monotonic() - self.seen
-        if not self.watch.alive(node, fresh=died is not None or failure is not None):
+        if not self.watch.alive(node, fresh=died is not None):
             self.watch.lost[node] = f"{where} was declared dead by Ray"
         elif died is not None:
             return CRASHED
@@ -81,7 +82,7 @@ class Reach:
         from ray.exceptions import ActorDiedError
 
         now = time.monotonic()
-        if self._ping is not None and ray.wait([self._ping], timeout=0)[0]:
+        if self._ping is not None and not self.killed and ray.wait([self._ping], timeout=0)[0]:
             try:
                 ray.get(self._ping)
                 self.seen = now
@@ -90,6 +91,8 @@ class Reach:
             except Exception:  # unavailable (out of reach for now): the silence goes on
                 pass
             self._ping, self._sent = None, now
+        if self.killed:
+            return
         if self._ping is None and self.died is None and now - self._sent >= PING_S:
             self._ping, self._sent = self.actor.ping.remote(), now
 

@@ -113,11 +113,17 @@ class RayRank:
         self.actor.stop.remote(signal_name)
 
     def kill(self) -> None:
+        """End the actor; one out of reach already (its ``run`` failed with the actor's death or loss) ends
+        only once its node's verdict is in (``poll``): its node may be lost, which is why the others
+        failed (a survivor's collective with a dead peer fails at once where the peer's connections are
+        reset, long before Ray declares the node dead)."""
         import ray
 
-        if self._code is None:
+        if self._code is None and not self.reach.killed:
             ray.kill(self.actor)
-            self._code, self._result = -int(signal.SIGKILL), None
+            self.reach.killed = True
+            if self._failure is None:
+                self._code, self._result = -int(signal.SIGKILL), None
 
     def result(self) -> dict[str, Any] | None:
         return self._result

@@ -18,19 +18,20 @@ from helpers import events_of, invoke, metrics_of, run_cli, spawn_start, wait_fo
 BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=12"]
 # two Ray nodes of one CPU each, one rank on each (as in test_multirank's two-node test)
 TWO_NODES = ["--set", "trainer.nnodes=2", "--set", "trainer.n_devices_per_node=1", "--set", "cluster.cpus_per_rank=0.5"]
-# held after step 3, with step 3's snapshot uncommitted (its manifest waits) and step 2's committed
-DRILLS = "sleep@3=300,commit_delay@3=300"
+# a pause after step 3 (a window for the kill), with step 2's snapshot committed and step 3's held back
+DRILLS = "sleep@3=8,commit_delay@3=300"
 TIMEOUT = 8  # cluster.node_loss_timeout: the pings' bound (Ray's own health checks take about 14 s here)
 
 
 def test_a_lost_node_stops_the_run_with_exit_76_and_it_resumes_on_a_fresh_node(s3_env, monkeypatch):
-    """Both ranks are held after step 3 (step 2's snapshot committed, step 3's files written and its
-    manifest held back: mid-step and mid-commit at once); the non-head node's whole process group
-    (raylet, workers, agents) is SIGKILLed, as a node losing power. The driver notices within
-    cluster.node_loss_timeout (or sooner, once Ray declares the node dead), kills the surviving rank, which
-    would otherwise sleep on (or wait in a collective with its dead peer), records ``node_lost`` naming the
-    node and its rank, and exits 76; `inspect --check` says 47; step 2's snapshot is intact and step 3's
-    was never committed. A fresh node joins the head, and `rlctl resume` completes the run from step 2."""
+    """After step 3 (step 2's snapshot committed; step 3's files written, its manifest held back: mid-commit)
+    the non-head node's whole process group (raylet, workers, agents) is SIGKILLed, as a node losing
+    power, while both ranks pause; the surviving rank then goes on into step 4's collectives with its dead
+    peer (which fail on loopback, where a dead peer's connections are reset: a crash of its own). The
+    driver notices within cluster.node_loss_timeout (or sooner, once Ray declares the node dead), stops
+    the survivor, records ``node_lost`` last, naming the node and its rank, and exits 76; `inspect --check`
+    says 47; step 2's snapshot is intact and step 3's was never committed. A fresh node joins the head,
+    and `rlctl resume` completes the run from step 2."""
     pytest.importorskip("ray")
     import fsspec.config
 
