@@ -45,7 +45,7 @@ from rlctl import __version__, events, faults
 from rlctl.checkpoint.catalog import Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
-from rlctl.checkpoint.elastic import files_to_restore, source_rank
+from rlctl.checkpoint.elastic import files_to_restore, load_dir, source_rank
 from rlctl.checkpoint.failure_count import FailureCount, describe
 from rlctl.checkpoint.job import WriteJob, Written, finish
 from rlctl.checkpoint.layout import (
@@ -489,7 +489,7 @@ class SnapshotManager:
             if missing:
                 raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")
             for key, obj in dirs.items():
-                obj.load_from_dir(os.path.join(local, key))
+                load_dir(obj, os.path.join(local, key), saved_world, self.world_size)
             for key, obj in states.items():
                 obj.load_state_dict(saved[key])
         finally:

@@ -30,6 +30,10 @@ class DirStateful(Protocol):
     # every rank reads it. Without it, every rank fetches and checks every file of the directory.
     # def file_rank(self, rel: str) -> int | None: ...
 
+    # Optional: load a directory written by ``saved_world`` ranks into a world of another size (an
+    # elastic resume, ``rlctl.checkpoint.elastic``). Without it, such a snapshot does not load.
+    # def load_resharded(self, path: str, saved_world: int) -> None: ...
+
 
 def dir_file_rank(dirs: dict[str, DirStateful]) -> FileRank:
     """``file_rank`` over a snapshot's paths, asking the directory-Stateful each path lies under."""

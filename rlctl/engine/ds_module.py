@@ -335,16 +335,19 @@ class DSModule:
         """The rank that alone reads a file of this module's checkpoint directory (None: every rank)."""
         return zero_file_rank(rel)
 
-    def load_from_dir(self, path: str) -> None:
-        """Load the engine's state from its checkpoint directory ``path``; one that other ranks than this
-        world's partitioned (an elastic resume) through DeepSpeed's universal checkpoint
-        (``rlctl.engine.universal``: weights and optimizer state bit-identical)."""
+    def load_resharded(self, path: str, saved_world: int) -> None:
+        """Load the engine's state from its checkpoint directory ``path``, written by ``saved_world`` ranks,
+        into this world of another size (an elastic resume: ``rlctl.checkpoint.elastic``): its ZeRO
+        partitions through DeepSpeed's universal checkpoint (``rlctl.engine.universal``: weights and
+        optimizer state bit-identical); a ZeRO-0 checkpoint, which has none, as it is."""
         from rlctl.engine.universal import load_resharded, saved_partitions
 
-        saved = saved_partitions(path)
-        if saved is not None and saved != self.engine.dp_world_size:
+        if saved_partitions(path) is None:
+            self.load_from_dir(path)
+        else:
             load_resharded(self.engine, path, strict=not self.frozen)
-            return
+
+    def load_from_dir(self, path: str) -> None:
         parent, tag = os.path.split(path.rstrip("/"))
         loaded, _ = self.engine.load_checkpoint(
             parent,
