@@ -179,10 +179,6 @@ class RunConfig(Strict):
             why
             for why, on in (
                 (f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),
-                (
-                    "algorithm.dynamic_sampling (its rounds agree across the ranks)",
-                    self.algorithm.dynamic_sampling.enabled,
-                ),
                 ("actor.zero_stage 3 (a copy of the weights generates)", self.actor.zero_stage == 3),
             )
             if on

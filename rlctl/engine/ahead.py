@@ -277,6 +277,8 @@ def rollout_ahead(host) -> RolloutAhead | None:
     pool = host.rollouts.new_pool()
     own = copy.deepcopy(host.tokenizer)
     rollout = host.rollouts.make("hf", GeneratingActor(host.actor), own, pool, events.append)
-    ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, e.dist, tokenizer=own)
+    # dynamic sampling's rounds agree across the ranks: over a process group of the generator's own
+    dist = e.dist.own_group() if cfg.algorithm.dynamic_sampling.enabled else e.dist
+    ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, dist, tokenizer=own)
     steps = 1 if cfg.rollout.mode == "one_step_off" else cfg.rollout.max_staleness
     return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool, steps)

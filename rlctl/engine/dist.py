@@ -12,6 +12,7 @@ of one every method is a no-op.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -77,6 +78,17 @@ class Dist:
         self.rank = dist.get_rank() if self._dist else 0
         self.world = dist.get_world_size() if self._dist else 1
         self.device = device
+        self._group = None  # the default process group
+
+    def own_group(self) -> Dist:
+        """The same ranks over a process group of their own (gloo, CPU tensors): its collectives, made in
+        another thread (the generator of an overlapped rollout), never interleave with this one's, which
+        a process group requires. Every rank calls it, at the same point; in a world of one, ``self``."""
+        if not self.active:
+            return self
+        other = copy.copy(self)
+        other._group, other.device = self._dist.new_group(backend="gloo"), torch.device("cpu")
+        return other
 
     @property
     def is_main(self) -> bool:
@@ -88,13 +100,13 @@ class Dist:
 
     def barrier(self) -> None:
         if self.active:
-            self._dist.barrier()
+            self._dist.barrier(group=self._group)
 
     def _reduce_int(self, value: int, op) -> int:
         if not self.active:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._dist.all_reduce(t, op=op)
+        self._dist.all_reduce(t, op=op, group=self._group)
         return int(t.item())
 
     def sum(self, value: int) -> int:
@@ -121,7 +133,7 @@ class Dist:
         if not self.active:
             return row
         rows: list[dict[str, Any]] = [None] * self.world  # type: ignore[list-item]
-        self._dist.all_gather_object(rows, row)
+        self._dist.all_gather_object(rows, row, group=self._group)
         return reduce_rows(rows, how)
 
     def shard(self, n: int) -> slice:

@@ -200,6 +200,8 @@ class Trainer:
         survive) and rewinds its history to the snapshot's step, and keeps the live knobs; a resume takes
         the snapshot's policy state, or the counts of a later rollback or halt, and the knobs that state
         records, except ``keep_knobs`` (those resume --set changed: ``Recovery.carry_policy_state``)."""
+        if self.ahead is not None:  # no batch in flight draws from the cursor once it is restored
+            self.ahead.wait()
         states = self.stateful()
         if rollback:
             states.pop("policy", None)
@@ -224,6 +226,8 @@ class Trainer:
         self.metrics.flush()  # the rows the snapshot claims are on storage before it commits (rank 0)
         if self.guard is not None:
             self.guard.knobs = knob_settings(self.cfg)  # a resume from this snapshot takes these knobs
+        if self.ahead is not None:  # the batches in flight drawn whole (dynamic sampling draws as it goes)
+            self.ahead.wait()  # before the cursor and the RNG are read
         self.snapshots.save(
             self.state.step,
             self.stateful(),

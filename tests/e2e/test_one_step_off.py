@@ -5,11 +5,12 @@ the run."""
 
 import pytest
 
-from helpers import SMALL, completed_hash, events_of, kill_and_resume, metrics_of, stable, start_here
+from helpers import SMALL, completed_hash, events_of, kill_and_resume, metrics_of, stable, start, start_here
 
 COMMON = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
 OFF = [*COMMON, "--set", "rollout.mode=one_step_off"]
 ASYNC = [*COMMON, "--set", "rollout.mode=async", "--set", "rollout.max_staleness=2"]
+DYNAMIC = ["--set", "algorithm.dynamic_sampling.enabled=true", "--set", "algorithm.dynamic_sampling.max_gen_batches=3"]
 
 
 def test_one_step_off_starts_as_sync_and_then_trains_on_older_weights(tmp_path):
@@ -52,3 +53,21 @@ def test_a_rollback_drops_the_batch_in_flight_and_skips_the_offending_prompts(tm
     assert back["dropped_trajectories"] == 16  # step 6's batch, in flight, sampled by undone weights
     assert [row["step"] for row in metrics_of(run)] == [1, 2, 3, 4, 5, 6]
     assert metrics_of(run)[3]["rollout/staleness/mean"] == 1.0  # snapshot 3's batch of step 4 trained as sampled
+
+
+def test_two_ranks_with_dynamic_sampling_generate_ahead_and_resume_exactly(tmp_path):
+    """Two local ranks, one_step_off and dynamic sampling: each rank's generator agrees with the other's on
+    the rounds of the batch it makes ahead over a process group of the generators' own, while the update
+    runs its collectives over the run's. Killed after step 3 and resumed: bit for bit the uninterrupted run."""
+    args = ["--nproc", "2", *OFF, *DYNAMIC, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2"]
+    ref = tmp_path / "ref"
+    r = start(ref, *args)
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(ref)
+    assert [r["rollout/staleness/max"] for r in rows] == [0, 1, 1, 1]
+    assert max(r["dynamic_sampling/rounds"] for r in rows[1:]) > 1  # a batch made ahead took several rounds
+    run = tmp_path / "killed"
+    r = kill_and_resume(run, args, 3)
+    assert "continuing from step 2" in r.stderr
+    assert completed_hash(run) == completed_hash(ref)
+    assert stable(metrics_of(run)) == stable(rows)
