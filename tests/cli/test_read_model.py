@@ -94,6 +94,7 @@ def test_each_file_is_read_once_and_warned_about_only_when_read(tmp_path):
         (["start", "policy", "halted"], "halted"),
         (["start", "preempted"], "preempted"),
         (["start", "interrupted"], "interrupted"),
+        (["start", "crashed", "node_lost"], "node_lost"),  # a survivor's crash, then the driver's verdict
         (["start", "completed", "resume"], "crashed"),  # a resume that never said how it ended
         (["start", "crashed"], "crashed"),
         ([], "crashed"),
@@ -106,7 +107,7 @@ def test_the_last_outcome_gives_the_status(tmp_path, kinds, status):
 
 
 def test_the_terminal_events_are_named_once():
-    assert {"completed", "halted", "preempted", "crashed", "interrupted"} == events.ENDED
+    assert {"completed", "halted", "preempted", "crashed", "interrupted", "node_lost"} == events.ENDED
     assert events.ROLLBACK == "rollback" and events.SNAPSHOT_COMMITTED == "snapshot_committed"
 
 
