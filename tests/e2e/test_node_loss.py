@@ -26,8 +26,8 @@ TIMEOUT = 8  # cluster.node_loss_timeout: the pings' bound (Ray's own health che
 def test_a_lost_node_stops_the_run_with_exit_76_and_it_resumes_on_a_fresh_node(s3_env, monkeypatch):
     """After step 3 (step 2's snapshot committed; step 3's files written, its manifest held back: mid-commit)
     the non-head node's whole process group (raylet, workers, agents) is SIGKILLed, as a node losing
-    power, while both ranks pause; the surviving rank then goes on into step 4's collectives with its dead
-    peer (which fail on loopback, where a dead peer's connections are reset: a crash of its own). The
+    power, while both ranks pause; the surviving rank may then go on into step 4's collectives with its
+    dead peer (which fail on loopback, where a dead peer's connections are reset: a crash of its own). The
     driver notices within cluster.node_loss_timeout (or sooner, once Ray declares the node dead), stops
     the survivor, records ``node_lost`` last, naming the node and its rank, and exits 76; `inspect --check`
     says 47; step 2's snapshot is intact and step 3's was never committed. A fresh node joins the head,
