@@ -363,3 +363,10 @@ class ClusterConfig(Strict):
         "before its node is declared lost, when Ray has not declared it dead first (by its own health checks, "
         "about 15 s by default). The driver then stops the other ranks and exits 76.",
     )
+    env_vars: list[str] = Field(
+        default_factory=list,
+        description="ray: more of the driver's environment variables handed to the ranks (a name, or a prefix "
+        "ending in *), e.g. what a tool or reward function reads (an API key, a service's address). Besides "
+        "these, the ranks get rlctl's own (RLCTL_*, HF_*, AWS_*, FSSPEC_*, ...); the rest of theirs is their "
+        "node's.",
+    )

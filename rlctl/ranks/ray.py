@@ -41,6 +41,11 @@ _PASS_ENV = (
 )
 
 
+def _named(var: str, names: list[str]) -> bool:
+    """Whether cluster.env_vars names ``var`` (a name, or a prefix ending in *)."""
+    return any(var.startswith(n[:-1]) if n.endswith("*") else var == n for n in names)
+
+
 class RankActor:
     def node(self) -> dict[str, str]:
         """The Ray node this actor runs on: {"id", "ip"}."""
@@ -55,6 +60,10 @@ class RankActor:
         return free_port()
 
     def run(self, spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
+        # the driver's working directory where this node has it (a shared filesystem, the driver's own node):
+        # the reward and tool modules beside the config, and relative paths, are found as on the driver
+        if os.path.isdir(spec["cwd"]):
+            os.chdir(spec["cwd"])
         return rank_main(spec, rank, local_rank, local_world, addr, port)
 
     def stop(self, reason: str) -> None:
@@ -234,7 +243,7 @@ def _start_actors(actors: list, cfg: RunConfig, pg, accel: dict[str, float], wor
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV) or _named(k, cfg.cluster.env_vars)}
     remote = ray.remote(RankActor)
     for rank in range(world):
         actors.append(

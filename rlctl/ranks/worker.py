@@ -236,6 +236,7 @@ def rank_spec(run: Storage, cfg: RunConfig, plan: ResumePlan | None, lease_owner
         "plan": plan.as_data() if plan is not None else None,
         "world": cfg.world_size,
         "lease_owner": lease_owner,
+        "cwd": os.getcwd(),  # (a Ray rank starts elsewhere)
     }
 
 

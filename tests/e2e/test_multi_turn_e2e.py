@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from chat_tokenizer import tool_model_dir
+from ray_nodes import ENV as RAY_ENV
+from ray_nodes import RayNodes
 
 from helpers import completed_hash, events_of, has_step, invoke, metrics_of, run_cli, spawn, stable, start, wait_for
 
@@ -294,11 +296,22 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
 
 
 def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_workers(task, reference):
-    """Two local ranks: each generates its share of the step's conversations, runs its calls in its own
+    """Two ranks as actors of a Ray node started elsewhere (`ray start`, from another directory and without
+    the tool's variable): each generates its share of the step's conversations, runs its calls in its own
     tool workers and records them and its transcripts under its rank; step 1 makes the 1-rank run's calls
-    (the same weights and seeds sample the same first turns; only a first turn's calls run, max_turns=2)."""
+    (the same weights and seeds sample the same first turns; only a first turn's calls run, max_turns=2).
+    The actors start in the driver's working directory (the prompts are named relative to it) and their
+    tool workers get the tool's variable (cluster.env_vars): its counter counts every call. (Local ranks
+    with tools: the outage test below.)"""
     run = task / "two-ranks"
-    r = start(run, "--nproc", "2", config=task / "run.yaml", env=env_of(task, run), cwd=task)
+    env = {**env_of(task, run), **RAY_ENV}
+    nodes = RayNodes(1, cpus=2)
+    try:
+        ray = ["--ray-address", nodes.address, "--set", "trainer.n_devices_per_node=2"]
+        ray += ["--set", "cluster.env_vars=[CAPITALS_*]", "--set", "data.path=prompts.jsonl"]
+        r = start(run, *ray, config=task / "run.yaml", env=env, cwd=task)
+    finally:
+        nodes.stop()
     assert r.returncode == 0, r.stderr
     rows, ref = metrics_of(run), metrics_of(reference)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
@@ -306,6 +319,8 @@ def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_wor
     assert rows[0]["tool/calls/mean"] == ref[0]["tool/calls/mean"]
     recorded = [line for f in (run / "tools").glob("step-*.rank-*.jsonl") for line in f.read_text().splitlines()]
     assert len(recorded) == sum(row["tool/lookup/calls"] for row in rows)  # every call recorded once, by its rank
+    # the tool read its variable on the ranks (the two ranks' workers race on the file: at most one a call)
+    assert 0 < int(Path(env["CAPITALS_COUNTER"]).read_text()) <= len(recorded)
     convs = json.loads(invoke("trajectories", str(run), "--step", "1", "--format", "json").stdout)
     assert sorted(c["rank"] for c in convs) == [0, 0, 1, 1]
     assert {p.name.split(".")[1] for p in (run / "tools").glob("step-*.jsonl")} == {"rank-0", "rank-1"}
