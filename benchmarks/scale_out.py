@@ -6,7 +6,7 @@ against snapshot size, measured in one run.
                                              [--json FILE]
 
 This is a benchmark, not a test: it prints numbers and asserts nothing about them. The default run takes
-about 10 minutes on the project's 2-core machine; `--rounds 2`, `--steps 8`, `--model 100M` or
+about 8 minutes on the project's 2-core machine; `--rounds 2`, `--steps 8`, `--model 100M` or
 `--convert-models 6M,100M` make it longer and the medians firmer.
 
 What it measures. Per ZeRO stage and number of ranks, real runs of the installed console script
