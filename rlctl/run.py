@@ -194,6 +194,10 @@ def plan_resume(
     selection.skip(reporter.note)
     if not selection.usable:
         _start_over(run, catalog, reporter, events)
+    elif (was := (selection.usable[0].manifest or {}).get("world_size")) != cfg.world_size:
+        reporter.note(
+            f"{selection.usable[0].name} was written by {was} rank(s); it loads on {cfg.world_size}: an elastic resume"
+        )
     return ResumePlan.of(selection, changes)
 
 

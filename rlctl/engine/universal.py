@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -71,6 +72,20 @@ def universal_loading(engine):
         config.load_universal_checkpoint = before
 
 
+@contextlib.contextmanager
+def _quiet_deepspeed():
+    """DeepSpeed's logger holds back its warnings within the block (a universal load warns that no model
+    parallel unit was given, which rlctl never uses)."""
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def load_resharded(engine, path: str, *, strict: bool) -> None:
     """Load the DeepSpeed checkpoint directory ``path``, written by another number of ranks, into
     ``engine``: converted to a universal checkpoint in a temporary directory, loaded, removed. ``strict``:
@@ -79,7 +94,7 @@ def load_resharded(engine, path: str, *, strict: bool) -> None:
     try:
         tag = os.path.basename(path.rstrip("/"))
         to_universal(path, os.path.join(tmp, tag))
-        with universal_loading(engine):
+        with universal_loading(engine), _quiet_deepspeed():
             loaded, _ = engine.load_checkpoint(
                 tmp, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=strict
             )
