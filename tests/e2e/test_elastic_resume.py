@@ -88,6 +88,7 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_ranks, tmp_path, 
     args = ("resume", str(run), "--from", "step-1", "--set", f"trainer.nproc={ranks}")
     r = invoke(*args) if ranks == 1 else run_cli(*args)  # (one rank trains in this process)
     assert r.returncode == 0, r.stderr
+    assert f"step-000001 was written by 2 rank(s); it loads on {ranks}: an elastic resume" in r.stderr
 
     resume = events_of(run, "resume")[-1]
     assert resume["ranks"] == {"from": 2, "to": ranks}
