@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+# a test process's own process group (tests/conftest.py's runtime): not for a job's ranks
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")
 START_TIMEOUT_S = 60.0
 MUNGE_KEY = Path("/etc/munge/munge.key")
@@ -125,7 +127,7 @@ class SlurmCluster:
             capture_output=True,
             text=True,
             timeout=60,
-            env={**os.environ, **self.env, **(env or {})},
+            env={**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **self.env, **(env or {})},
         )
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr}")

@@ -118,7 +118,7 @@ class Host:
 
     def __init__(self, tmp_path, manager, broken=()):
         self.cfg, self.run, self.snapshots = RunConfig(), Storage(str(tmp_path / "run")), manager
-        self.dist = SimpleNamespace(is_main=True, barrier=lambda: None)
+        self.dist = SimpleNamespace(is_main=True, world=1, barrier=lambda: None)
         self.state, self.kl_ctrl, self.guard = SimpleNamespace(step=9), SimpleNamespace(value=0.5), None
         self.broken, self.restored, self.events, self.knobs_applied = set(broken), [], [], 0
 
