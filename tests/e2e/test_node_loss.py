@@ -15,7 +15,7 @@ from rlctl.storage import Storage
 
 from helpers import events_of, invoke, metrics_of, run_cli, spawn_start, wait_for
 
-BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=12"]
+BASE = ["--set", "trainer.prompts_per_step=4", "--set", "algorithm.group_size=2", "--set", "rollout.max_new_tokens=8"]
 # two Ray nodes of one CPU each, one rank on each (as in test_multirank's two-node test)
 TWO_NODES = ["--set", "trainer.nnodes=2", "--set", "trainer.n_devices_per_node=1", "--set", "cluster.cpus_per_rank=0.5"]
 # a pause after step 3 (a window for the kill), with step 2's snapshot committed and step 3's held back
