@@ -41,7 +41,7 @@ SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 AuthType=auth/munge
-AuthInfo=socket={dir}/munge.sock
+AuthInfo=socket={dir}/munge.sock,cred_expire=10
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -59,6 +59,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MpiDefault=none
 KillWait=10
+SchedulerParameters=sched_interval=2
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
