@@ -170,9 +170,6 @@ def log(msg: str) -> None:
 # -- the shared inputs (parent) ---------------------------------------------------------------------
 def build_model_dir(key: str, out: Path) -> int:
     """Write model + tokenizer with rlctl's own pieces; returns the parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rlctl.config import RunConfig
     from rlctl.engine.model import build_char_tokenizer, build_tiny_model
 
@@ -180,27 +177,36 @@ def build_model_dir(key: str, out: Path) -> int:
     if key == "tiny":
         model = build_tiny_model(RunConfig().model.builtin, tok, SEED)
     else:
-        cfg = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            head_dim=64,
-            max_position_embeddings=256,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=False,
-            initializer_range=0.02,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            model = LlamaForCausalLM(cfg)
+        model = llama(tok, hidden=512, layers=8, mlp=1408, heads=8)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
+
+
+def llama(tok, hidden: int, layers: int, mlp: int, heads: int):
+    """A Llama of these sizes for the tokenizer ``tok`` (head_dim hidden / heads, untied embeddings),
+    initialised from SEED without touching the caller's RNG."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return LlamaForCausalLM(cfg)
 
 
 # -- rlctl (worker) ---------------------------------------------------------------------------------

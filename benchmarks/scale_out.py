@@ -128,31 +128,14 @@ def install_probe(out_dir: str) -> None:
 # -- models and runs ----------------------------------------------------------------------------------
 def build_model(key: str, out: Path) -> int:
     """Write a Llama of size ``key`` with rlctl's character tokenizer; returns the parameter count."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(HERE.parent))  # (this file also loads as the runs' probe, from elsewhere)
+    from grpo_vs_trl import llama
 
     from rlctl.engine.model import build_char_tokenizer
 
     hidden, layers, mlp, heads = MODELS[key]
     tok = build_char_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-        initializer_range=0.02,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(cfg)
+    model = llama(tok, hidden=hidden, layers=layers, mlp=mlp, heads=heads)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())

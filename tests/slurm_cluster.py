@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from helpers import DIST_VARS  # a test process's own process group: not for a job's ranks
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
-# a test process's own process group (tests/conftest.py's runtime): not for a job's ranks
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")
 START_TIMEOUT_S = 60.0
 MUNGE_KEY = Path("/etc/munge/munge.key")
