@@ -6,6 +6,7 @@ storage) and resumes bit-exactly after SIGKILL or SIGTERM."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import orjson
@@ -14,6 +15,7 @@ from ray_nodes import ENV as RAY_ENV
 from ray_nodes import RayNodes
 
 from rlctl.errors import ExitCode
+from rlctl.inspect import CHECK_CODES
 from rlctl.storage import Storage
 
 from helpers import (
@@ -23,6 +25,7 @@ from helpers import (
     invoke,
     metrics_of,
     run_cli,
+    spawn,
     spawn_start,
     stable,
     start,
@@ -36,6 +39,7 @@ VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]
 COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", *VAL]
 # two Ray nodes of one CPU each (tests/ray_nodes.py), one rank on each
 TWO_NODES = ["--set", "trainer.nnodes=2", "--set", "trainer.n_devices_per_node=1", "--set", "cluster.cpus_per_rank=0.5"]
+NODE_LOSS_TIMEOUT = 8  # cluster.node_loss_timeout: the pings' bound (Ray's own health checks take about 14 s here)
 # the 2-rank ZeRO-3 runs micro-batch by token budget (test_token_budget_...); ZeRO-2's take one per rank
 BUDGET = {2: [], 3: ["--set", "actor.max_tokens_per_micro_batch=40"]}
 # files of both ranks that a 2-rank snapshot's manifest lists
@@ -190,45 +194,89 @@ def test_token_budget_micro_batches_on_two_ranks_take_the_one_rank_gradient(one_
     close_to_one_rank(metrics_of(two_local(3)), metrics_of(one_rank[3]))
 
 
-def test_ray_two_nodes_match_and_resume_exactly_after_sigterm(one_rank, two_local, s3_env, monkeypatch):
+def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninterrupted_run(
+    one_rank, two_local, s3_env, monkeypatch
+):
     """Two Ray nodes on this machine (`ray start --head`, `ray start --address`: two raylets of one CPU
     each) take one rank each (STRICT_SPREAD over trainer.nnodes, asserted from Ray's own state), with the
-    run directory on S3 (ranks on several nodes need storage that every node reaches). SIGTERM (a
-    preemption) after step 3: the driver forwards it to the actors, every rank stops after the same step,
-    rank 0 commits that step's snapshot, exit 75. Resumed on the cluster (placed anew), the run ends
-    bit-identical to an uninterrupted local 2-rank run on one node. ZeRO-3 only: ZeRO-2's two ranks are
-    proven by the local SIGKILL test, and placement does not depend on the stage."""
+    run directory on S3 (ranks on several nodes need storage that every node reaches). One run, three
+    processes of rlctl, as a night on a cluster goes:
+
+    - **a node lost** after step 4 (step 2's snapshot committed; step 4's files written, its manifest held
+      back: mid-commit): the non-head node's whole process group (raylet, workers, agents) is SIGKILLed,
+      as a node losing power, while both ranks pause. The survivor may go on into step 5's collectives
+      with its dead peer (which fail on loopback: a crash of its own). The driver notices within
+      cluster.node_loss_timeout (or sooner, once Ray declares the node dead), stops the survivor, records
+      ``node_lost`` last, naming the node and its rank, and exits 76; `inspect --check` says 47; step 2's
+      snapshot verifies and step 4's was never committed;
+    - **a preemption**: a fresh node joins the head and `rlctl resume` goes on from step 2; SIGTERM after
+      step 5: the driver forwards it to the actors, every rank stops after the same step, rank 0 commits
+      that step's snapshot, exit 75;
+    - resumed again on the cluster (placed anew), the run ends bit-identical to an uninterrupted local
+      2-rank run on one node.
+
+    ZeRO-3 only: ZeRO-2's two ranks are proven by the local SIGKILL test, and placement does not depend
+    on the stage."""
     pytest.importorskip("ray")
     import fsspec.config
 
     s3, opts = s3_env
     monkeypatch.setitem(fsspec.config.conf, "s3", opts)  # this process reads the run as its ranks write it
     env, url, stage = {**s3, **RAY_ENV}, "s3://rlctl-runs/ray/two-nodes", 3
-    ref = two_local(stage)
+    ref, run, step4 = two_local(stage), Storage(url), "checkpoints/step-000004"
     nodes = RayNodes(2)  # the run connects once the head is up; its placement waits for the other node
     try:
         args = ["--ray-address", nodes.address, *TWO_NODES, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
-        proc = spawn_start(url, *COMMON, *args, faults="sleep@3=120", env=env)
-        # the drill's event (events reach the store at once; metric rows are buffered there)
-        wait_for(lambda: any(e["step"] == 3 for e in events_of(url, "drill_fired")), proc)
+        args += ["--set", f"cluster.node_loss_timeout={NODE_LOSS_TIMEOUT}"]
+        proc = spawn_start(url, *COMMON, *args, faults="sleep@4=8,commit_delay@4=300", env=env)
+        wait_for(lambda: any(e["step"] == 4 for e in events_of(url, "drill_fired")), proc)
+        wait_for(lambda: committed(url, 2) and run.exists(f"{step4}/state.pt"), proc)
+        placed = nodes.state()
+        lost = next(n for n in placed["nodes"] if n != placed["head"])
+        nodes.kill(1)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        noticed = time.monotonic() - killed
+        assert proc.returncode == ExitCode.NODE_LOST, err
+        assert noticed < NODE_LOSS_TIMEOUT + 20, noticed  # the pings' bound, with the driver's own teardown
+        node_lost = events_of(url)[-1]
+        assert "Ray node " in err and f"rlctl resume {url} --from latest" in err, err
+        check = invoke("inspect", url, "--check")
+        listed = invoke("checkpoints", url, "--verify", "--format", "json")  # (every file's sha256 read)
+
+        nodes.add()  # a fresh node in place of the lost one
+        proc = spawn("resume", url, "--from", "latest", faults="sleep@5=120", env=env)
+        wait_for(lambda: any(e["step"] == 5 for e in events_of(url, "drill_fired")), proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == ExitCode.PREEMPTED, err
-        assert "snapshot of step 3 committed" in err, err
+        assert "snapshot of step 5 committed" in err, err
         assert [e["event"] for e in events_of(url)][-2:] == ["snapshot_committed", "preempted"], err
         r = run_cli("resume", url, "--from", "latest", env=env)
         state = nodes.state()
     finally:
         nodes.stop()
+    assert node_lost["event"] == "node_lost" and node_lost["exit_code"] == 76, node_lost
+    on_lost = [a for a in placed["actors"] if a["class"] == "RankActor" and a["node"] == lost]
+    assert [n["id"] for n in node_lost["nodes"]] == [lost] and len(on_lost) == 1, node_lost
+    assert node_lost["nodes"][0]["ranks"] in ([0], [1])
+    assert check.returncode == CHECK_CODES["node_lost"] == 47, check.stdout + check.stderr
+    assert f"NODE LOST {url}" in check.stdout and lost[:12] in check.stdout
+    snapshots = {row["step"]: row for row in orjson.loads(listed.stdout)}
+    assert snapshots[2]["committed"] and snapshots[2]["usable"], listed.stdout
+    assert 4 not in snapshots or not snapshots[4]["committed"], listed.stdout  # the commit in flight never happened
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{url}\n"
-    # Ray's own account: the start's two rank actors, and the resume's, each on a node of its own
-    assert len(state["nodes"]) == 2, state
+    assert [(e["step"], e["snapshot"]) for e in events_of(url, "resume")] == [(2, "step-000002"), (5, "step-000005")]
+    # Ray's own account: each of the three processes' two rank actors on two nodes, one each; the
+    # resumes' on the head and the fresh node
+    assert len(state["nodes"]) == 2 and lost not in state["nodes"], state
     by_job = {}
     for actor in (a for a in state["actors"] if a["class"] == "RankActor"):
         by_job.setdefault(actor["job"], []).append(actor["node"])
-    assert sorted(map(sorted, by_job.values())) == [sorted(state["nodes"])] * 2, state
-    assert orjson.loads(Storage(url).read_bytes("checkpoints/step-000006/manifest.json"))["world_size"] == 2
+    first = sorted(placed["nodes"])
+    assert sorted(map(sorted, by_job.values())) == sorted([first, *[sorted(state["nodes"])] * 2]), state
+    assert orjson.loads(run.read_bytes("checkpoints/step-000006/manifest.json"))["world_size"] == 2
     close_to_one_rank(metrics_of(url), metrics_of(one_rank[stage]))
     assert completed_hash(url) == completed_hash(ref)
     assert stable(metrics_of(url)) == stable(metrics_of(ref))
