@@ -409,10 +409,10 @@ class Sampler:
         self.gpu_base = (device_used_mib() or 0.0) if self.cuda else 0.0
 
     def tick(self, runs: list[Run]) -> None:
-        parents, cmdlines = process_table()
+        parents, writers = process_table()
         for run in runs:
             run.pids |= descendants(run.proc.pid, parents)
-            run.writer_pids |= {p for p in run.pids if b"rlctl.checkpoint.writer" in cmdlines.get(p, b"")}
+            run.writer_pids |= run.pids & writers
             run.shm_peak = max(run.shm_peak, shm_used() - self.shm_base)
             for pid in run.writer_pids:
                 run.writer_hwm_kib = max(run.writer_hwm_kib, vm_hwm_kib(pid))
@@ -463,20 +463,23 @@ def nvidia_smi(query: list[str]) -> list[list[str]]:
     return [[cell.strip() for cell in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def process_table() -> tuple[dict[int, int], dict[int, bytes]]:
-    """{pid: parent pid} and {pid: command line} of every process."""
-    parents, cmdlines = {}, {}
+def process_table() -> tuple[dict[int, int], set[int]]:
+    """{pid: parent pid} of every process, and the snapshot writers' pids: named rlctl-writer, forked
+    from their training process or exec'd (one exec'd is known by its command line before it names itself)."""
+    parents, writers = {}, set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as fh:
-                parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+                stat = fh.read()
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmdlines[int(entry)] = fh.read()
+                if "(rlctl-writer)" in stat or b"rlctl.checkpoint.writer" in fh.read():
+                    writers.add(int(entry))
         except (OSError, IndexError, ValueError):
             continue
-    return parents, cmdlines
+    return parents, writers
 
 
 def descendants(root: int, parents: dict[int, int]) -> set[int]:

@@ -338,7 +338,8 @@ def save_reward_model(path, *, context=64, num_labels=1, head=None, padding_side
 
 
 def writer_pids(ancestor: int) -> list[int]:
-    """The snapshot writer processes (rlctl.checkpoint.writer) below process ``ancestor``."""
+    """The snapshot writer processes below process ``ancestor`` (named rlctl-writer, forked or exec'd;
+    an exec'd one by its command line before it names itself)."""
     parents, writers = {}, []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -346,8 +347,8 @@ def writer_pids(ancestor: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as fh:
                 parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if b"rlctl.checkpoint.writer" in fh.read():
+            with open(f"/proc/{entry}/comm", "rb") as comm, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                if comm.read() == b"rlctl-writer\n" or b"rlctl.checkpoint.writer" in cmdline.read():
                     writers.append(int(entry))
         except (OSError, IndexError, ValueError):
             continue

@@ -46,12 +46,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rlctl.checkpoint.forked import Forked, can_fork, die_with_parent, name_process
 from rlctl.checkpoint.job import WriteJob, Written, finish
 
 SHM_DIR = "/dev/shm"
 REDUCTIONS = "torch.multiprocessing.reductions"  # what every job's tensors are rebuilt with
 _SHM_MARGIN = 64 << 20  # free shared memory left over after moving a storage there
-_PR_SET_PDEATHSIG = 1
 
 
 class WriterDied(RuntimeError):
@@ -217,7 +217,7 @@ class WriterProcess:
 
     def __init__(self, on_start: Callable[[int], None] | None = None):
         self._on_start = on_start
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | Forked | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
 
@@ -228,28 +228,33 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+    def start(self, preload: Sequence[str] = (), env: Mapping[str, str] | None = None, fork: bool = False) -> None:
         """Start the writer unless it runs (call on a thread that lives as long as the run: the writer
         dies with the thread that started it). Before its first job it imports torch's reductions and
         ``preload``: modules (``package.module``) or functions to call (``package.module:function``),
         what the jobs' state dicts name that the training process imports its own way; ``env``: variables
-        it runs with besides this process's."""
+        it runs with besides this process's. ``fork``: the caller allows forking it from this process
+        (``rlctl.checkpoint.forked``: what ``env`` sets must not have been read here already), which
+        happens where that is safe."""
         with self._lock:
             if self.alive():
                 return
             self._close_conn()
             ours, theirs = socket.socketpair()
-            # the writer unpickles what this process pickles: it imports from where this process does
-            path = os.pathsep.join(p or os.getcwd() for p in sys.path)
-            own = {"PYTHONPATH": path, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-            env = {**os.environ, **(env or {}), **own}
-            cmd = [sys.executable, "-m", "rlctl.checkpoint.writer", str(theirs.fileno()), str(os.getpid())]
-            cmd += [REDUCTIONS, *preload]
-            # its own session: a stop signal for the trainer's process group (Slurm, Ctrl-C) never reaches
-            # it, not even while it starts (it dies with its parent, PR_SET_PDEATHSIG)
-            self._proc = subprocess.Popen(
-                cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True
-            )
+            parent, preload = os.getpid(), [REDUCTIONS, *preload]
+            variables = {**(env or {}), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+            if fork and can_fork():  # (rlctl.checkpoint.forked: no imports to repeat)
+                self._proc = Forked(lambda fd: main(fd, parent, preload, variables), theirs.fileno())
+            else:
+                # the writer unpickles what this process pickles: it imports from where this process does
+                path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+                env = {**os.environ, **variables, "PYTHONPATH": path}
+                cmd = [sys.executable, "-m", "rlctl.checkpoint.writer", str(theirs.fileno()), str(parent), *preload]
+                # its own session: a stop signal for the trainer's process group (Slurm, Ctrl-C) never
+                # reaches it, not even while it starts (it dies with its parent, PR_SET_PDEATHSIG)
+                self._proc = subprocess.Popen(
+                    cmd, pass_fds=(theirs.fileno(),), env=env, close_fds=True, start_new_session=True
+                )
             theirs.close()
             self._conn = multiprocessing.connection.Connection(ours.detach())
             self._conn.send_bytes(bytes(multiprocessing.current_process().authkey))
@@ -411,14 +416,6 @@ def _populate(address: int, length: int) -> None:
     _libc.madvise(start, length + address - start, _MADV_POPULATE_READ)
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _serve(conn) -> None:
     buffers = _StagingBuffers()
     while True:
@@ -451,10 +448,17 @@ def _sendable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def main(fd: int, parent: int, preload: Sequence[str] = ()) -> None:
-    _die_with_parent()
+def main(fd: int, parent: int, preload: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
+    """The writer process: ``fd`` its end of the socket pair, ``parent`` the training process's pid;
+    ``env``: its variables, for a writer forked from the training process (an exec'd one starts with them)."""
+    die_with_parent()
     if os.getppid() != parent:  # the parent died before we could ask to die with it
         return
+    name_process(b"rlctl-writer")  # (what ps, top and the tests see, forked or exec'd)
+    if env is not None:
+        os.environ.update(env)  # (for what it imports from here; torch, imported, is told its threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     # stop signals are the trainer's to honour (it finishes its step and its last snapshot, which needs
     # this writer); group signals never come here (its own session), and these ignore one sent to every
     # rlctl process by name; the writer ends at EOF or with its parent

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -151,10 +152,19 @@ def start_snapshot_writer(run: Storage, cfg: RunConfig) -> bool:
     if not c.every or c.writer != "process" or checkpoint_storage(run, cfg).in_process:
         return False
     try:
-        snapshot_writer().start(WRITER_PRELOAD, WRITER_ENV)
+        snapshot_writer().start(WRITER_PRELOAD, WRITER_ENV, fork=_writer_env_still_read())
     except OSError:
         return False
     return True
+
+
+def _writer_env_still_read() -> bool:
+    """Whether a writer forked from this process would still run DeepSpeed on ``WRITER_ENV``'s
+    accelerator: DeepSpeed reads DS_ACCELERATOR once, as it first picks one (``set_accelerator`` in
+    rlctl.engine.runtime). Reads ``sys.modules`` only: the early start imports no torch."""
+    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    chosen = getattr(getattr(real, "ds_accelerator", None), "_name", None)
+    return chosen in (None, WRITER_ENV["DS_ACCELERATOR"])
 
 
 def stop_snapshot_writer() -> None:

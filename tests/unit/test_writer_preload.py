@@ -76,3 +76,50 @@ def test_the_writers_deepspeed_reads_engine_state_without_torch_dynamo():
         [sys.executable, "-c", code], input=pickle.dumps(state), capture_output=True, env={**os.environ, **WRITER_ENV}
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+FORK_OR_EXEC = """
+import os, sys, threading, time
+from rlctl.checkpoint.writer import WriterProcess
+
+def seen(pid):  # (its command line, and its name once it gave itself one)
+    for _ in range(1200):
+        with open(f"/proc/{pid}/comm") as fh:
+            if fh.read().strip() == "rlctl-writer":
+                break
+        time.sleep(0.05)
+    with open(f"/proc/{pid}/cmdline", "rb") as fh, open(f"/proc/{pid}/comm") as comm:
+        cmdline = fh.read()
+        return cmdline == ours or cmdline.split(b"\\0")[1:3], comm.read().strip()
+
+with open(f"/proc/{os.getpid()}/cmdline", "rb") as fh:
+    ours = fh.read()
+import torch  # (a forked writer has it already)
+found = {}
+for case in ("one thread", "two threads", "not allowed"):
+    other = threading.Thread(target=time.sleep, args=(60,), daemon=True) if case == "two threads" else None
+    if other:
+        other.start()
+    writer = WriterProcess()
+    writer.start(fork=case != "not allowed")
+    found[case] = seen(writer.pid)
+    writer.stop()
+    assert not writer.alive()
+print(found)
+"""
+
+
+def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
+    """``start(fork=True)`` in a process of one thread forks the writer (it has this process's command
+    line); with a second thread running, or without ``fork``, it is a new interpreter (``python -m
+    rlctl.checkpoint.writer``). Either way it names itself rlctl-writer, and ``stop`` ends it."""
+    import ast
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORK_OR_EXEC], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert found["one thread"] == (True, "rlctl-writer"), found
+    assert found["two threads"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
+    assert found["not allowed"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
