@@ -1,18 +1,17 @@
-"""The snapshot writer process forked from the training process, where that is safe, behind the handle
-``subprocess.Popen`` gives (``pid``, ``poll``, ``wait``, ``kill``).
+"""The snapshot writer (rlctl.checkpoint.writer) forked from the training process, where that is safe,
+behind the handle ``subprocess.Popen`` gives (``pid``, ``poll``, ``wait``, ``kill``).
 
-A forked writer starts with torch, DeepSpeed and rlctl imported already: an exec'd one spends about 2 s
-of CPU importing them again, at every start of every rank. A fork is safe only while this process runs
-one thread (a lock another thread holds at the fork would stay held in the child forever) and has
-initialized no accelerator (a CUDA or NPU context does not survive a fork): ``can_fork`` says so. The
-writer's starter says whether its variables can still take effect in a child (a library it names them
-for must not have read them here already); otherwise the writer is exec'd as ``python -m
-rlctl.checkpoint.writer``.
+A forked writer starts with torch, DeepSpeed and rlctl imported already, where a new interpreter spends
+about 2 s of CPU importing them again, at every start of every rank. A fork is safe only while this
+process runs one thread (a lock another thread holds at the fork would stay held in the child forever)
+and has initialized no accelerator (a CUDA or NPU context does not survive a fork): ``can_fork`` says
+so. The caller says whether the variables the child runs with can still take effect there (a library
+that reads them must not have read them here already); otherwise it execs a new interpreter.
 
-The child is what an exec'd writer is: its own session, every descriptor of this process closed but
-stdio and its end of the socket pair, niced, dying with its parent (``writer.main``), and named
-``rlctl-writer`` (``/proc/PID/comm``) as both are. It never returns into this process's code: it leaves
-with ``os._exit``, running no atexit handler and no finalizer of objects it inherited."""
+The child is what an exec'd writer is: a session of its own, only stdio and the descriptor it is given;
+it frees nothing it inherited (its collector leaves those objects alone: their pages stay shared), and
+never returns into this process's code: it leaves with ``os._exit``, running no atexit handler and no
+finalizer of an inherited object."""
 
 from __future__ import annotations
 
@@ -51,13 +50,14 @@ def can_fork() -> bool:
 
 
 class Forked:
-    """A child forked to run ``target(fd)``, with ``fd`` and stdio its only descriptors."""
+    """A child forked to run ``target()`` in a session of its own, with stdio and ``keep`` its only
+    descriptors; it exits 0 when ``target`` returns, 1 when it raises."""
 
-    def __init__(self, target: Callable[[int], None], fd: int):
+    def __init__(self, target: Callable[[], None], keep: int):
         self.returncode: int | None = None
         self.pid = os.fork()
         if self.pid == 0:  # the child
-            _run_child(target, fd)
+            _run_child(target, keep)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -82,20 +82,18 @@ class Forked:
 
     def kill(self) -> None:
         if self.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
-def _run_child(target: Callable[[int], None], fd: int) -> None:
+def _run_child(target: Callable[[], None], keep: int) -> None:
     code = 0
     try:
         gc.freeze()  # the inherited objects stay out of this process's collections: their pages stay shared
         os.setsid()
-        os.closerange(3, fd)
-        os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
-        target(fd)
+        os.closerange(3, keep)
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+        target()
     except BaseException:
         traceback.print_exc()
         code = 1

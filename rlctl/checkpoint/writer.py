@@ -244,7 +244,8 @@ class WriterProcess:
             parent, preload = os.getpid(), [REDUCTIONS, *preload]
             variables = {**(env or {}), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
             if fork and can_fork():  # (rlctl.checkpoint.forked: no imports to repeat)
-                self._proc = Forked(lambda fd: main(fd, parent, preload, variables), theirs.fileno())
+                fd = theirs.fileno()
+                self._proc = Forked(lambda: main(fd, parent, preload, variables), keep=fd)
             else:
                 # the writer unpickles what this process pickles: it imports from where this process does
                 path = os.pathsep.join(p or os.getcwd() for p in sys.path)
