@@ -55,6 +55,9 @@ class Forked:
 
     def __init__(self, target: Callable[[], None], keep: int):
         self.returncode: int | None = None
+        for stream in (sys.stdout, sys.stderr):  # (what they hold would be written twice: by the child too)
+            with contextlib.suppress(Exception):
+                stream.flush()
         self.pid = os.fork()
         if self.pid == 0:  # the child
             _run_child(target, keep)

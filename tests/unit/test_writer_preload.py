@@ -95,6 +95,7 @@ def seen(pid):  # (its command line, and its name once it gave itself one)
 with open(f"/proc/{os.getpid()}/cmdline", "rb") as fh:
     ours = fh.read()
 import torch  # (a forked writer has it already)
+sys.stderr.write("pending, no newline yet")  # (held in stderr's buffer: the forked child must not write it too)
 found = {}
 for case in ("one thread", "two threads", "not allowed"):
     other = threading.Thread(target=time.sleep, args=(60,), daemon=True) if case == "two threads" else None
@@ -103,7 +104,7 @@ for case in ("one thread", "two threads", "not allowed"):
     writer = WriterProcess()
     writer.start(fork=case != "not allowed")
     found[case] = seen(writer.pid)
-    writer.stop()
+    writer.close()  # (EOF: it returns from its loop and exits as at a run's end, flushing its stderr)
     assert not writer.alive()
 print(found)
 """
@@ -112,14 +113,17 @@ print(found)
 def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
     """``start(fork=True)`` in a process of one thread forks the writer (it has this process's command
     line); with a second thread running, or without ``fork``, it is a new interpreter (``python -m
-    rlctl.checkpoint.writer``). Either way it names itself rlctl-writer, and ``stop`` ends it."""
+    rlctl.checkpoint.writer``). Either way it names itself rlctl-writer, and ``close`` ends it. What this
+    process's stderr held unwritten at the fork is written once, not by the child too."""
     import ast
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", FORK_OR_EXEC], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (stderr line-buffered, as by default)
+    done = subprocess.run([sys.executable, "-c", FORK_OR_EXEC], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     found = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert found["one thread"] == (True, "rlctl-writer"), found
     assert found["two threads"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
     assert found["not allowed"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
+    assert done.stderr.count("pending, no newline yet") == 1, done.stderr  # (once: not again by the child)
