@@ -19,6 +19,7 @@ PREEMPTED = "preempted"
 CRASHED = "crashed"
 INTERRUPTED = "interrupted"
 NODE_LOST = "node_lost"  # a Ray node that held ranks was lost (its nodes: id, ip, ranks, cause): resume elsewhere
+RANKS_PLACED = "ranks_placed"  # where Ray placed each rank (rank, node id, IP), by rank 0 as it starts
 
 # the policies and what carrying out a verdict did
 POLICY = "policy"

@@ -206,12 +206,14 @@ def launch_ray(
 
 
 def _run_ranks(actors: list, spec: dict[str, Any], per_node: int, timeout: float) -> list[RayRank]:
-    """Start every actor's ``run`` of ``spec`` (the group's rendezvous at rank 0's node), each followed with
-    its node (``Reach``: pings and Ray's account of the node, one ``NodeWatch`` for them all)."""
+    """Start every actor's ``run`` of ``spec`` (the group's rendezvous at rank 0's node; where each rank
+    runs added, for rank 0's ``ranks_placed`` event), each followed with its node (``Reach``: pings and
+    Ray's account of the node, one ``NodeWatch`` for them all)."""
     import ray
 
     where = ray.get([a.node.remote() for a in actors])
     addr, port = where[0]["ip"], ray.get(actors[0].free_port.remote())
+    spec = {**spec, "placement": [{"rank": r, "node": w["id"], "ip": w["ip"]} for r, w in enumerate(where)]}
     watch = NodeWatch()
     return [
         RayRank(

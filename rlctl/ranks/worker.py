@@ -272,6 +272,8 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
     events = EventLog(run, fence=fence) if rank == 0 else None
     plan = ResumePlan.from_data(spec["plan"]) if spec["plan"] is not None else None
     try:
+        if events is not None and spec.get("placement"):  # (Ray: the driver's launcher knows where)
+            events.emit({"event": names.RANKS_PLACED, "ranks": spec["placement"]})
         summary = train_rank(run, cfg, events, SilentReporter(), plan, rank=rank, fence=fence)
         return {"code": 0, "message": None, "summary": summary}
     except RlctlError as exc:

@@ -215,6 +215,8 @@ def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninte
     - resumed again on the cluster (placed anew), the run ends bit-identical to an uninterrupted local
       2-rank run on one node.
 
+    Each process's ``ranks_placed`` event names the nodes Ray's own state shows its ranks on.
+
     ZeRO-3 only: ZeRO-2's two ranks are proven by the local SIGKILL test, and placement does not depend
     on the stage."""
     pytest.importorskip("ray")
@@ -276,6 +278,10 @@ def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninte
         by_job.setdefault(actor["job"], []).append(actor["node"])
     first = sorted(placed["nodes"])
     assert sorted(map(sorted, by_job.values())) == sorted([first, *[sorted(state["nodes"])] * 2]), state
+    # and the run's own: each process's rank 0 recorded where its ranks were placed, as Ray says
+    recorded = [sorted(r["node"] for r in e["ranks"]) for e in events_of(url, "ranks_placed")]
+    assert recorded == [first, *[sorted(state["nodes"])] * 2], recorded
+    assert all([r["rank"] for r in e["ranks"]] == [0, 1] for e in events_of(url, "ranks_placed"))
     assert orjson.loads(run.read_bytes("checkpoints/step-000006/manifest.json"))["world_size"] == 2
     close_to_one_rank(metrics_of(url), metrics_of(one_rank[stage]))
     assert completed_hash(url) == completed_hash(ref)
