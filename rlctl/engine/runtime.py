@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from rlctl.config import RunConfig
+from rlctl.engine.accelerator import deepspeed_accelerator
 from rlctl.engine.dist import Dist
 from rlctl.errors import ConfigError
 
@@ -220,8 +221,7 @@ def set_accelerator(kind: str) -> None:
     if before is not None and before != kind:
         print(f"warning: DS_ACCELERATOR={before} is replaced by {kind}, the resolved 'device'", file=sys.stderr)
     os.environ["DS_ACCELERATOR"] = kind
-    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
-    chosen = getattr(getattr(real, "ds_accelerator", None), "_name", None)
+    chosen = deepspeed_accelerator()
     if chosen is not None and chosen != kind:
         print(
             f"warning: DeepSpeed already chose the {chosen} accelerator; this process trains on {kind}", file=sys.stderr

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from rlctl import events as names
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.checkpoint.writer import writer as snapshot_writer
 from rlctl.config import RunConfig, validate_config
+from rlctl.engine.accelerator import deepspeed_accelerator
 from rlctl.errors import Halted, LeaseError, Preempted, RlctlError
 from rlctl.metrics import EventLog, read_rows
 from rlctl.policies import load_policies
@@ -161,10 +161,8 @@ def start_snapshot_writer(run: Storage, cfg: RunConfig) -> bool:
 def _writer_env_still_read() -> bool:
     """Whether a writer forked from this process would still run DeepSpeed on ``WRITER_ENV``'s
     accelerator: DeepSpeed reads DS_ACCELERATOR once, as it first picks one (``set_accelerator`` in
-    rlctl.engine.runtime). Reads ``sys.modules`` only: the early start imports no torch."""
-    real = sys.modules.get("deepspeed.accelerator.real_accelerator")
-    chosen = getattr(getattr(real, "ds_accelerator", None), "_name", None)
-    return chosen in (None, WRITER_ENV["DS_ACCELERATOR"])
+    rlctl.engine.runtime). Imports no torch: the early start runs before the run's imports."""
+    return deepspeed_accelerator() in (None, WRITER_ENV["DS_ACCELERATOR"])
 
 
 def stop_snapshot_writer() -> None:
