@@ -53,7 +53,9 @@ TRANSIENT_NAMES = {
     "ResponseParserError",
     "IncompleteRead",
     "ClientConnectionError",  # aiohttp: ServerDisconnectedError, ClientOSError, ...
-    "ClientPayloadError",
+    "ClientPayloadError",  # aiohttp: a response body cut short ...
+    "ContentLengthError",  # ... and what it wraps (aiohttp's parser), also when raised bare
+    "TransferEncodingError",
     "ServerTimeoutError",
     "Timeout",  # requests
     "ChunkedEncodingError",
@@ -86,8 +88,11 @@ def causes(exc: BaseException) -> Iterator[BaseException]:
 
 def _service_error(exc: BaseException) -> tuple[str, str, int | None] | None:
     """(code, message, HTTP status) of the first service response in the chain (botocore ClientError,
-    aiohttp ClientResponseError, gcsfs HttpError), or None."""
+    aiohttp ClientResponseError, gcsfs HttpError), or None. aiohttp's HttpProcessingError is no answer:
+    its ``code`` 400 is what aiohttp says of a response it could not parse (a body cut short)."""
     for e in causes(exc):
+        if "HttpProcessingError" in {c.__name__ for c in type(e).__mro__}:
+            continue
         response = getattr(e, "response", None)
         if isinstance(response, dict) and isinstance(response.get("Error"), dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -154,6 +154,27 @@ def test_transient_and_permanent_failures():
     assert describe(permanent[3]) == "AccessDenied says no (AccessDenied, HTTP 403)"
 
 
+def test_a_response_body_cut_short_by_a_dying_server_is_transient_not_an_http_400():
+    """A server killed while it sends a body: aiohttp's parser raises ContentLengthError (whose ``code``
+    is 400) and sets it as the cause of the ClientPayloadError the client sees. It is the network's
+    failure, retried as one, never the service's answer 400."""
+    from aiohttp import ClientPayloadError, ClientResponseError
+    from aiohttp.http_exceptions import ContentLengthError
+
+    cut = ContentLengthError("Not enough data to satisfy content length header (received 0 of 319 bytes)")
+    try:
+        try:
+            raise cut
+        except ContentLengthError as underlying:
+            raise ClientPayloadError(f"Response payload is not completed: {underlying!r}") from underlying
+    except ClientPayloadError as seen:
+        wrapped = seen
+    assert is_transient(wrapped) and is_transient(cut)
+    assert "HTTP 400" not in describe(wrapped) and "HTTP 400" not in describe(cut)
+    answered = ClientResponseError(None, (), status=403, message="Forbidden")
+    assert not is_transient(answered) and describe(answered) == "Forbidden (HTTP 403)"
+
+
 def test_transient_failures_are_retried_then_succeed_and_permanent_ones_are_not():
     calls = []
 
