@@ -127,3 +127,38 @@ def s3_env():
     yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def gcs_env():
+    """A real GCS endpoint on loopback (gcp-storage-emulator, in memory, in its own process) holding the
+    bucket ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace
+    probe is off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    server_bin = Path(sys.executable).parent / "gcp-storage-emulator"
+    if not server_bin.exists():
+        pytest.skip("gcp-storage-emulator is not installed")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", "rlctl-runs"]
+    proc = subprocess.Popen([str(server_bin), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b/rlctl-runs", timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("gcp-storage-emulator did not start") from None
+            time.sleep(0.1)
+    opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}
+    yield {"FSSPEC_GS": json.dumps(opts), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, opts
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -82,6 +82,9 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 SHA_CHUNK = 4 << 20
 
 
+# filesystems whose files cannot be opened for append: gcsfs opens "ab" as "wb" (with a warning) and
+# what the object held is gone, so an append there reads the object and writes it back whole
+NO_APPEND = {"gs", "gcs"}
 RETRY_TIMEOUT_ENV = "RLCTL_RETRY_TIMEOUT"  # the budget of a Storage made without one (default 60 s)
 
 
@@ -113,7 +116,7 @@ class Storage:
         self.request_timeout = request_timeout
         opened = functools.partial(open_fs, self.url, dict(options or {}), request_timeout)
         self.fs, self.root = guarded("open", self.url, opened, 0.0)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        protocols = _protocols(self.fs)
         self.is_local = "file" in protocols
         self.in_process = "memory" in protocols  # no other process sees it (memory://)
         if not self.is_local:
@@ -281,6 +284,12 @@ class Storage:
 
     def _append(self, path: str, data: bytes) -> None:
         self._makedirs(posixpath.dirname(path))
+        if not self.is_local and NO_APPEND & _protocols(self.fs):
+            held = b""
+            with contextlib.suppress(FileNotFoundError):
+                held = self.fs.cat_file(path)
+            self.fs.pipe_file(path, held + data)  # (one writer appends to a file: the lease holder)
+            return
         if not self.is_local:
             with self.fs.open(path, "ab") as fh:
                 fh.write(data)
@@ -403,3 +412,7 @@ def _local_sizes(base: str, prefix: str = "") -> dict[str, int]:
         except FileNotFoundError:  # gone since the listing (a temporary renamed into place, a purge), or a
             continue  # dangling link: not there
     return sizes
+
+
+def _protocols(fs: Any) -> set[str]:
+    return set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
