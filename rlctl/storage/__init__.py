@@ -82,9 +82,10 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 SHA_CHUNK = 4 << 20
 
 
-# filesystems whose files cannot be opened for append: gcsfs opens "ab" as "wb" (with a warning) and
-# what the object held is gone, so an append there reads the object and writes it back whole
-NO_APPEND = {"gs", "gcs"}
+# filesystems whose files cannot be opened for append: gcsfs opens "ab" as "wb" (with a warning: what
+# the object held is gone), adlfs appends only to an append blob (never to one a whole write made). An
+# append there reads the object and writes it back whole, as s3fs does for small objects itself.
+NO_APPEND = {"gs", "gcs", "az", "abfs", "abfss"}
 RETRY_TIMEOUT_ENV = "RLCTL_RETRY_TIMEOUT"  # the budget of a Storage made without one (default 60 s)
 
 

@@ -215,21 +215,22 @@ def test_run_and_snapshots_on_s3(tmp_path, s3_env):
     assert fs.exists(f"{url}/metrics.abandoned.jsonl") and not fs.exists(f"{url}/lease.json")
 
 
-def test_run_and_snapshots_on_gcs(gcs_env):
-    """A run and its snapshots on GCS (gsutil's gs://, a real server on loopback): every event and metric
+@pytest.mark.parametrize("protocol", ["gs", "az"])
+def test_run_and_snapshots_on_gcs_and_azure(protocol, request):
+    """A run and its snapshots on GCS and on Azure Blob (real servers on loopback): every event and metric
     row kept (gcsfs cannot append: rlctl writes the object back whole), a resume from a snapshot ending
     where the run ended."""
-    env, opts = gcs_env
-    url = "gs://rlctl-runs/exp/run1"
+    import fsspec
+
+    env, opts = request.getfixturevalue({"gs": "gcs_env", "az": "azure_env"}[protocol])
+    url = f"{protocol}://rlctl-runs/exp/run1"
     proc = spawn_start(url, *SMALL, steps=4, every=2, env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     proc = spawn("resume", url, "--from", "step-2", env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    import gcsfs
-
-    fs = gcsfs.GCSFileSystem(**opts, skip_instance_cache=True)
+    fs = fsspec.filesystem(protocol, **opts, skip_instance_cache=True)
     events = [orjson.loads(line) for line in fs.cat(f"{url}/events.jsonl").splitlines()]
     assert [e["event"] for e in events][:2] == ["start", "snapshot_committed"] and "resume" in [
         e["event"] for e in events
