@@ -401,9 +401,26 @@ def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
     r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
     assert r.returncode == 0, r.stderr
     assert completed_hash(run) == completed_hash(ref)
-    assert stable(metrics_of(run)) == stable(metrics_of(ref))
+    assert stable(metrics_of(run)) == stable(metrics_of(ref)), _what_differs(run, ref)
     asked = sum(int(row["tool/lookup/calls"]) for row in metrics_of(ref))
     assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == asked  # every call asked once, none twice
+
+
+def _what_differs(run, ref) -> str:
+    """Where two runs' metric rows differ: each differing key's values, and the conversations the first
+    such step trained in each (their text, scores and calls), to tell apart a tool's answer, a sampled
+    token and a forward's rounding."""
+    lines, first = [], None
+    for mine, theirs in zip(stable(metrics_of(run)), stable(metrics_of(ref))):
+        keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        if keys:
+            first = first or mine["step"]
+            lines += [f"step {mine['step']} {k}: {mine.get(k)!r} != {theirs.get(k)!r}" for k in keys]
+    for name, where in (("resumed", run), ("reference", ref)):
+        if first is not None:
+            shown = invoke("trajectories", str(where), "--step", str(first), "--format", "json").stdout
+            lines.append(f"{name} step {first}: {shown[:3000]}")
+    return "\n".join(lines)
 
 
 TURN_REWARD = """
