@@ -18,7 +18,7 @@ HALTED = "halted"
 PREEMPTED = "preempted"
 CRASHED = "crashed"
 INTERRUPTED = "interrupted"
-NODE_LOST = "node_lost"  # a Ray node that held ranks was lost (its nodes: id, ip, ranks, cause): resume elsewhere
+NODE_LOST = "node_lost"  # a Ray node that held ranks was lost (step, snapshot; nodes: id, ip, ranks, cause)
 RANKS_PLACED = "ranks_placed"  # where Ray placed each rank (rank, node id, IP), by rank 0 as it starts
 
 # the policies and what carrying out a verdict did

@@ -268,9 +268,17 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
             _record(events, {"event": names.INTERRUPTED})
         raise
     except NodeLost as exc:  # recorded even after a survivor's crash: the lost node is why it crashed
+        trained, last, _ = _standing(run, cfg)
         _record(
             events,
-            {"event": names.NODE_LOST, "nodes": exc.nodes, "error": exc.message, "exit_code": int(exc.exit_code)},
+            {
+                "event": names.NODE_LOST,
+                "step": trained,
+                "snapshot": last and last.step,
+                "nodes": exc.nodes,
+                "error": exc.message,
+                "exit_code": int(exc.exit_code),
+            },
         )
         raise
     except RankFailed as exc:
@@ -291,14 +299,7 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
 def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: str) -> Preempted:
     """Record a stop that came before a trainer could take it (before training began, or while a step waited
     on a reward URL's backoff) as a preemption; the error that says so."""
-    try:
-        catalog = snapshot_catalog(run, cfg)
-        usable = [i for i in catalog.scan() if i.usable]
-        trained = last_step(run)
-        kept = bool(usable) or ever_committed(run, catalog.storage)
-    except Exception:  # the storage is failing too: say what is known
-        usable, trained, kept = [], 0, True
-    last = usable[-1] if usable else None
+    trained, last, kept = _standing(run, cfg)
     _record(
         events,
         {
@@ -316,6 +317,17 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
         where = "no snapshot yet; resume will start over"
     when = "before the step in progress finished" if trained else "before training began"
     return Preempted(f"stopped by {signal_name} {when}; {where}. Resume with: rlctl resume {run.url} --from latest")
+
+
+def _standing(run: Storage, cfg: RunConfig) -> tuple[int, Any, bool]:
+    """Where an interrupted run stands: the last step it trained, its last usable snapshot (None: none),
+    and whether it ever committed one."""
+    try:
+        catalog = snapshot_catalog(run, cfg)
+        usable = [i for i in catalog.scan() if i.usable]
+        return last_step(run), usable[-1] if usable else None, bool(usable) or ever_committed(run, catalog.storage)
+    except Exception:  # the storage is failing too: say what is known
+        return 0, None, True
 
 
 def _ended_since(run: Storage, offset: int) -> bool:

@@ -259,6 +259,7 @@ def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninte
     finally:
         nodes.stop()
     assert node_lost["event"] == "node_lost" and node_lost["exit_code"] == 76, node_lost
+    assert (node_lost["step"], node_lost["snapshot"]) == (4, 2), node_lost  # trained; where a resume goes on
     on_lost = [a for a in placed["actors"] if a["class"] == "RankActor" and a["node"] == lost]
     assert [n["id"] for n in node_lost["nodes"]] == [lost] and len(on_lost) == 1, node_lost
     assert node_lost["nodes"][0]["ranks"] in ([0], [1])
