@@ -177,10 +177,7 @@ class RunConfig(Strict):
             return self
         clash = [
             why
-            for why, on in (
-                (f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),
-                ("actor.zero_stage 3 (a copy of the weights generates)", self.actor.zero_stage == 3),
-            )
+            for why, on in ((f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),)
             if on
         ]
         if clash:

@@ -105,19 +105,33 @@ class Batch:
 
 class GeneratingActor:
     """What the rollout backend needs of an actor, over a copy of the actor's module that generates while
-    the actor trains (its weights copied from the actor by ``load_from``)."""
+    the actor trains (its weights copied from the actor by ``load_from``).
+
+    Under ZeRO-3 the actor's module holds only this rank's shards, and DeepSpeed's hooks on it gather them
+    for every forward (a collective): the copy is a plain model of the actor's class instead, built from
+    its config, whose weights are the actor's gathered ones (merged under LoRA, as the vLLM backend gets
+    them). It holds every weight on every rank, as a gathered generate does while it runs."""
 
     def __init__(self, actor) -> None:
-        self.runtime, self.module = actor.runtime, copy.deepcopy(actor.module)
+        self.runtime, self.partitioned = actor.runtime, actor.zero_stage == 3
+        self.module = plain_model(actor) if self.partitioned else copy.deepcopy(actor.module)
         self.module.requires_grad_(False)
+
+    def weights_of(self, actor) -> list[torch.Tensor]:
+        """The actor's weights in the copy's order (under ZeRO-3, call inside ``actor.full_parameters``:
+        clone what outlives it)."""
+        if not self.partitioned:
+            return [p.detach() for p in actor.module.parameters()]
+        named = dict(actor.merged_weights())
+        return [named[name] for name, _ in self.module.named_parameters()]
 
     def load_from(self, actor) -> None:
         with actor.full_parameters():
-            self.load(list(actor.module.parameters()))
+            self.load(self.weights_of(actor))
 
     def load(self, weights: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for mine, theirs in zip(self.module.parameters(), weights):
+            for mine, theirs in zip(self.module.parameters(), weights, strict=True):
                 mine.copy_(theirs)
 
     def full_parameters(self):
@@ -188,7 +202,7 @@ class RolloutAhead:
             self.generating.load_from(self.actor)
         else:
             with torch.no_grad(), self.actor.full_parameters():
-                weights = [p.detach().clone() for p in self.actor.module.parameters()]
+                weights = [w.clone() for w in self.generating.weights_of(self.actor)]
 
         def run() -> None:
             try:
@@ -262,6 +276,15 @@ class RolloutAhead:
         device = self.generating.runtime.device
         self.ready = {b.step: b for b in (Batch.from_state(k, device) for k in kept)}
         self._scheduled = max(self.ready, default=0)
+
+
+def plain_model(actor) -> torch.nn.Module:
+    """A model of the actor's (base) class from its config, on its device and in its dtype, in eval mode;
+    its weights are set by ``GeneratingActor.load``. Built by the class itself, not ``from_config``, which
+    would partition it under ZeRO-3 as the actor's was."""
+    base = actor.module.get_base_model() if actor.has_lora else actor.module
+    module = type(base)(copy.deepcopy(base.config))
+    return module.to(device=actor.runtime.device, dtype=actor.runtime.dtype).eval()
 
 
 def rollout_ahead(host) -> RolloutAhead | None:

@@ -10,6 +10,7 @@ from helpers import SMALL, completed_hash, events_of, kill_and_resume, metrics_o
 COMMON = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
 OFF = [*COMMON, "--set", "rollout.mode=one_step_off"]
 ASYNC = [*COMMON, "--set", "rollout.mode=async", "--set", "rollout.max_staleness=2"]
+ZERO3 = ["--set", "actor.zero_stage=3"]
 DYNAMIC = ["--set", "algorithm.dynamic_sampling.enabled=true", "--set", "algorithm.dynamic_sampling.max_gen_batches=3"]
 
 
@@ -27,15 +28,19 @@ def test_one_step_off_starts_as_sync_and_then_trains_on_older_weights(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("args", "staleness"), [(OFF, [0, 1, 1, 1, 1, 1]), (ASYNC, [0, 1, 2, 2, 2, 2])], ids=["one_step_off", "async2"]
+    ("args", "staleness"),
+    [(OFF, [0, 1, 1, 1, 1, 1]), (ASYNC, [0, 1, 2, 2, 2, 2]), ([*OFF, *ZERO3], [0, 1, 1, 1, 1, 1])],
+    ids=["one_step_off", "async2", "one_step_off-zero3"],
 )
 def test_a_sigkill_while_batches_are_generated_ahead_resumes_exactly(tmp_path, args, staleness):
     """Killed after step 4, while the next batches are generated; snapshot 3 holds the batches made
-    during step 3 (one_step_off: step 4's; async 2: steps 4 and 5)."""
+    during step 3 (one_step_off: step 4's; async 2: steps 4 and 5). Under ZeRO-3 a plain model generates,
+    its weights the actor's gathered shards."""
     ref = tmp_path / "ref"
     assert start_here(ref, *args).returncode == 0
     rows = metrics_of(ref)
     assert [r["rollout/staleness/max"] for r in rows] == staleness
+    assert rows[0]["rollout/logprob_diff"] < 1e-5  # the generator's copy holds the weights step 1 trains
     run = tmp_path / "killed"
     r = kill_and_resume(run, args, 4)
     assert "continuing from step 3" in r.stderr
