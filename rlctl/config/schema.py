@@ -169,19 +169,10 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _one_step_off_fits(self) -> RunConfig:
+    def _staleness_is_asyncs(self) -> RunConfig:
         mode = self.rollout.mode
         if self.rollout.max_staleness != 1 and mode != "async":
             raise ValueError(f"rollout.max_staleness applies with rollout.mode async (the mode is {mode})")
-        if mode == "sync":
-            return self
-        clash = [
-            why
-            for why, on in ((f"rollout.backend {self.rollout.backend} (hf only)", self.rollout.backend != "hf"),)
-            if on
-        ]
-        if clash:
-            raise ValueError(f"rollout.mode {mode} is not available with {', '.join(clash)} yet (issue 30)")
         return self
 
     @model_validator(mode="after")

@@ -198,7 +198,7 @@ class RolloutConfig(Strict):
         "generated (by a copy of the weights step N starts from, in a background thread) while step N trains, "
         "so a batch trains one update after the weights that sampled it (rollout/staleness/mean). async: "
         "generation runs up to max_staleness steps ahead. The batches in flight are part of every snapshot "
-        "(hf backend).",
+        "(either backend: vllm shares the rank's engine).",
     )
     max_staleness: int = Field(
         1,

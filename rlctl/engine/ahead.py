@@ -125,6 +125,11 @@ class GeneratingActor:
         named = dict(actor.merged_weights())
         return [named[name] for name, _ in self.module.named_parameters()]
 
+    def kept(self, actor) -> list[torch.Tensor]:
+        """The actor's weights now, copied: loaded once the generator is free."""
+        with torch.no_grad(), actor.full_parameters():
+            return [w.clone() for w in self.weights_of(actor)]
+
     def load_from(self, actor) -> None:
         with actor.full_parameters():
             self.load(self.weights_of(actor))
@@ -138,6 +143,26 @@ class GeneratingActor:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+class EngineWeights:
+    """The generator of an overlapped vllm rollout: the rank's engine, which holds weights of its own (the
+    actor's, pushed in by ``reload_weights``), so no copy of the module is made. The trainer's rollout and
+    this one share the engine; only one of them generates at a time (the trainer waits for the batches in
+    flight before it validates or restores)."""
+
+    def __init__(self, engine, actor) -> None:
+        self.engine, self.runtime = engine, actor.runtime
+
+    def kept(self, actor) -> list[tuple[str, torch.Tensor]]:
+        with torch.no_grad(), actor.full_parameters():
+            return [(name, w.clone()) for name, w in actor.merged_weights()]
+
+    def load_from(self, actor) -> None:
+        self.engine.sync_weights()
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(weights)
 
 
 class RolloutAhead:
@@ -156,14 +181,16 @@ class RolloutAhead:
         events: list[dict[str, Any]] | None = None,
         pool=None,
         ahead: int = 1,
+        generating: GeneratingActor | EngineWeights | None = None,
     ):
         """``experience``: draws, generates and scores with a rollout over a ``GeneratingActor`` of
         ``actor`` (its cursor the run's); ``knobs``: the sampling knobs of the step about to run;
         ``events``: where its rollout emits (gathered into each batch); ``pool``: its tool workers
-        (multi-turn; closed by ``close``); ``ahead``: how many steps ahead it generates."""
+        (multi-turn; closed by ``close``); ``ahead``: how many steps ahead it generates; ``generating``:
+        what holds the generator's weights (the rollout's actor unless given)."""
         self.cfg, self.actor, self.experience, self.knobs = cfg, actor, experience, knobs
         self.events, self.pool, self.ahead = events if events is not None else [], pool, ahead
-        self.generating: GeneratingActor = experience.rollout.actor
+        self.generating = generating if generating is not None else experience.rollout.actor
         self.ready: dict[int, Batch] = {}  # step -> its batch, made
         self._threads: dict[int, threading.Thread] = {}  # step -> the thread making its batch
         self._scheduled = 0  # the last step whose batch is made or being made
@@ -201,8 +228,7 @@ class RolloutAhead:
         if before is None or not before.is_alive():
             self.generating.load_from(self.actor)
         else:
-            with torch.no_grad(), self.actor.full_parameters():
-                weights = [w.clone() for w in self.generating.weights_of(self.actor)]
+            weights = self.generating.kept(self.actor)
 
         def run() -> None:
             try:
@@ -288,20 +314,27 @@ def plain_model(actor) -> torch.nn.Module:
 
 
 def rollout_ahead(host) -> RolloutAhead | None:
-    """Under rollout.mode one_step_off (else None), the generator of the trainer ``host``'s rank: an HF
-    rollout (``host.rollouts``) over a copy of the actor's module, with its own tokenizer (the trainer's
-    stays the main thread's) and, under multi_turn, its own pool of tool workers and the run's record and
-    transcripts; it draws from the run's cursor and scores with the run's reward, as the trainer's
-    experience does. Its events are gathered into each batch and emitted when the batch trains."""
+    """Under rollout.mode one_step_off or async (else None), the generator of the trainer ``host``'s rank:
+    a rollout (``host.rollouts``) over a copy of the actor's module (hf) or over the rank's vLLM engine,
+    shared with the trainer's rollout (vllm), with its own tokenizer (the trainer's stays the main
+    thread's) and, under multi_turn, its own pool of tool workers and the run's record and transcripts;
+    it draws from the run's cursor and scores with the run's reward, as the trainer's experience does.
+    Its events are gathered into each batch and emitted when the batch trains."""
     cfg = host.cfg
     if cfg.rollout.mode == "sync":
         return None
     e, events = host.experience, []
     pool = host.rollouts.new_pool()
     own = copy.deepcopy(host.tokenizer)
-    rollout = host.rollouts.make("hf", GeneratingActor(host.actor), own, pool, events.append)
+    if cfg.rollout.backend == "vllm":
+        engine = getattr(host.rollout, "engine", host.rollout)  # (multi-turn: the engine it samples with)
+        generating = EngineWeights(engine, host.actor)
+        rollout = host.rollouts.make("vllm", host.actor, own, pool, events.append, engine=engine.beside(own))
+    else:
+        generating = GeneratingActor(host.actor)
+        rollout = host.rollouts.make("hf", generating, own, pool, events.append)
     # dynamic sampling's rounds agree across the ranks: over a process group of the generator's own
     dist = e.dist.own_group() if cfg.algorithm.dynamic_sampling.enabled else e.dist
     ahead = Experience(cfg, e.data, rollout, e.reward_fn, e.pad_id, dist, tokenizer=own)
     steps = 1 if cfg.rollout.mode == "one_step_off" else cfg.rollout.max_staleness
-    return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool, steps)
+    return RolloutAhead(cfg, host.actor, ahead, lambda: sampling_knobs(cfg), events, pool, steps, generating)

@@ -34,15 +34,17 @@ class Rollouts:
         mt = self.cfg.rollout.multi_turn
         return ToolPool(mt.tool_workers, mt.tool_timeout_s) if mt is not None else None
 
-    def make(self, name: str, actor, tokenizer, pool: ToolPool | None, emit):
+    def make(self, name: str, actor, tokenizer, pool: ToolPool | None, emit, engine=None):
         """A rollout backend over ``actor`` (the actor, or a copy generating beside it); with a ``pool`` of
-        tool workers, the run's record of tool calls and its transcripts."""
+        tool workers, the run's record of tool calls and its transcripts; ``engine``: a vLLM rollout to
+        generate with rather than a new engine (an overlapped rollout shares the trainer's)."""
         return make_backend(
             name,
             cfg=self.cfg,
             actor=actor,
             tokenizer=tokenizer,
             model_dir=self.model_dir,
+            engine=engine,
             emit=emit,
             tools=self.tools,
             pool=pool,

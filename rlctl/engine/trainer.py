@@ -131,6 +131,12 @@ class Trainer:
         self._hf_files = hf_metadata_files(self.model_dir)
         self._snapshotted = -1
 
+    @property
+    def shared_engine(self) -> bool:
+        """Whether the rank's vllm engine also generates ahead, between the updates: its weights are then
+        loaded as each batch starts (``engine.ahead``), not pushed after every update."""
+        return self.ahead is not None and self.cfg.rollout.backend == "vllm"
+
     def _build_models(self) -> None:
         """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
         No optimizer step while a snapshot still reads the weights: the modules wait at its fence."""
@@ -303,6 +309,8 @@ class Trainer:
         t0 = time.perf_counter()
         if self.ahead is not None:  # the reward function's recording is the generator's meanwhile
             self.ahead.wait()
+        if self.shared_engine:  # it holds the weights the last batch started with: the current ones
+            self.rollout.sync_weights()
         metrics = self.validator.run()
         self.state.last_val = {"step": row["step"], "metrics": metrics}
         took = self.dist.reduce_row({"timing_s/validation": time.perf_counter() - t0}, {"timing_s/validation": MAX})
@@ -382,7 +390,7 @@ class Trainer:
             stats = self.update(step, seqs, advantages, returns, old, ref, values, t)
             kl_used = self.kl_ctrl.value
             stats = self.adapt_kl(stats, current_kl, ref, len(seqs))
-            if faults.value("stale_rollout") is None:
+            if faults.value("stale_rollout") is None and not self.shared_engine:
                 self.rollout.sync_weights()
         tokens = int(seqs.attention_mask.sum())
         rest = {  # stats are reduced already

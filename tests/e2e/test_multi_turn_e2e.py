@@ -406,6 +406,29 @@ def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
     assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == asked  # every call asked once, none twice
 
 
+def test_tools_on_the_vllm_backend_one_step_off_resume_exactly(task):
+    """The whole CLI on the vllm backend with tools, generating a step ahead: each turn sampled by the
+    rank's engine (which the trainer's rollout and the one ahead share), the tool's answers appended.
+    Resumed from snapshot 2 (holding step 3's batch; step 4's calls replayed from the record, as this tool
+    answers every call differently), steps 3 and 4 and the final weights come out bit for bit."""
+    pytest.importorskip("vllm")
+    run = task / "vllm-off"
+    args = ["--set", "rollout.backend=vllm", "--set", "rollout.mode=one_step_off"]
+    r = start(run, *args, config=task / "run.yaml", env=env_of(task, run), cwd=task)
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["rollout/staleness/mean"] for row in rows] == [0.0] + [1.0] * (STEPS - 1)
+    assert sum(row["tool/lookup/calls"] for row in rows) > 0 and max(r["multi_turn/num_turns/max"] for r in rows) == 2
+    r = run_cli("resume", str(run), "--from", f"step-{EVERY:06d}", env=env_of(task, run), cwd=task)
+    assert r.returncode == 0, r.stderr
+    abandoned = metrics_of(run, "metrics.abandoned.jsonl")
+    assert [row["step"] for row in abandoned] == [3, 4]
+    assert stable(metrics_of(run)[2:]) == stable(abandoned)
+    hashes = [e["weights_sha256"] for e in events_of(run, "completed")]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    assert events_of(run, "tool_calls_replayed")  # step 4's calls, made before the resume
+
+
 def _what_differs(run, ref) -> str:
     """Where two runs' metric rows differ: each differing key's values, and the conversations the first
     such step trained in each (their text, scores and calls), to tell apart a tool's answer, a sampled

@@ -41,6 +41,27 @@ def test_two_ranks_with_vllm_stay_in_sync_and_a_restore_regenerates_exactly(tmp_
     assert stable(metrics_of(run)[2:]) == stable(abandoned)
 
 
+def test_one_step_off_with_vllm_on_two_ranks_samples_a_step_behind_and_resumes_exactly(tmp_path):
+    """rollout.mode one_step_off on the vllm backend: each rank's engine, shared by the trainer's rollout and
+    the one generating ahead, samples step N+1's batch while step N trains, by the weights step N started
+    from (loaded into the engine as the batch starts). Step 1 is sampled by the weights it trains, the
+    later ones an update behind; resumed from snapshot 2 (which holds step 3's batch), steps 3 and 4 and
+    the final weights come out bit for bit."""
+    run = tmp_path / "run"
+    r = start(run, "--nproc", "2", *COMMON, "--set", "rollout.mode=one_step_off", steps=4, every=2)
+    assert r.returncode == 0, r.stderr
+    rows = metrics_of(run)
+    assert [row["rollout/staleness/mean"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[0]["rollout/logprob_diff"] < 1e-4  # the engine held the actor's weights
+    r = run_cli("resume", str(run), "--from", "step-2")
+    assert r.returncode == 0, r.stderr
+    abandoned = metrics_of(run, "metrics.abandoned.jsonl")
+    assert [row["step"] for row in abandoned] == [3, 4]
+    assert stable(metrics_of(run)[2:]) == stable(abandoned)
+    hashes = [e["weights_sha256"] for e in events_of(run, "completed")]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
 def test_a_broken_weight_sync_is_caught_by_the_default_policy(tmp_path):
     """The stale_rollout drill never pushes updated weights: vLLM keeps sampling from the initial
     policy, rollout/logprob_diff climbs, and default.yaml's rollout-sync rule halts the run (exit 20)."""

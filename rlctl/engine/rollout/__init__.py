@@ -67,6 +67,7 @@ def make_backend(
     actor,
     tokenizer,
     model_dir=None,
+    engine=None,
     tools=None,
     pool=None,
     emit: Callable[[dict[str, Any]], None] | None = None,
@@ -77,7 +78,7 @@ def make_backend(
     (its turns sampled by the HF module or the vLLM engine), with the run's ``tools`` (``engine.tools.loader``), the
     rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
     run's ``record`` of tool calls (``engine.tools.record``) and ``transcripts`` of its conversations
-    (``transcript``)."""
+    (``transcript``). ``engine``: the vLLM rollout to use (vllm; None: a new engine)."""
     if cfg.rollout.multi_turn is not None:
         if tools is None or pool is None:
             raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
@@ -86,7 +87,7 @@ def make_backend(
             from rlctl.engine.rollout.vllm import VLLMRollout
             from rlctl.engine.rollout.vllm_multi_turn import VLLMMultiTurnRollout
 
-            return VLLMMultiTurnRollout(VLLMRollout(cfg, actor, tokenizer, model_dir), *turns)
+            return VLLMMultiTurnRollout(engine or VLLMRollout(cfg, actor, tokenizer, model_dir), *turns)
         from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 
         return MultiTurnRollout(*turns)
@@ -97,5 +98,5 @@ def make_backend(
     if name == "vllm":
         from rlctl.engine.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(cfg, actor, tokenizer, model_dir)
+        return engine or VLLMRollout(cfg, actor, tokenizer, model_dir)
     raise KeyError(f"unknown rollout backend '{name}'; valid: hf, vllm")

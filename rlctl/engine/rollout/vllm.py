@@ -21,6 +21,7 @@ restores them afterwards. Two changes stay: vLLM freezes the garbage collector's
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
 import random
@@ -157,11 +158,22 @@ class VLLMRollout(HFRollout):
         limit = getattr(self.actor.module.config, "max_position_embeddings", None)
         return want if limit is None or want <= limit else None
 
+    def beside(self, tokenizer) -> VLLMRollout:
+        """This rollout's engine with another tokenizer (an overlapped rollout's, which encodes and decodes
+        in its own thread)."""
+        other = copy.copy(self)
+        HFRollout.__init__(other, self.cfg, self.actor, tokenizer)
+        return other
+
     def sync_weights(self) -> None:
         """Push the actor's current weights into the engine, from memory (the worker runs in this
         process, so the tensors are passed by reference), then forget the prefix cache."""
-        with self.actor.full_parameters(), process_state_kept(self.cpu):
-            weights = self.actor.merged_weights()  # (LoRA: the adapter merged, under the base's names)
+        with self.actor.full_parameters():
+            self.load_weights(self.actor.merged_weights())  # (LoRA: the adapter merged, under the base's names)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs of the plain model into the engine; the prefix cache forgotten."""
+        with process_state_kept(self.cpu):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
