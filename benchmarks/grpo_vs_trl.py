@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/grpo_vs_trl.py [--quick] [--steps 15] [--big-steps 6] [--rounds 2]
                                               [--models tiny,25M,var] [--kl no,k3] [--dtype fp32,bf16]
-                                              [--max-tokens 1024] [--var-steps 4] [--json FILE]
+                                              [--max-tokens 1024] [--var-steps 4] [--one-step-off]
+                                              [--json FILE]
 
 Needs `pip install trl accelerate datasets` in the venv (they are not rlctl dependencies). This is a
 benchmark, not a test: it prints numbers and asserts nothing about them.
@@ -60,8 +61,9 @@ that were padding (rlctl's `perf/update_padding_frac`; for TRL, its prompt and c
 
 Targets. After the table the script prints every throughput target of the project against this run's
 figures: rlctl/TRL tokens/s >= 1.0 on identical work in every row, rlctl at >= 60% of the matmul peak at
-25M fp32 without KL, and rlctl/TRL >= 1.3 on variable lengths. (rlctl has no overlapped rollout mode, so
-there is no one_step_off ratio to print.)
+25M fp32 without KL, and rlctl/TRL >= 1.3 on variable lengths. With `--one-step-off`, the 25M rows also
+run rlctl with `rollout.mode: one_step_off` (a third side, alternating with the other two, in the rlctl
+worker), and the targets add one_step_off/sync rlctl >= 1.25 and one_step_off/TRL >= 1.2 in tokens/s.
 
 The arithmetic floor. Before the runs, the parent measures the best matmul rate one thread reaches here
 (`F.linear` over the projection shapes of the 25M model, at a batch of 1024 tokens and at a decode step's
@@ -146,6 +148,7 @@ class Job:
     describe: bool = False  # TRL only: return the settings the trainer ended up with
     dtype: str = "fp32"  # fp32, or bf16: rlctl model.dtype=bf16, TRL bf16=True (its default)
     max_tokens: int | None = None  # rlctl only: actor.max_tokens_per_micro_batch (dynamic batching)
+    mode: str = "sync"  # rlctl only: rollout.mode (--one-step-off adds one_step_off runs)
 
 
 @dataclasses.dataclass
@@ -253,6 +256,7 @@ def rlctl_overrides(job: Job) -> list[str]:
         "actor.micro_batch_size=null",
         f"actor.max_tokens_per_micro_batch={job.max_tokens if job.max_tokens else 'null'}",
         "rollout.backend=hf",
+        f"rollout.mode={job.mode}",
         f"rollout.max_new_tokens={job.max_new_tokens}",
         "rollout.temperature=1.0",
         "checkpoint.every=0",
@@ -626,8 +630,9 @@ def step_flops(n_mm: int, prompt_tokens: float, completion_len: float, kl: bool)
     return n_mm * tokens * (2 + 6 + (2 if kl else 0))
 
 
-def print_targets(table: list, peaks: dict) -> None:
-    """Each ratio of the throughput targets against its target, from this run's table."""
+def print_targets(table: list, peaks: dict, offs: dict) -> None:
+    """Each ratio of the throughput targets against its target, from this run's table (``offs``: the
+    one_step_off runs' summaries by (model, dtype, kl))."""
     print("targets, from this run:")
     for label, dtype, kl, r, t in table:
         ratio = r["tok_per_s"] / t["tok_per_s"]
@@ -649,7 +654,16 @@ def print_targets(table: list, peaks: dict) -> None:
             print(
                 f"  {'matmul peak':16s} 25M   fp32  kl=no  rlctl at {at:6.1%}  target >= 60%: {'met' if at >= 0.6 else 'NOT met'}"
             )
-    print("  one_step_off     rollout overlapped with the update: not built in rlctl (no ratio to report)")
+    for (name, dtype, kl), o in offs.items():
+        r, t = next((r, t) for lb, d, k, r, t in table if (lb.split()[0], d, k) == (name, dtype, kl))
+        for than, base, want in (("sync rlctl", r, 1.25), ("TRL", t, 1.2)):
+            ratio = o["tok_per_s"] / base["tok_per_s"]
+            print(
+                f"  {'one_step_off':16s} {name:5s} {dtype:5s} kl={kl:3s} one_step_off/{than} tok/s {ratio:5.2f}  "
+                f"target >= {want:.2f}: {'met' if ratio >= want else 'NOT met'} ({o['s_per_step']:.4f} s/step)"
+            )
+    if not offs:
+        print("  one_step_off     not run (--one-step-off runs it on the 25M model)")
 
 
 def versions() -> str:
@@ -697,6 +711,11 @@ def main() -> None:
         "--trl-gradient-checkpointing",
         action="store_true",
         help="keep TRL's default gradient checkpointing (rlctl does not checkpoint)",
+    )
+    ap.add_argument(
+        "--one-step-off",
+        action="store_true",
+        help="25M: also run rlctl with rollout.mode one_step_off, alternating with the other two sides",
     )
     ap.add_argument("--json", default=None, help="also write every per-step number to this file")
     ap.add_argument("--worker", choices=["rlctl", "trl"], help=argparse.SUPPRESS)
@@ -748,7 +767,7 @@ def main() -> None:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
-    table, raw, described = [], {}, []
+    table, raw, described, offs = [], {}, [], {}
     peaks = {d: gemm_peak(d) for d in dtypes}  # before the workers start: nothing else computes
     t_all = time.perf_counter()
     workers = {"rlctl": Worker("rlctl"), "TRL": Worker("trl")}
@@ -776,9 +795,10 @@ def main() -> None:
                 pairs = [(d, k) for d in dtypes for k in kls]
                 for dtype, kl in pairs[:1] if m == "var" else pairs:  # var: the first precision and KL only
                     coef = 0.0 if kl == "no" else args.kl_coef
-                    runs: dict[str, list[RunResult]] = {"rlctl": [], "TRL": []}
+                    sides = ("rlctl", "TRL", "off") if args.one_step_off and m == "25M" else ("rlctl", "TRL")
+                    runs: dict[str, list[RunResult]] = {side: [] for side in sides}
                     for r in range(rounds):
-                        for side in ("rlctl", "TRL"):
+                        for side in sides:
                             n += 1
                             describe = side == "TRL" and r == 0 and m == models[0]
                             job = Job(
@@ -792,8 +812,9 @@ def main() -> None:
                                 describe,
                                 dtype,
                                 args.max_tokens if m == "var" else None,
+                                "one_step_off" if side == "off" else "sync",
                             )
-                            res = workers[side].run(job)
+                            res = workers["rlctl" if side == "off" else side].run(job)
                             if res.describe:
                                 described.append((f"{m} {dtype} kl={kl}", res.describe))
                             runs[side].append(res)
@@ -807,6 +828,8 @@ def main() -> None:
                     for summ in (r_sum, t_sum):  # the arithmetic floor of this side's work
                         summ["flops"] = step_flops(n_mm, prompt_tokens, summ["mean_len"], kl != "no")
                         summ["floor_s"] = summ["flops"] / peaks[dtype][0]
+                    if "off" in runs:
+                        offs[(m, dtype, kl)] = summarize(runs["off"], warm)
                     table.append((label, dtype, kl, r_sum, t_sum))
                     raw[f"{m}/{dtype}/{kl}"] = {side: [dataclasses.asdict(x) for x in xs] for side, xs in runs.items()}
                     label = m
@@ -836,7 +859,7 @@ def main() -> None:
         "(TRL pads prompts and completions to the batch's longest; rlctl to each micro-batch's)."
     )
     print()
-    print_targets(table, peaks)
+    print_targets(table, peaks, offs)
     print()
     print(
         "phases, median s (gen: generation; ref: scoring + reference forward + advantages; update: the rest), "
@@ -883,6 +906,7 @@ def main() -> None:
                     "gemm_peak_flops": {d: rate for d, (rate, _) in peaks.items()},
                     "prompt_tokens": prompt_tokens,
                     "runs": raw,
+                    "one_step_off": {"/".join(key): o for key, o in offs.items()},
                     "trl_settings": dict(described),
                 },
                 indent=1,

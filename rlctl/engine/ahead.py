@@ -310,6 +310,7 @@ def plain_model(actor) -> torch.nn.Module:
     would partition it under ZeRO-3 as the actor's was."""
     base = actor.module.get_base_model() if actor.has_lora else actor.module
     module = type(base)(copy.deepcopy(base.config))
+    module.generation_config = copy.deepcopy(base.generation_config)  # (its eos ids: the loaded model's)
     return module.to(device=actor.runtime.device, dtype=actor.runtime.dtype).eval()
 
 
