@@ -13,12 +13,15 @@ import json
 import math
 import signal
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from chat_tokenizer import tool_model_dir
 from ray_nodes import ENV as RAY_ENV
 from ray_nodes import RayNodes
+
+from rlctl.errors import ExitCode
 
 from helpers import completed_hash, events_of, has_step, invoke, metrics_of, run_cli, spawn, stable, start, wait_for
 
@@ -42,15 +45,19 @@ def lookup(country: str) -> str:
 
 def counted() -> str:
     """A different answer at every call, as a clock or a live service gives: " #N" for the run's N-th call
-    (a counter file), taken when the call returns; the call numbered CAPITALS_HOLD_AT hangs instead."""
+    (a counter file), taken when the call returns; the call numbered CAPITALS_HOLD_AT hangs instead, until
+    the test removes COUNTER.holding (at most 300 s)."""
     path = os.environ.get("CAPITALS_COUNTER")
     if not path:
         return ""
     counter = Path(path)
     n = int(counter.read_text()) if counter.exists() else 0
     if str(n) == os.environ.get("CAPITALS_HOLD_AT"):
-        Path(path + ".holding").write_text("")
-        time.sleep(300)
+        holding = Path(path + ".holding")
+        holding.write_text("")
+        deadline = time.monotonic() + 300
+        while holding.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     counter.write_text(str(n + 1))
     return f" #{{n}}"
 '''
@@ -372,16 +379,25 @@ def test_an_environment_answers_the_turns_and_its_rewards_are_the_scores(task, t
     assert first["name"] == "environment" and first["outcome"] == "ok" and "reward" in first
 
 
-def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
+OFF = ["--set", "rollout.mode=one_step_off"]
+
+
+@pytest.fixture(scope="module")
+def off_reference(task):
+    """The uninterrupted run in rollout.mode one_step_off."""
+    ref = task / "off-ref"
+    r = start(ref, *OFF, config=task / "run.yaml", env=env_of(task, ref), cwd=task)
+    assert r.returncode == 0, r.stderr
+    assert [row["rollout/staleness/mean"] for row in metrics_of(ref)] == [0.0] + [1.0] * (STEPS - 1)
+    return ref
+
+
+def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task, off_reference):
     """rollout.mode one_step_off with tools that never answer twice alike: the next step's conversations
     run in the background (their calls recorded as they end) while a step trains. Killed after step 3 (the
     last snapshot: step 2, holding step 3's batch), resumed: the same weights and metric rows as the
     uninterrupted run, the background step's calls replayed from the record, every call asked once."""
-    off = ["--set", "rollout.mode=one_step_off"]
-    ref = task / "off-ref"
-    r = start(ref, *off, config=task / "run.yaml", env=env_of(task, ref), cwd=task)
-    assert r.returncode == 0, r.stderr
-    assert [row["rollout/staleness/mean"] for row in metrics_of(ref)] == [0.0] + [1.0] * (STEPS - 1)
+    off, ref = OFF, off_reference
     run = task / "off-killed"
     env = env_of(task, run)
     proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), *off, env=env, cwd=task, faults="sleep@3=120")
@@ -406,6 +422,32 @@ def test_one_step_off_with_tools_resumes_bit_exactly_after_a_sigkill(task):
     assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == asked  # every call asked once, none twice
 
 
+def test_sigterm_while_a_batch_generated_ahead_waits_on_a_tool_call_is_75_and_resumes_exactly(task, off_reference):
+    """SIGTERM while step 3's batch, generated in the background during step 2, waits on a tool call that
+    hangs: the run stops at the next step's end, waits for the batch in flight (the call returns once the
+    test lets it), commits a snapshot holding it and exits 75; the resume ends as the uninterrupted run,
+    every call asked once."""
+    calls = [int(row["tool/lookup/calls"]) for row in metrics_of(off_reference)]
+    assert calls[2] >= 1
+    run = task / "off-stopped"
+    env = env_of(task, run)
+    hold = {**env, "CAPITALS_HOLD_AT": str(sum(calls[:2]))}  # step 3's first call (numbered from 0)
+    proc = spawn("start", str(task / "run.yaml"), "--run-dir", str(run), *OFF, env=hold, cwd=task)
+    holding = Path(env["CAPITALS_COUNTER"] + ".holding")
+    wait_for(holding.exists, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    holding.unlink()  # the call returns: the batch in flight completes
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.PREEMPTED, err
+    assert [e["event"] for e in events_of(run)][-2:] == ["snapshot_committed", "preempted"], err
+    r = run_cli("resume", str(run), "--from", "latest", env=env, cwd=task)
+    assert r.returncode == 0, r.stderr
+    assert completed_hash(run) == completed_hash(off_reference)
+    assert stable(metrics_of(run)) == stable(metrics_of(off_reference)), _what_differs(run, off_reference)
+    assert int(Path(env["CAPITALS_COUNTER"]).read_text()) == sum(calls)  # every call asked once, none twice
+
+
 def test_tools_on_the_vllm_backend_one_step_off_resume_exactly(task):
     """The whole CLI on the vllm backend with tools, generating a step ahead: each turn sampled by the
     rank's engine (which the trainer's rollout and the one ahead share), the tool's answers appended.
@@ -413,7 +455,7 @@ def test_tools_on_the_vllm_backend_one_step_off_resume_exactly(task):
     answers every call differently), steps 3 and 4 and the final weights come out bit for bit."""
     pytest.importorskip("vllm")
     run = task / "vllm-off"
-    args = ["--set", "rollout.backend=vllm", "--set", "rollout.mode=one_step_off"]
+    args = ["--set", "rollout.backend=vllm", *OFF]
     r = start(run, *args, config=task / "run.yaml", env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
