@@ -105,6 +105,9 @@ def check(view: RunRecord, window: int = 100, stale_after: float = 1800.0, rules
     now = time.time() if now is None else now
     state = view.status()
     where = f"step {view.step}/{view.total_steps}"
+    mode, _, stale = view.rollout
+    if mode != "sync":  # an overlapped rollout: its mode and how stale the last batch was
+        where += f" ({mode}" + (f", staleness {stale:g})" if stale is not None else ")")
     if state == "halted":
         halt = view.events_of(HALTED)[-1]
         return "halted", f"HALTED {view.url} at step {halt.get('step')} by policy rule '{halt.get('rule')}'"

@@ -126,6 +126,7 @@ def print_summary(s: dict[str, Any]) -> None:
         ("run", s["run"]),
         ("status", s["status"]),
         ("step", f"{s['step']} / {s['total_steps']}"),
+        ("rollout", _rollout(s["rollout"])),
         ("snapshot", f"{_opt(s['last_snapshot'])} (last good: {_opt(s['last_good_snapshot'])})"),
         (
             "rollbacks",
@@ -142,6 +143,11 @@ def print_summary(s: dict[str, Any]) -> None:
         click.echo(f"{'metric'.ljust(mw)}  {'latest':>10}  trend")
         for key, m in s["metrics"].items():
             click.echo(f"{key.ljust(mw)}  {cell(m['latest']):>10}  {m['trend']}")
+
+
+def _rollout(r: dict[str, Any]) -> str:
+    stale = f", staleness {r['staleness']:g} at the last step" if r["staleness"] is not None else ""
+    return f"{r['mode']} on {r['backend']}{stale}"
 
 
 def _opt(step: int | None) -> str:

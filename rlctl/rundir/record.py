@@ -96,6 +96,15 @@ class RunRecord:
         return part.get(key) if isinstance(part, dict) else None
 
     @property
+    def rollout(self) -> tuple[str, str, float | None]:
+        """(rollout.mode, rollout.backend, the staleness of the last step's batch: None in sync or before a
+        step), as the files have them."""
+        mode, backend = self.setting("rollout", "mode"), self.setting("rollout", "backend")
+        mode = mode if isinstance(mode, str) else "sync"
+        stale = self.rows[-1].get("rollout/staleness/max") if self.rows and mode != "sync" else None
+        return mode, backend if isinstance(backend, str) else "hf", stale if isinstance(stale, (int, float)) else None
+
+    @property
     def total_steps(self) -> int:
         value = self.setting("trainer", "total_steps")
         return value if isinstance(value, int) else 0

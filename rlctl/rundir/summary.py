@@ -57,11 +57,13 @@ def state_summary(record: RunRecord) -> dict[str, Any]:
     snaps = [s for s in snapshot_catalog(run, validate_run_config(run, record.config)).scan() if s.committed]
     good = [s for s in snaps if s.good]
     skips = record.events_of(SKIP)
+    mode, backend, stale = record.rollout
     return {
         "run": record.url,
         "status": record.status(),
         "step": record.step,
         "total_steps": record.total_steps,
+        "rollout": {"mode": mode, "backend": backend, "staleness": stale},
         "last_snapshot": snaps[-1].step if snaps else None,
         "last_good_snapshot": good[-1].step if good else None,
         "rollbacks": len(record.events_of(ROLLBACK)),

@@ -5,7 +5,7 @@ the run."""
 
 import pytest
 
-from helpers import SMALL, completed_hash, events_of, kill_and_resume, metrics_of, stable, start_here
+from helpers import SMALL, completed_hash, events_of, invoke, kill_and_resume, metrics_of, stable, start_here
 
 COMMON = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
 OFF = [*COMMON, "--set", "rollout.mode=one_step_off"]
@@ -25,6 +25,13 @@ def test_one_step_off_starts_as_sync_and_then_trains_on_older_weights(tmp_path):
     # later, the weights that sampled a batch are an update older than the actor's: their log-probs differ
     assert max(r["rollout/logprob_diff"] for r in rows) > 1e-2
     assert max(r["rollout/logprob_diff"] for r in metrics_of(sync)) < 1e-5
+    # inspect and --check say the mode and how stale the last batch was (sync runs say only the mode)
+    assert (
+        f"OK {ref} completed at step 6/6 (one_step_off, staleness 1)" in invoke("inspect", str(ref), "--check").stdout
+    )
+    assert "rollout    one_step_off on hf, staleness 1 at the last step" in invoke("inspect", str(ref)).stdout
+    assert f"OK {sync} completed at step 6/6\n" == invoke("inspect", str(sync), "--check").stdout
+    assert "rollout    sync on hf\n" in invoke("inspect", str(sync)).stdout
 
 
 @pytest.mark.parametrize(
