@@ -186,6 +186,17 @@ def kill_and_resume(run_dir, args, step) -> subprocess.CompletedProcess:
     return r
 
 
+def assert_steps_run_again_alike(run_dir, steps: list[int]) -> None:
+    """After a completed run was resumed from an earlier snapshot and completed again: the steps run again
+    (``steps``) wrote the rows the first run wrote (now in metrics.abandoned.jsonl), and both completions
+    ended with the same weights."""
+    abandoned = metrics_of(run_dir, "metrics.abandoned.jsonl")
+    assert [row["step"] for row in abandoned] == steps
+    assert stable(metrics_of(run_dir)[-len(steps) :]) == stable(abandoned)
+    hashes = [e["weights_sha256"] for e in events_of(run_dir, "completed")]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
 @contextlib.contextmanager
 def small_tmpfs(path, size="64k"):
     """A real small filesystem (tmpfs) mounted at ``path``, for a full disk; root only: the test is
