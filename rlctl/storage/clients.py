@@ -122,4 +122,14 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
         ) from None
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
+    if protocol in ("gs", "gcs"):
+        _one_try(fs)
     return fs, root
+
+
+def _one_try(fs: Any) -> None:
+    """gcsfs tries each request up to 6 times, about 31 s of backoff, a count fixed when its class was
+    defined: this instance makes one try, and our retry budget governs (as S3's total_max_attempts 1)."""
+    request = getattr(type(fs)._request, "__wrapped__", None)  # (its retry decorator keeps the function)
+    if request is not None:
+        fs._request = types.MethodType(request, fs)

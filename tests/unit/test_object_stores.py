@@ -4,6 +4,7 @@ through adlfs). GCS's client cannot append; Azure's can only to blobs made for i
 
 import hashlib
 import os
+import time
 import uuid
 
 import pytest
@@ -45,3 +46,28 @@ def test_a_snapshot_directory_moves_lists_and_hashes_whole(store):
     assert store.file_sizes("step-000002") == {"manifest.json": 2, "weights.bin": len(blob)}
     assert not store.exists("step-000002.tmp/manifest.json")
     assert store.sha256("step-000002/weights.bin") == hashlib.sha256(blob).hexdigest()
+
+
+def test_a_dead_gcs_endpoint_fails_within_the_budget_not_after_gcsfs_own_retries(gcs_env):
+    """gcsfs would try each request 6 times (about 31 s of backoff) before rlctl saw a failure: rlctl's
+    client makes one try, so a write to a server that is gone gives up after the 3 s budget."""
+    import sys
+    from pathlib import Path
+
+    from conftest import _server, _stop
+
+    from rlctl.errors import StorageError
+
+    emulator = str(Path(sys.executable).parent / "gcp-storage-emulator")
+    proc, url = _server([emulator, "start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory"], "emulator")
+    options = {**gcs_env[1], "endpoint_url": url}
+    try:
+        store = Storage(f"gs://gone-{uuid.uuid4().hex[:8]}/run", options, retry_timeout=3)
+        store.fs.mkdir(store.root.split("/")[0])
+        store.write_bytes("config.yaml", b"trainer: {}\n")
+    finally:
+        _stop(proc)  # the endpoint now refuses every connection
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="gave up after"):
+        store.write_bytes("metrics.jsonl", b'{"step": 1}\n')
+    assert time.monotonic() - t0 < 3 + 5, time.monotonic() - t0  # the budget, the last try, some slack
