@@ -81,7 +81,10 @@ S3_CLIENT_DEFAULTS = {
 def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float | None = None) -> dict[str, Any]:
     """For S3, botocore's timeouts and retries set short (where neither the caller nor fsspec's config
     chose them), so that a dead endpoint fails in seconds and our retry budget governs; a reader's
-    ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them."""
+    ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them. For GCS,
+    the same connect and read timeouts on gcsfs's requests (``_gcs_timeouts``)."""
+    if protocol in ("gs", "gcs"):
+        return _gcs_timeouts(protocol, options, request_timeout)
     if protocol not in ("s3", "s3a"):
         return options
     configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
@@ -97,6 +100,28 @@ def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float
         **options,
         "config_kwargs": copy.deepcopy(chosen),
     }  # botocore writes into the retries dict
+
+
+def _gcs_timeouts(protocol: str, options: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
+    """gcsfs gives each request its ``requests_timeout``, None by default, which aiohttp takes for no
+    timeout at all: a request that gets no answer waits for ever. S3's 5 s to connect and 60 s between
+    reads instead, where neither the caller nor fsspec's config chose one; a reader's
+    ``request_timeout`` caps both, whoever chose them."""
+    import aiohttp  # (gcsfs's own dependency)
+
+    timeout = {**fsspec.config.conf.get(protocol, {}), **options}.get("requests_timeout")
+    if timeout is None:
+        connect, read = S3_CLIENT_DEFAULTS["connect_timeout"], S3_CLIENT_DEFAULTS["read_timeout"]
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect, sock_read=read)
+    elif not isinstance(timeout, aiohttp.ClientTimeout):
+        timeout = aiohttp.ClientTimeout(total=float(timeout))  # (a number is the whole request's)
+    if request_timeout:
+        caps = {
+            k: min(float(getattr(timeout, k) or request_timeout), request_timeout)
+            for k in ("sock_connect", "sock_read")
+        }
+        timeout = aiohttp.ClientTimeout(total=timeout.total, connect=timeout.connect, **caps)
+    return {**options, "requests_timeout": timeout}
 
 
 # the extra of rlctl that installs a protocol's fsspec filesystem (pyproject.toml)

@@ -4,6 +4,7 @@ through adlfs). GCS's client cannot append; Azure's can only to blobs made for i
 
 import hashlib
 import os
+import signal
 import sys
 import time
 import uuid
@@ -86,3 +87,28 @@ def test_a_dead_endpoint_fails_within_the_budget_not_after_the_clients_own_retri
     with pytest.raises(StorageError, match="gave up after"):
         store.write_bytes("metrics.jsonl", b'{"step": 1}\n')
     assert time.monotonic() - t0 < 3 + 5, time.monotonic() - t0  # the budget, the last try, some slack
+
+
+def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeout(gcs_env):
+    """gcsfs gives its requests no timeout of their own (aiohttp then waits for ever on a server that
+    accepted the connection and went silent): rlctl's connect and read timeouts, capped by a read-only
+    command's --timeout (2 s here), end the read in about that."""
+    from conftest import _server, _stop
+
+    from rlctl.errors import StorageError
+
+    argv = [str(Path(sys.executable).parent / "gcp-storage-emulator"), "start", "--in-memory"]
+    proc, url = _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
+    options, bucket = {**gcs_env[1], "endpoint_url": url}, f"paused-{uuid.uuid4().hex[:8]}"
+    try:
+        Storage(f"gs://{bucket}", options).fs.mkdir(bucket)
+        Storage(f"gs://{bucket}/run", options).write_bytes("config.yaml", b"trainer: {}\n")
+        proc.send_signal(signal.SIGSTOP)  # connections are accepted (the kernel's backlog); nothing answers
+        reader = Storage.for_reading(f"gs://{bucket}/run", 2, options)
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="gave up after"):
+            reader.read_bytes("config.yaml")
+        assert time.monotonic() - t0 < 2 + 4, time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        _stop(proc)
