@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
-from rlctl.storage.clients import fence_third_party_random, open_fs
+from rlctl.storage.clients import AZURE, GCS, fence_third_party_random, open_fs
 from rlctl.storage.failures import (
     ABSENCE,
     describe,
@@ -85,7 +85,7 @@ SHA_CHUNK = 4 << 20
 # filesystems whose files cannot be opened for append: gcsfs opens "ab" as "wb" (with a warning: what
 # the object held is gone), adlfs appends only to an append blob (never to one a whole write made). An
 # append there reads the object and writes it back whole, as s3fs does for small objects itself.
-NO_APPEND = {"gs", "gcs", "az", "abfs", "abfss"}
+NO_APPEND = GCS | AZURE
 RETRY_TIMEOUT_ENV = "RLCTL_RETRY_TIMEOUT"  # the budget of a Storage made without one (default 60 s)
 
 
@@ -285,15 +285,15 @@ class Storage:
 
     def _append(self, path: str, data: bytes) -> None:
         self._makedirs(posixpath.dirname(path))
-        if not self.is_local and NO_APPEND & _protocols(self.fs):
-            held = b""
-            with contextlib.suppress(FileNotFoundError):
-                held = self.fs.cat_file(path)
-            self.fs.pipe_file(path, held + data)  # (one writer appends to a file: the lease holder)
-            return
         if not self.is_local:
-            with self.fs.open(path, "ab") as fh:
-                fh.write(data)
+            if NO_APPEND & _protocols(self.fs):
+                held = b""
+                with contextlib.suppress(FileNotFoundError):
+                    held = self.fs.cat_file(path)
+                self.fs.pipe_file(path, held + data)  # (one writer appends to a file: the lease holder)
+            else:
+                with self.fs.open(path, "ab") as fh:
+                    fh.write(data)
             return
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:

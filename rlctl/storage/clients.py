@@ -71,6 +71,10 @@ def fence_third_party_random() -> None:
 
 # -- object store clients that fail fast -------------------------------------------------------------
 
+# the extra of rlctl that installs a protocol's fsspec filesystem (pyproject.toml)
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+S3, GCS, AZURE = ({p for p, extra in EXTRAS.items() if extra == name} for name in ("s3", "gcs", "azure"))
+
 S3_CLIENT_DEFAULTS = {
     "connect_timeout": 5,
     "read_timeout": 60,
@@ -83,9 +87,9 @@ def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float
     chose them), so that a dead endpoint fails in seconds and our retry budget governs; a reader's
     ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them. For GCS,
     the same connect and read timeouts on gcsfs's requests (``_gcs_timeouts``)."""
-    if protocol in ("gs", "gcs"):
+    if protocol in GCS:
         return _gcs_timeouts(protocol, options, request_timeout)
-    if protocol not in ("s3", "s3a"):
+    if protocol not in S3:
         return options
     configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
     chosen = {
@@ -124,10 +128,6 @@ def _gcs_timeouts(protocol: str, options: dict[str, Any], request_timeout: float
     return {**options, "requests_timeout": timeout}
 
 
-# the extra of rlctl that installs a protocol's fsspec filesystem (pyproject.toml)
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
-
-
 def install_hint(protocol: str) -> str:
     """What to install for ``protocol``'s filesystem: rlctl's extra where it has one."""
     extra = EXTRAS.get(protocol)
@@ -145,9 +145,9 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
         raise ConfigError(
             f"{url}: {protocol}:// storage is not installed here: {install_hint(protocol)} ({exc})"
         ) from None
-    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+    if protocol in S3 and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
-    if protocol in ("gs", "gcs", "az", "abfs", "abfss"):
+    if protocol in GCS | AZURE:
         _one_try(fs)
     return fs, root
 
