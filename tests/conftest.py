@@ -94,25 +94,39 @@ def tiny_model_dir(tmp_path_factory):
 
 def _server(argv: list[str], name: str):
     """``argv`` (with {port}: a free port on loopback) started in its own process; (the process, its
-    http://127.0.0.1:PORT URL) once it accepts connections. Stopped by ``_stop``."""
+    http://127.0.0.1:PORT URL) once that process listens there. A port is free only when it is probed:
+    where another process takes it first (the suite's workers start servers and rendezvous on probed
+    ports all the time), the server cannot bind, and a mere connection would reach the other process.
+    So the listener must be the server's own; if the server exits instead, another port is tried."""
     import socket
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = [a.format(port=port) for a in argv]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"{name} did not start") from None
+    import psutil
+
+    for _ in range(5):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.Popen(
+            [a.format(port=port) for a in argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 60
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                listening = psutil.Process(proc.pid).net_connections("tcp")
+            except psutil.NoSuchProcess:
+                break
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in listening):
+                return proc, f"http://127.0.0.1:{port}"
             time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        if time.time() >= deadline:
+            break
+    raise RuntimeError(f"{name} did not start")
 
 
 def _stop(proc) -> None:
