@@ -92,41 +92,48 @@ def tiny_model_dir(tmp_path_factory):
     return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("tiny-model"))))
 
 
-def _server(argv: list[str], name: str):
+def _server(argv: list[str], name: str, env: dict | None = None):
     """``argv`` (with {port}: a free port on loopback) started in its own process; (the process, its
     http://127.0.0.1:PORT URL) once that process listens there. A port is free only when it is probed:
     where another process takes it first (the suite's workers start servers and rendezvous on probed
     ports all the time), the server cannot bind, and a mere connection would reach the other process.
     So the listener must be the server's own; if the server exits instead, another port is tried."""
     import socket
-    import time
-
-    import psutil
 
     for _ in range(5):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        proc = subprocess.Popen(
-            [a.format(port=port) for a in argv],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.time() + 60
-        while proc.poll() is None and time.time() < deadline:
-            try:
-                listening = psutil.Process(proc.pid).net_connections("tcp")
-            except psutil.NoSuchProcess:
-                break
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in listening):
-                return proc, f"http://127.0.0.1:{port}"
-            time.sleep(0.1)
-        proc.kill()
-        proc.wait()
-        if time.time() >= deadline:
-            break
+        proc = _start([a.format(port=port) for a in argv], env)
+        if _listens(proc, port):
+            return proc, f"http://127.0.0.1:{port}"
     raise RuntimeError(f"{name} did not start")
+
+
+def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
+
+
+def _listens(proc: subprocess.Popen, port: int, seconds: float = 60) -> bool:
+    """Whether ``proc`` itself comes to listen on ``port`` within ``seconds``; killed if it does not."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + seconds
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            sockets = psutil.Process(proc.pid).net_connections("tcp")
+        except psutil.NoSuchProcess:
+            break
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in sockets):
+            return True
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    return False
 
 
 def _stop(proc) -> None:

@@ -15,8 +15,6 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import _listens, _server, _start
 
 from rlctl.errors import ExitCode, StorageError
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
@@ -41,31 +40,16 @@ class MotoServer:
         self.bin = Path(sys.executable).parent / "moto_server"
         if not self.bin.exists():
             pytest.skip("moto[server] is not installed")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         record = {"MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": str(recording)} if recording else {}
         self.env = {**os.environ, **record}
-        self.start()
+        self.proc, self.url = _server([str(self.bin), "-H", "127.0.0.1", "-p", "{port}"], "moto_server", self.env)
+        self.port = int(self.url.rsplit(":", 1)[1])
 
     def start(self):
-        self.proc = subprocess.Popen(
-            [str(self.bin), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=self.env,
-        )
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(self.url, timeout=1).close()
-                return
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
+        """The server again, on its port (which nothing else takes while a test holds the URL in its config)."""
+        self.proc = _start([str(self.bin), "-H", "127.0.0.1", "-p", str(self.port)], self.env)
+        if not _listens(self.proc, self.port):
+            raise RuntimeError("moto_server did not start again")
 
     def kill(self) -> float:
         """Kill the server (connections are refused from now on); the moment it died."""
