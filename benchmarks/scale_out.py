@@ -22,7 +22,7 @@ the local disk of the run directory), read back from the run directory:
   sync there is ZeRO-3's parameter gather before each generation (`DSModule.full_parameters`, a
   `deepspeed.zero.GatheredParameters` over every parameter) and the release after it. rlctl does not time
   these apart from `timing_s/gen`, which holds them and the generation. So every process of the run
-  (the `rlctl` driver, which trains in a world of one, and each `python -m rlctl.ranks.local` rank)
+  (the `rlctl` driver, which trains in a world of one, and each rank, forked by the run's starter or exec'd)
   loads a probe from this script at start (a `sitecustomize` on PYTHONPATH, the run's environment only;
   rlctl is not changed) that wraps `DSModule.full_parameters` and records the wall time of entering
   (gather) and leaving (release) each call made by the rollout's `generate`. Per step the slowest rank

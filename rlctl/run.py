@@ -26,8 +26,10 @@ from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, NodeLost, Preempted, RankFailed, RlctlError, SnapshotError
 from rlctl.metrics import EventLog, parse_rows
 from rlctl.ranks.local import launch_local
+from rlctl.ranks.local import main as local_rank_main
 from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
+from rlctl.ranks.starter import rank_starter
 from rlctl.ranks.stops import STOPS, Stopped
 from rlctl.ranks.worker import start_snapshot_writer, stop_snapshot_writer, train_rank
 from rlctl.rundir.directory import (
@@ -51,7 +53,7 @@ from rlctl.storage import Storage
 def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
     run = run_storage(url, cfg)
     refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
-    with _snapshot_writer(run, cfg):
+    with _snapshot_writer(run, cfg), _ranks_starter(cfg):
         _preflight(cfg)
         reporter = reporter or SilentReporter()
         _trackers_need_a_local_run_dir(run, cfg)
@@ -79,7 +81,8 @@ def resume_run(
     parse_step_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
-    with _snapshot_writer(run, cfg, unless=_completed_step(run, cfg) is not None):
+    completed = _completed_step(run, cfg) is not None
+    with _snapshot_writer(run, cfg, unless=completed), _ranks_starter(cfg, unless=completed):
         return _resume(run_storage(url, cfg), cfg, spec, changes, force, reporter or SilentReporter())
 
 
@@ -124,6 +127,12 @@ def _snapshot_writer(run: Storage, cfg: RunConfig, unless: bool = False) -> Iter
     finally:
         if started:
             stop_snapshot_writer()
+
+
+def _ranks_starter(cfg: RunConfig, unless: bool = False) -> contextlib.AbstractContextManager:
+    """For a run of several local ranks, the process that forks them (``rlctl.ranks.starter``), forked
+    now, while this process runs one thread: it imports what a rank imports beside the preflight."""
+    return rank_starter(not unless and cfg.world_size > 1 and cfg.cluster.backend == "local", local_rank_main)
 
 
 def _completed_step(run: Storage, cfg: RunConfig) -> int | None:

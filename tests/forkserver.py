@@ -56,6 +56,7 @@ IMPORT_TIME = (
     "OPENBLAS",
     "XDG_",
     "HOME",
+    "RLCTL_TEST_RUN",  # (not read at import, but read by tests from /proc/PID/environ: the exec'd environment)
 )
 CONSOLE_SCRIPT = str(Path(sys.executable).parent / "rlctl")
 _HEADER = struct.Struct("!I")

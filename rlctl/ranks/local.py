@@ -23,6 +23,8 @@ import orjson
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode
 from rlctl.ranks.report import Reporter
+from rlctl.ranks.starter import ForkedRank
+from rlctl.ranks.starter import current as current_starter
 from rlctl.ranks.stops import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
 from rlctl.ranks.supervise import StopForwarder, supervise
 from rlctl.ranks.worker import free_port, rank_main, rank_spec
@@ -46,7 +48,7 @@ _DIST_VARS = (
 class LocalRank:
     """A rank's process, as a supervisor's RankHandle."""
 
-    def __init__(self, proc: subprocess.Popen, result_path: str):
+    def __init__(self, proc: subprocess.Popen | ForkedRank, result_path: str):
         self.proc, self.result_path = proc, result_path
 
     def poll(self) -> int | None:
@@ -91,16 +93,24 @@ def launch_local(
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         with StopForwarder().installed() as stops:
             for rank in range(cfg.world_size):
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)], env=env, preexec_fn=_prepare_rank
-                )
-                ranks.append(LocalRank(proc, _result_path(spec_path, rank)))
+                ranks.append(LocalRank(_start_rank(spec_path, rank, env), _result_path(spec_path, rank)))
                 stops.add(ranks[-1])
             return supervise(ranks, run, plan, cfg.trainer.total_steps, reporter, fence)
     finally:
         for r in ranks:
             r.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_rank(spec_path: str, rank: int, env: dict[str, str]) -> subprocess.Popen | ForkedRank:
+    """Rank ``rank``'s process: forked by the run's starter where it can (``rlctl.ranks.starter``), else
+    ``python -m rlctl.ranks.local SPEC RANK``."""
+    starter = current_starter()
+    forked = starter.spawn(spec_path, rank, env, frozenset(_DIST_VARS)) if starter is not None else None
+    if forked is not None:
+        return forked
+    argv = [sys.executable, "-m", "rlctl.ranks.local", spec_path, str(rank)]
+    return subprocess.Popen(argv, env=env, preexec_fn=_prepare_rank)
 
 
 def _result_path(spec_path: str, rank: int) -> str:

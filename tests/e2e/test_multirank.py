@@ -160,7 +160,9 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
 
 
 def marked(run, env=None) -> dict:
-    """``env`` with a variable naming ``run``, which its driver hands on to its ranks (see ``_ranks_alive``)."""
+    """``env`` with a variable naming ``run``, which its driver hands on to its ranks (see ``_ranks_alive``;
+    the fork server starts such a driver from the console script: /proc/PID/environ shows the variable
+    only where a process, or the process it was forked from, was exec'd with it)."""
     return {**(env or {}), "RLCTL_TEST_RUN": str(run)}
 
 
@@ -176,11 +178,13 @@ def _ranks_alive(run) -> bool:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            comm = Path(f"/proc/{pid}/comm").read_text()
             status = Path(f"/proc/{pid}/status").read_text()
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rlctl.ranks.local" in cmd and mark in environ and "State:\tZ" not in status:
+        rank = b"rlctl.ranks.local" in cmd or comm.startswith("rlctl-rank")  # exec'd, or forked (and their starter)
+        if rank and mark in environ and "State:\tZ" not in status:
             return True
     return False
 
