@@ -1,5 +1,5 @@
-"""Elastic resume: a run trained on 2 local ranks (ZeRO-2) resumes on 1 and on 3 (`rlctl resume RUN --set
-trainer.nproc=K`) through DeepSpeed's universal checkpoint. The weights loaded are bit-identical to the
+"""Elastic resume: runs trained on 2 local ranks (ZeRO 1, 2 and 3, and LoRA) resume on 1 or 3 (`rlctl resume
+RUN --set trainer.nproc=K`) through DeepSpeed's universal checkpoint. The weights loaded are bit-identical to the
 2-rank snapshot's (their sha256, against DeepSpeed's own zero_to_fp32 reader); the resumed step draws the
 same prompts (the data cursor and counters of its snapshot equal the uninterrupted run's) and samples the
 same tokens; its weights and Adam moments equal the uninterrupted 2-rank run's within TOLERANCE (the
@@ -20,9 +20,16 @@ from helpers import events_of, invoke, metrics_of, run_cli, start
 # 6 prompts: a share for each of 1, 2 and 3 ranks; a snapshot after each of the 2 steps, both kept
 ARGS = [
     *("--set", "trainer.prompts_per_step=6", "--set", "algorithm.group_size=4"),
-    *("--set", "rollout.max_new_tokens=6", "--set", "actor.zero_stage=2"),
+    *("--set", "rollout.max_new_tokens=6"),
     *("--set", "trainer.total_steps=2", "--set", "checkpoint.every=1", "--set", "checkpoint.keep_last=5"),
 ]
+# the runs resumed: ZeRO 1, 2 and 3, and a LoRA run (ZeRO-2), each on 2 ranks
+RUNS = {
+    "zero1": ["--set", "actor.zero_stage=1"],
+    "zero2": ["--set", "actor.zero_stage=2"],
+    "zero3": ["--set", "actor.zero_stage=3"],
+    "lora": ["--set", "actor.zero_stage=2", "--set", "actor.lora.rank=4", "--set", "actor.lora.alpha=8"],
+}
 # the resumed step's weights and Adam moments against the uninterrupted run's, per tensor: within this
 # fraction of the tensor's largest magnitude (measured: at most 1.2e-6 on 3 ranks, 3e-7 on 1)
 TOLERANCE = 1e-5
@@ -46,17 +53,25 @@ CLOSE = (
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """The uninterrupted 2-rank run (about 30 s here), and the sha256 of its step-1 weights as DeepSpeed's
-    zero_to_fp32 reads them from the snapshot's two partitions."""
+def two_ranks(tmp_path_factory, request):
+    """The uninterrupted 2-rank run of ``RUNS[request.param]`` (about 10 s here), and the sha256 of its
+    step-1 weights as DeepSpeed's zero_to_fp32 reads them from the snapshot's two partitions."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from rlctl.engine.ds_module import weights_digest
 
-    run = tmp_path_factory.mktemp("elastic") / "two"
-    r = start(run, "--nproc", "2", *ARGS)
+    run = tmp_path_factory.mktemp(f"elastic-{request.param}") / "two"
+    r = start(run, "--nproc", "2", *ARGS, *RUNS[request.param])
     assert r.returncode == 0, r.stderr
     weights = get_fp32_state_dict_from_zero_checkpoint(str(step_dir(run, 1)), tag="actor")
+    if request.param == "lora":  # what rlctl hashes of a LoRA actor: its weights with the adapter merged
+        from rlctl.engine.lora import merged_weights
+        from rlctl.export import _lora_model
+        from rlctl.rundir.directory import load_run_config
+        from rlctl.storage import Storage
+
+        storage = Storage(str(run))
+        return run, weights_digest(merged_weights(_lora_model(load_run_config(storage), storage, weights, "step-1")))
     return run, weights_digest(weights.items())
 
 
@@ -76,11 +91,16 @@ def engine_state(run, step, tmp):
         param, key = os.path.basename(os.path.dirname(path)), os.path.basename(path)[:-3]
         saved = torch.load(path, weights_only=False)
         state[(param, key)] = (saved["param"] if isinstance(saved, dict) else saved).detach()  # (step.pt: Adam's step)
-    model_states = torch.load(step_dir(run, step) / "actor" / "mp_rank_00_model_states.pt", weights_only=False)
+    states = sorted((step_dir(run, step) / "actor").glob("*mp_rank_00_model_states.pt"))  # (ZeRO-3: per rank)
+    model_states = torch.load(states[0], weights_only=False)
     return state, model_states["lr_scheduler"]
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize(
+    ("two_ranks", "ranks"),
+    [("zero2", 1), ("zero2", 3), ("zero1", 3), ("zero3", 1), ("zero3", 3), ("lora", 1)],
+    indirect=["two_ranks"],
+)
 def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_ranks, tmp_path, ranks):
     two, loaded_sha = two_ranks
     run = tmp_path / "resumed"
@@ -124,6 +144,7 @@ def manifest_world(run, step) -> int:
     return orjson.loads((step_dir(run, step) / "manifest.json").read_bytes())["world_size"]
 
 
+@pytest.mark.parametrize("two_ranks", ["zero2"], indirect=True)
 def test_another_zero_stage_or_world_size_is_refused_where_it_cannot_convert(two_ranks, tmp_path):
     """The ZeRO stage is no resume setting (exit 3, before any work); edited into the config, its snapshots
     are refused (exit 11). Snapshots of another world size in a run whose snapshots hold each rank's
