@@ -172,3 +172,28 @@ def test_another_zero_stage_or_world_size_is_refused_where_it_cannot_convert(two
         "written by 2 rank(s); this run has 1 (a resume onto another number of ranks needs rollout.mode sync; "
         "this run's is one_step_off, whose snapshots hold each rank's share of the batches generated ahead)"
     )
+
+
+@pytest.mark.parametrize("two_ranks", ["zero2"], indirect=True)
+def test_an_elastic_resume_reads_its_snapshot_from_an_object_store(two_ranks, tmp_path, s3_env):
+    """The 2-rank run's snapshots moved to S3 (checkpoint.dir), as ranks on several nodes keep them: the
+    resume onto 1 rank fetches every old rank's partitions from the store, and loads the same weights."""
+    import uuid
+
+    import s3fs
+    import yaml
+
+    env, opts = s3_env
+    two, loaded_sha = two_ranks
+    run, url = tmp_path / "on-s3", f"s3://rlctl-runs/elastic-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(two, run)
+    s3fs.S3FileSystem(**opts, skip_instance_cache=True).put(f"{run / 'checkpoints'}/", url, recursive=True)
+    shutil.rmtree(run / "checkpoints")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["checkpoint"]["dir"] = url
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    r = run_cli("resume", str(run), "--from", "step-1", "--set", "trainer.nproc=1", env=env)
+    assert r.returncode == 0, r.stderr
+    resume = events_of(run, "resume")[-1]
+    assert resume["ranks"] == {"from": 2, "to": 1} and resume["weights_sha256"] == loaded_sha
+    assert metrics_of(run)[-1]["step"] == 2 and not (run / "checkpoints").exists()
