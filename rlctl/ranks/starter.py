@@ -7,7 +7,7 @@ preflight, and then forks each rank the driver asks for. A rank so forked is the
 rank is: the same environment (a request whose environment differs from the starter's, whose modules
 read theirs at import, is refused, and the driver execs that rank instead), its stop signals held
 until it can take them, Ctrl-C left to the driver, death with its parent, fresh random seeds; it runs
-the rank's ``main`` and exits as an interpreter would (its own exit handlers and threads first).
+the rank's ``main`` (which leaves with ``os._exit``, as an exec'd rank does).
 
 The starter forks only while it runs one thread and has initialized no accelerator
 (``rlctl.checkpoint.forked.can_fork``; a BLAS pool started by numpy's import, where OMP_NUM_THREADS
@@ -49,7 +49,11 @@ class RankStarter:
         self.pid, self._sock, self.env = pid, sock, dict(env)
         self._buffer = b""
         self._codes: dict[int, int] = {}
+        self._started: list[int | None] = []  # the starter's answers to ``spawn``, in order
         self._alive = True
+        # the socket is read by one caller at a time: a stop signal's handler (the StopForwarder polls the
+        # ranks) that lands while ``spawn`` or a poll reads it answers from what was read already
+        self._busy = False
 
     @classmethod
     def fork(cls, main: Callable[[], None]) -> RankStarter | None:
@@ -58,45 +62,57 @@ class RankStarter:
         if not can_fork():
             return None
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
+        env, parent = dict(os.environ), os.getpid()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         pid = os.fork()
         if pid == 0:
             ours.close()
-            _serve(theirs, main)  # never returns
+            _serve(theirs, main, parent)  # never returns
         theirs.close()
         return cls(pid, ours, env)
 
     def spawn(self, spec_path: str, rank: int, env: Mapping[str, str], cleared: frozenset[str]) -> ForkedRank | None:
         """Rank ``rank`` forked to run with ``env`` (this process's environment less ``cleared``), or None
-        where the starter cannot fork it: then exec it."""
+        where the starter cannot fork it: then exec it. A starter that fails to answer (stuck in its
+        imports, gone) is ended, with any rank it forked, and forks no more."""
         ours = {k: v for k, v in self.env.items() if k not in cleared}
         if not self._alive or dict(env) != ours:
             return None
+        self._busy = True
         try:
             self._sock.sendall(orjson.dumps({"spec": spec_path, "rank": rank, "cleared": sorted(cleared)}) + b"\n")
-            while True:
-                reply = self._read(block=True)
-                if reply is None:
+            while not self._started:
+                if not self._read(START_TIMEOUT_S):
+                    self.close()
                     return None
-                if "pid" in reply:
-                    return None if reply["pid"] is None else ForkedRank(self, reply["pid"])
+            pid = self._started.pop(0)
         except OSError:
-            self._alive = False
+            self.close()
             return None
+        finally:
+            self._busy = False
+        return None if pid is None else ForkedRank(self, pid)
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code of rank ``pid`` once it has ended (as ``Popen.returncode``), else None."""
-        while pid not in self._codes and self._alive and self._read(block=False) is not None:
-            pass
+        if pid not in self._codes and self._alive and not self._busy:
+            self._busy = True
+            try:
+                while pid not in self._codes and self._read(0):
+                    pass
+            except OSError:
+                self._alive = False
+            finally:
+                self._busy = False
         if pid in self._codes:
             return self._codes[pid]
         return None if self._alive else -signal.SIGKILL  # the starter died: its ranks with it
 
     def close(self) -> None:
-        """End the starter (its ranks have ended or been killed)."""
+        """End the starter, and with it any rank it forked that still runs."""
+        self._alive = False
         with contextlib.suppress(OSError):
             self._sock.close()
         with contextlib.suppress(ProcessLookupError):
@@ -104,23 +120,24 @@ class RankStarter:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
 
-    def _read(self, block: bool) -> dict | None:
-        """One message from the starter (an exit code is kept), or None: nothing yet, or it is gone."""
-        while b"\n" not in self._buffer:
-            if not select.select([self._sock], [], [], START_TIMEOUT_S if block else 0)[0]:
-                if block:  # (a starter stuck in its imports: the ranks are exec'd)
-                    self._alive = False
-                return None
-            chunk = self._sock.recv(65536)
-            if not chunk:
-                self._alive = False
-                return None
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        message = orjson.loads(line)
-        if "exited" in message:
-            self._codes[message["exited"]] = message["code"]
-        return message
+    def _read(self, timeout: float) -> bool:
+        """Read what the starter sent within ``timeout`` seconds: whether anything came. It is gone (not
+        alive) when its end of the socket closed; an answer is kept, and so is an exit code."""
+        if not select.select([self._sock], [], [], timeout)[0]:
+            return False
+        chunk = self._sock.recv(65536)
+        if not chunk:
+            self._alive = False
+            return False
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            message = orjson.loads(line)
+            if "exited" in message:
+                self._codes[message["exited"]] = message["code"]
+            else:
+                self._started.append(message["pid"])
+        return True
 
 
 class ForkedRank:
@@ -161,25 +178,32 @@ def current() -> RankStarter | None:
 
 
 # -- the starter's side ------------------------------------------------------------------------------
-def _serve(sock: socket.socket, main: Callable[[], None]) -> None:
+def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
     """The starter: import, then fork the ranks asked for and report how each ended, until the driver
-    is gone."""
+    is gone. One that cannot fork once its imports are done (they started a thread) says so by leaving."""
     code = 0
     try:
+        die_with_parent()
+        if os.getppid() != parent:  # (the driver died before the line above)
+            return
         gc.freeze()  # what the driver left here stays out of the collections (as a forked writer's)
         atexit._clear()  # the driver's exit handlers are the driver's
         os.closerange(3, sock.fileno())  # the driver's files and pipes are the driver's (as exec'd ranks have)
         os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
         STOPS.__init__()  # a fresh process's: nothing requested, nothing raised at once
         name_process(b"rlctl-ranks")
-        die_with_parent()
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
         block_stop_signals()  # held, as in an exec'd rank's process, until a rank can take them; Ctrl-C is the driver's
         for module in PRELOAD:
             importlib.import_module(module)
+            if not can_fork():  # (numpy's BLAS pool, without OMP_NUM_THREADS=1): the ranks are exec'd
+                return
         _serve_requests(sock, main)
     except BaseException:
+        import traceback
+
+        traceback.print_exc()
         code = 1
     finally:
         os._exit(code)
@@ -214,20 +238,27 @@ def _reap(sock: socket.socket, ranks: set[int]) -> None:
 
 
 def _fork_rank(request: dict, sock: socket.socket, main: Callable[[], None]) -> int:
+    for stream in (sys.stdout, sys.stderr):  # (what they hold would be written by every rank too)
+        with contextlib.suppress(Exception):
+            stream.flush()
+    starter = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _run_rank(request, sock, main)
+        _run_rank(request, sock, main, starter)
     return pid
 
 
-def _run_rank(request: dict, sock: socket.socket, main: Callable[[], None]) -> None:
-    """A forked rank: what ``python -m rlctl.ranks.local SPEC RANK`` would be, then its exit."""
+def _run_rank(request: dict, sock: socket.socket, main: Callable[[], None], starter: int) -> None:
+    """A forked rank: what ``python -m rlctl.ranks.local SPEC RANK`` would be, then its exit (``main``
+    leaves with ``os._exit``; should it return, as an interpreter would)."""
     code = 0
     try:
+        die_with_parent()
+        if os.getppid() != starter:  # (the starter died before the line above)
+            os._exit(1)
         sock.close()
         for name in request["cleared"]:
             os.environ.pop(name, None)
-        die_with_parent()
         _fresh_seeds()
         sys.argv = [sys.argv[0], request["spec"], str(request["rank"])]
         name_process(f"rlctl-rank-{request['rank']}".encode())
@@ -249,6 +280,8 @@ def _fresh_seeds() -> None:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
 
 
 def _exit_as_an_interpreter(code: int) -> None:

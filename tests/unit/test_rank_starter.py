@@ -68,3 +68,85 @@ def test_ranks_are_forked_as_their_own_processes_and_their_exits_reported(tmp_pa
     assert out["other_env_refused"] is True  # a rank whose environment differs is exec'd instead
     assert out["with_a_thread"] is None  # a process running two threads forks no starter
     assert not os.path.exists(f"/proc/{out['starter']}")  # ended with its block
+
+
+STUCK = textwrap.dedent(
+    """
+    import os, sys, time
+    import rlctl.ranks.starter as starter
+
+    sys.path.insert(0, sys.argv[2])
+    starter.PRELOAD = ("slow",)  # an import of 3 s, where the driver waits at most 1 s
+    starter.START_TIMEOUT_S = 1.0
+
+    def stand_in():
+        open(f"{sys.argv[1]}.{sys.argv[2]}", "w").close()
+
+    with starter.rank_starter(True, stand_in):
+        s = starter.current()
+        t0 = time.monotonic()
+        forked = s.spawn(sys.argv[1], 0, dict(os.environ), frozenset())
+        waited = time.monotonic() - t0
+        gone = not os.path.exists(f"/proc/{s.pid}") or open(f"/proc/{s.pid}/stat").read().split()[2] == "Z"
+        again = s.spawn(sys.argv[1], 1, dict(os.environ), frozenset())
+    time.sleep(3)
+    print(forked is None, again is None, round(waited), gone)
+    """
+)
+
+
+def test_a_starter_that_does_not_answer_in_time_is_ended_and_its_ranks_are_execd(tmp_path):
+    """The rank the driver gave up waiting for is exec'd by the driver: the starter must not fork it later."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(3)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", STUCK, str(tmp_path / "rank"), str(tmp_path)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "1", "True"]
+    assert not list(tmp_path.glob("rank.*"))  # no rank ran in the starter, then or later
+
+
+INTERRUPTED = textwrap.dedent(
+    """
+    import os, select, signal, sys, time
+    import rlctl.ranks.starter as starter
+
+    starter.PRELOAD = ("json",)
+    starter.START_TIMEOUT_S = 5.0
+    driver, polls, ranks = os.getpid(), [], []
+    signal.signal(signal.SIGUSR1, lambda *_: polls.extend(r.poll() for r in ranks))  # (as the StopForwarder)
+
+    class Select:  # a stop lands as spawn's wait for the starter's answer ends (before it reads the answer)
+        @staticmethod
+        def select(r, w, x, timeout=None):
+            ready = select.select(r, w, x, timeout)
+            if os.getpid() == driver and ready[0] and timeout:
+                os.kill(driver, signal.SIGUSR1)
+            return ready
+
+    starter.select = Select
+
+    def stand_in():
+        time.sleep(1)
+        sys.exit(int(sys.argv[2]) + 5)
+
+    with starter.rank_starter(True, stand_in):
+        s = starter.current()
+        for rank in range(2):
+            ranks.append(s.spawn(sys.argv[1], rank, dict(os.environ), frozenset()))
+        while any(r is not None and r.poll() is None for r in ranks):
+            time.sleep(0.05)
+        print([r is not None for r in ranks], [r and r.poll() for r in ranks], len(polls))
+    """
+)
+
+
+def test_a_stop_signal_that_polls_the_ranks_while_the_driver_waits_for_an_answer_takes_nothing_from_it():
+    """The driver's StopForwarder polls the ranks from a signal handler, which may land while ``spawn``
+    waits for the starter's answer: the answer is still spawn's, and every exit code is kept."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, "spec"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[True,", "True]", "[5,", "6]", "1"]  # (the handler polled rank 0 once)
