@@ -149,7 +149,21 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
     if protocol in GCS | AZURE:
         _one_try(fs)
+    loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
+    if loop is not None:
+        loop.set_exception_handler(_unless_a_dropped_connection)
     return fs, root
+
+
+def _unless_a_dropped_connection(loop: Any, context: dict[str, Any]) -> None:
+    """The exception handler of the object-store clients' event loop (fsspec's): asyncio's default, but
+    for a connection error of a task whose result nobody awaits (aiohttp writes a request's body in a
+    task of its own; when the server dies mid-request the request fails, and our retry budget takes that
+    failure, while the writer task's own "Cannot write to closing transport" would print a traceback
+    among the run's one-sentence errors)."""
+    if isinstance(context.get("exception"), ConnectionError) and "never retrieved" in context.get("message", ""):
+        return
+    loop.default_exception_handler(context)
 
 
 def _one_try(fs: Any) -> None:

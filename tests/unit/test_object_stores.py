@@ -31,6 +31,19 @@ def test_appends_keep_what_the_file_held(store):
     assert store.read_bytes("events.jsonl") == b"".join(lines)
 
 
+def test_a_dropped_connections_unawaited_task_is_no_traceback_and_other_errors_still_are(store, caplog):
+    """aiohttp writes a request's body in a task nobody awaits; a server that dies mid-request fails the
+    request (our retry budget takes it) and leaves that task's connection error: not printed."""
+    handler = store.fs.loop.get_exception_handler()
+    assert handler is not None
+    dropped = ConnectionResetError("Cannot write to closing transport")
+    with caplog.at_level("ERROR", logger="asyncio"):
+        handler(store.fs.loop, {"message": "Task exception was never retrieved", "exception": dropped})
+        assert not caplog.records
+        handler(store.fs.loop, {"message": "Task exception was never retrieved", "exception": ValueError("a bug")})
+    assert [r.getMessage() for r in caplog.records] == ["Task exception was never retrieved"]
+
+
 def test_an_exclusive_write_is_refused_when_the_object_exists(store):
     """The lease's create. On GCS it is an ifGenerationMatch=0 upload, which the emulator ignores."""
     if store.url.startswith("gs://"):
