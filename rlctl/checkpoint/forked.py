@@ -55,9 +55,7 @@ class Forked:
 
     def __init__(self, target: Callable[[], None], keep: int):
         self.returncode: int | None = None
-        for stream in (sys.stdout, sys.stderr):  # (what they hold would be written twice: by the child too)
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_std_streams()
         self.pid = os.fork()
         if self.pid == 0:  # the child
             _run_child(target, keep)
@@ -105,6 +103,13 @@ def _run_child(target: Callable[[], None], keep: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def flush_std_streams() -> None:
+    """Flush stdout and stderr before a fork: what they hold would be written twice, by the child too."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def die_with_parent() -> None:

@@ -17,7 +17,6 @@ It dies with the driver, and its ranks with it; it reaps them and tells the driv
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import importlib
@@ -30,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import orjson
 
-from rlctl.checkpoint.forked import can_fork, die_with_parent, name_process
+from rlctl.checkpoint.forked import can_fork, die_with_parent, flush_std_streams, name_process
 from rlctl.ranks.stops import STOP_SIGNALS, STOPS, block_stop_signals
 
 # what a rank imports before its first step, imported once by the starter (DeepSpeed is not: it picks
@@ -63,9 +62,7 @@ class RankStarter:
             return None
         ours, theirs = socket.socketpair()
         env, parent = dict(os.environ), os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_std_streams()
         pid = os.fork()
         if pid == 0:
             ours.close()
@@ -187,7 +184,6 @@ def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
         if os.getppid() != parent:  # (the driver died before the line above)
             return
         gc.freeze()  # what the driver left here stays out of the collections (as a forked writer's)
-        atexit._clear()  # the driver's exit handlers are the driver's
         os.closerange(3, sock.fileno())  # the driver's files and pipes are the driver's (as exec'd ranks have)
         os.closerange(sock.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
         STOPS.__init__()  # a fresh process's: nothing requested, nothing raised at once
@@ -238,9 +234,7 @@ def _reap(sock: socket.socket, ranks: set[int]) -> None:
 
 
 def _fork_rank(request: dict, sock: socket.socket, main: Callable[[], None]) -> int:
-    for stream in (sys.stdout, sys.stderr):  # (what they hold would be written by every rank too)
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush_std_streams()
     starter = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -249,8 +243,8 @@ def _fork_rank(request: dict, sock: socket.socket, main: Callable[[], None]) -> 
 
 
 def _run_rank(request: dict, sock: socket.socket, main: Callable[[], None], starter: int) -> None:
-    """A forked rank: what ``python -m rlctl.ranks.local SPEC RANK`` would be, then its exit (``main``
-    leaves with ``os._exit``; should it return, as an interpreter would)."""
+    """A forked rank: what ``python -m rlctl.ranks.local SPEC RANK`` would be; it leaves with ``os._exit``
+    (``main`` does so itself; should it return or raise, here, with its code)."""
     code = 0
     try:
         die_with_parent()
@@ -271,7 +265,7 @@ def _run_rank(request: dict, sock: socket.socket, main: Callable[[], None], star
         traceback.print_exc()
         code = 1
     finally:
-        _exit_as_an_interpreter(code)
+        _exit(code)
 
 
 def _fresh_seeds() -> None:
@@ -284,17 +278,9 @@ def _fresh_seeds() -> None:
         sys.modules["torch"].seed()
 
 
-def _exit_as_an_interpreter(code: int) -> None:
-    """Join the rank's threads and run its exit handlers, as an interpreter's exit does, then leave."""
-    import threading
-
+def _exit(code: int) -> None:
+    """Leave as ``main`` does (``os._exit``, its streams flushed): no teardown of what was inherited."""
     try:
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        flush_std_streams()
     finally:
         os._exit(code)
