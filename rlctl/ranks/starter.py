@@ -196,10 +196,11 @@ def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
             if not can_fork():  # (numpy's BLAS pool, without OMP_NUM_THREADS=1): the ranks are exec'd
                 return
         _serve_requests(sock, main)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
+    except BaseException as exc:  # one sentence: the run goes on, its ranks started as new processes
+        print(
+            f"warning: the local ranks' starter stopped ({type(exc).__name__}: {exc}); ranks start anew",
+            file=sys.stderr,
+        )
         code = 1
     finally:
         os._exit(code)
