@@ -13,6 +13,10 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# gcsfs reads this once, as it is imported, and any test may be the first to import it (a gs:// URL in a
+# preflight or a storage test): on, every bucket is first probed over gRPC, which no emulator answers
+# (60 s a probe), and a worker's GCS tests would test another client than their neighbours'.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 # A pytest-xdist worker ignores SIGINT (execnet's doing), and a process it starts would inherit that:
 # Python then installs no KeyboardInterrupt handler, and the Ctrl-C tests' rlctl would not stop. Python's
@@ -111,8 +115,16 @@ def _server(argv: list[str], name: str, env: dict | None = None):
 
 
 def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    """A test server in a session of its own: signals to the suite's process group (a terminal's Ctrl-C,
+    the kernel's SIGHUP and SIGCONT to a group left orphaned with a stopped member) never reach it, and
+    one its test has paused with SIGSTOP stays paused until that test continues it."""
     return subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
 
 
@@ -168,7 +180,6 @@ def gcs_env():
     ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace probe is
     off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
     server = _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
-    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"  # (this process's gcsfs, read as it is imported)
     args = ["start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory", "--default-bucket", "rlctl-runs"]
     proc, url = _server([server, *args], "gcp-storage-emulator")
     opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}

@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlctl.storage import Storage
@@ -114,14 +115,26 @@ def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeo
     proc, url = _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
     options, bucket = {**gcs_env[1], "endpoint_url": url}, f"paused-{uuid.uuid4().hex[:8]}"
     try:
+        reader = Storage.for_reading(f"gs://{bucket}/run", 2, options)
+        assert type(reader.fs).__name__ == "GCSFileSystem"  # (not gcsfs's experimental gRPC-probing one)
         Storage(f"gs://{bucket}", options).fs.mkdir(bucket)
         Storage(f"gs://{bucket}/run", options).write_bytes("config.yaml", b"trainer: {}\n")
-        proc.send_signal(signal.SIGSTOP)  # connections are accepted (the kernel's backlog); nothing answers
-        reader = Storage.for_reading(f"gs://{bucket}/run", 2, options)
+        _pause(proc)  # connections are accepted (the kernel's backlog); nothing answers
         t0 = time.monotonic()
         with pytest.raises(StorageError, match="gave up after"):
-            reader.read_bytes("config.yaml")
+            answer = reader.read_bytes("config.yaml")
+            status = psutil.Process(proc.pid).status()
+            pytest.fail(f"a paused server ({status} now) answered {answer!r} in {time.monotonic() - t0:.1f} s")
         assert time.monotonic() - t0 < 2 + 4, time.monotonic() - t0
     finally:
         proc.send_signal(signal.SIGCONT)
         _stop(proc)
+
+
+def _pause(proc) -> None:
+    """SIGSTOP ``proc`` and wait until the kernel shows it stopped."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.01)
