@@ -143,7 +143,7 @@ class Experience:
         if (turn_sums := add_turn_rewards(seqs, turns, ends, f"reward function '{cfg.reward.function}'")) is not None:
             scores = scores + turn_sums.float()
         if a.overlong.enabled:
-            lengths = seqs.response_mask.sum(-1)
+            lengths = seqs.response_mask.sum(-1).cpu()  # (scores are on the CPU until advantages_of)
             scores = scores + algos.overlong_penalty(
                 lengths, cfg.rollout.max_new_tokens, a.overlong.buffer_len, a.overlong.penalty_factor
             )
@@ -260,10 +260,11 @@ def advantages_of(a: AlgorithmConfig, seqs: Sequences, scores: torch.Tensor, old
     score that an environment gave single turns (``seqs.turn_rewards``) is on the ends of those turns
     instead: the outcome estimators sum the same, GAE and REINFORCE++ see where it was earned."""
     mask = seqs.response_mask
+    scores = scores.to(mask.device)  # (the reward function's, on the CPU until here)
     rewards = algos.scores_to_token_rewards(scores, mask)
     if seqs.turn_rewards is not None:  # part of the scores: moved from the last token to their turns' ends
-        turns = seqs.turn_rewards.to(rewards.dtype) * mask
-        rewards = algos.scores_to_token_rewards(scores.to(turns.device) - turns.sum(-1), mask) + turns
+        turns = seqs.turn_rewards.to(mask.device, rewards.dtype) * mask
+        rewards = algos.scores_to_token_rewards(scores - turns.sum(-1), mask) + turns
     current_kl = None
     if a.kl_in_reward and ref is not None:
         rewards, current_kl = algos.apply_kl_penalty(rewards, old, ref, mask, kl_coef, a.kl_estimator)

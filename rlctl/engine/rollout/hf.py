@@ -249,11 +249,9 @@ class HFRollout:
         """The text each completion holds up to its eos, and before its first stop string (which is left
         out, as vLLM's include_stop_str_in_output=False). Special tokens other than eos stay in the text
         (a model that emits padding mid-answer is not shown a cleaned-up version to the reward)."""
-        keep = seqs.response_mask.bool() & ~torch.isin(seqs.responses, torch.tensor(self.eos_ids))
-        texts = [
-            self.tokenizer.decode(ids[k].tolist(), skip_special_tokens=False)
-            for ids, k in zip(seqs.responses.cpu(), keep.cpu())
-        ]
+        responses = seqs.responses.cpu()
+        keep = seqs.response_mask.cpu().bool() & ~torch.isin(responses, torch.tensor(self.eos_ids))
+        texts = [self.tokenizer.decode(ids[k].tolist(), skip_special_tokens=False) for ids, k in zip(responses, keep)]
         return [self.stops.cut_text(t) for t in texts] if self.stops else texts
 
     @torch.no_grad()
