@@ -4,10 +4,12 @@ stopped at step 0 on two such mixes that every CPU test had run through (docs/gp
 finds both on the code before their fixes. The runs cover the paths the GPU check takes and more."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+from test_multi_turn_e2e import task  # noqa: F401 (the model taught to call a tool, the tool, the config)
 
 from helpers import REPO, SMALL
 
@@ -21,9 +23,9 @@ RUNS = {
 }  # fmt: skip
 
 
-def watched(report, *args: str) -> list[dict]:
+def watched(report, *args: str, cwd=REPO, env=None) -> list[dict]:
     cmd = [sys.executable, str(REPO / "tests" / "device_mix.py"), str(report), "--", *args]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(report.read_text())
 
@@ -35,3 +37,16 @@ def test_a_run_and_its_resume_mix_no_devices(name, tmp_path):
     assert watched(tmp_path / "start.json", "start", "--run-dir", str(run), *SMALL, *RUNS[name], *steps) == []
     if name == "grpo":
         assert watched(tmp_path / "resume.json", "resume", str(run), "--from", "step-1") == []
+
+
+def test_conversations_with_tool_calls_generated_a_step_ahead_mix_no_devices(task, tmp_path):  # noqa: F811
+    config = json.loads((task / "run.yaml").read_text())
+    config["rollout"]["mode"], config["trainer"]["total_steps"] = "one_step_off", 2
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+    run, env = tmp_path / "run", {"CAPITALS_COUNTER": str(tmp_path / "counter")}
+    assert (
+        watched(tmp_path / "start.json", "start", str(tmp_path / "run.yaml"), "--run-dir", str(run), cwd=task, env=env)
+        == []
+    )
+    calls = [json.loads(line).get("tool/lookup/calls", 0) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(calls) > 0  # (the model did call its tool)
