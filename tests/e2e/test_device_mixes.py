@@ -4,14 +4,13 @@ stopped at step 0 on two such mixes that every CPU test had run through (docs/gp
 finds both on the code before their fixes. The runs cover the paths the GPU check takes and more."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 from test_multi_turn_e2e import task  # noqa: F401 (the model taught to call a tool, the tool, the config)
 
-from helpers import REPO, SMALL
+from helpers import REPO, SMALL, child_env
 
 RUNS = {
     # the GPU check's: bf16, RLOO, several optimizer steps a step, gradient checkpointing, overlong
@@ -25,7 +24,7 @@ RUNS = {
 
 def watched(report, *args: str, cwd=REPO, env=None) -> list[dict]:
     cmd = [sys.executable, str(REPO / "tests" / "device_mix.py"), str(report), "--", *args]
-    done = subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=cwd, env=child_env(**(env or {})), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(report.read_text())
 

@@ -24,9 +24,9 @@ def test_a_cpu_tensor_of_one_dimension_or_more_beside_a_device_tensor_is_reporte
         torch.isin(on, torch.tensor([1.0]))  # (the HF rollout's decode, before its fix)
         torch.where(on > 0, on, torch.zeros(4))
         _ = on.to(dtype=torch.float64) + torch.ones(4)  # a dtype is no move
-        torch.nn.Linear(4, 4)(torch.ones(2, 4))  # a model's input left on the CPU
+        torch.mm(torch.ones(2, 4), torch.nn.Parameter(torch.ones(4, 4)))  # a weight's input left behind
 
-    assert watched(mixes) == ["isin", "where", "add", "linear"]
+    assert watched(mixes) == ["isin", "where", "add", "mm"]
 
 
 def test_what_cuda_allows_is_not_reported():
