@@ -18,7 +18,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -249,8 +249,14 @@ def row_is_finite(row: dict[str, Any]) -> bool:
 
 
 @contextmanager
-def timed(timings: dict[str, float], name: str) -> Iterator[None]:
-    """Time the block into ``timings["timing_s/<name>"]`` (seconds)."""
+def timed(timings: dict[str, float], name: str, sync: Callable[[], None] | None = None) -> Iterator[None]:
+    """Time the block into ``timings["timing_s/<name>"]`` (seconds). ``sync``: an accelerator's
+    ``synchronize``, called as the block begins and ends, so that its time holds the device work it
+    queued (a GPU runs a block's kernels after the host has left it) and none queued before it."""
+    if sync is not None:
+        sync()
     start = time.perf_counter()
     yield
+    if sync is not None:
+        sync()
     timings[f"timing_s/{name}"] = time.perf_counter() - start
