@@ -358,12 +358,18 @@ def deterministic_kernels(kind: str) -> None:
     warn_only=True)`` (an op without a deterministic kernel warns once rather than stopping the run),
     cuDNN's deterministic algorithms and no cuDNN autotuning. Uninitialised memory is filled on a GPU or
     NPU only: on the CPU, whose kernels rlctl runs are deterministic already, the fill of every
-    ``torch.empty`` (DeepSpeed's ZeRO buckets at every step) made a tiny model's update 20-50x slower."""
+    ``torch.empty`` (DeepSpeed's ZeRO buckets at every step) made a tiny model's update 20-50x slower.
+    On CUDA, attention takes PyTorch's math kernel: the flash, memory-efficient and cuDNN kernels'
+    backward passes add up in a varying order, and under ``warn_only`` they only say so."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = kind != "cpu"
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    if kind == "cuda":
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def seed_everything(seed: int) -> None:
