@@ -25,6 +25,8 @@ import shutil
 import sys
 import tempfile
 
+import torch
+
 # a ZeRO optimizer partition: DeepSpeed's [bf16_]zero_pp_rank_N_mp_rank_MM_optim_states.pt
 _OPTIM_PARTITION = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
@@ -100,5 +102,19 @@ def load_resharded(engine, path: str, *, strict: bool) -> None:
             )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the universal checkpoint made from {path}")
+        _steps_beside_their_parameters(getattr(engine.optimizer, "optimizer", engine.optimizer))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _steps_beside_their_parameters(optimizer) -> None:
+    """DeepSpeed's universal loader sets each parameter's optimizer ``step`` as it read it: a CPU tensor.
+    A fused (rlctl's AdamW on CUDA) or capturable AdamW keeps it on its parameter's device and hands it to
+    its kernel unchecked; torch's own ``load_state_dict`` moves it there, as this does."""
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.device != param.device:
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
