@@ -52,6 +52,7 @@ import os
 import random
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -78,6 +79,11 @@ class Runtime:
     def accelerator(self) -> ModuleType | None:
         """``torch.cuda`` or ``torch.npu`` (synchronize, empty_cache, memory stats), None on the CPU."""
         return device_module(self.kind)
+
+    @property
+    def synchronize(self) -> Callable[[], None] | None:
+        """The accelerator's ``synchronize`` (None on the CPU): what a phase's timing waits for."""
+        return getattr(self.accelerator, "synchronize", None)
 
 
 def device_module(kind: str) -> ModuleType | None:

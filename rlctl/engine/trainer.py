@@ -96,7 +96,6 @@ class Trainer:
                 "a policy rolls back, but 'checkpoint.every' is 0: there would be no snapshot to roll back to"
             )
         self.runtime, self.dist = rank.runtime, rank.dist  # every rank runs this loop on its share of the prompts
-        self.sync = getattr(self.runtime.accelerator, "synchronize", None)  # (the phases' times hold their device work)
         if snapshots is not None and cfg.checkpoint.every:
             snapshots.start_writer()  # its start-up overlaps loading the models, not the first snapshot
         faults.while_building()
@@ -381,8 +380,8 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         t: dict[str, float] = {}
         self.follow_schedules(step)
-        with timed(t, "step", self.sync):
-            with timed(t, "gen", self.sync):
+        with timed(t, "step", self.runtime.synchronize):
+            with timed(t, "gen", self.runtime.synchronize):
                 seqs, scores, sampling = self.batch_for(step)
             old, ref, values, drift = self.forward_passes(seqs, t)
             rewards, current_kl, advantages, returns = advantages_of(
@@ -424,19 +423,19 @@ class Trainer:
         """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
         (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
         temperature = self.cfg.rollout.temperature
-        with timed(t, "old_log_prob", self.sync), torch.no_grad():
+        with timed(t, "old_log_prob", self.runtime.synchronize), torch.no_grad():
             old = None if self.on_policy else self.actor.old_log_probs(seqs, temperature)
         drift = {}
         if seqs.rollout_log_probs is not None and old is not None:
             diff = (old - seqs.rollout_log_probs).abs()
             drift["rollout/logprob_diff"] = algos.masked_mean(diff, seqs.response_mask).item()
-        with timed(t, "ref", self.sync), torch.no_grad():
+        with timed(t, "ref", self.runtime.synchronize), torch.no_grad():
             ref = (
                 None
                 if self.ref is None
                 else self.actor.in_pieces(seqs, lambda part: sequence_log_probs(self.ref, part, temperature)[0])
             )
-        with timed(t, "values", self.sync), torch.no_grad():
+        with timed(t, "values", self.runtime.synchronize), torch.no_grad():
             values = self.critic.values(seqs) if self.critic is not None else None
         return old, ref, values, drift
 
@@ -444,10 +443,10 @@ class Trainer:
         """The critic's update (PPO), then the actor's (after the critic's warm-up); their metrics."""
         stats: dict[str, float] = {}
         if self.critic is not None:
-            with timed(t, "update_critic", self.sync):
+            with timed(t, "update_critic", self.runtime.synchronize):
                 stats.update(self.critic.update(seqs, values, returns))
         if self.critic is None or step > self.cfg.critic.warmup_steps:
-            with timed(t, "update_actor", self.sync):
+            with timed(t, "update_actor", self.runtime.synchronize):
                 drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
                 poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
                 rollout_lp = seqs.rollout_log_probs  # (on-policy: logprob_diff; any step: the rollout correction)
