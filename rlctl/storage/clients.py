@@ -4,6 +4,7 @@ fenced off the run's global ``random`` stream (their retry jitter draws from a p
 from __future__ import annotations
 
 import copy
+import os
 import random
 import sys
 import threading
@@ -74,6 +75,12 @@ def fence_third_party_random() -> None:
 # the extra of rlctl that installs a protocol's fsspec filesystem (pyproject.toml)
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 S3, GCS, AZURE = ({p for p, extra in EXTRAS.items() if extra == name} for name in ("s3", "gcs", "azure"))
+# gcsfs (2026.10) reads this once, as it is imported, and takes it for on: its experimental client then
+# asks each bucket's type over gRPC before its first use, with a 60 s deadline and retries of its own that
+# neither rlctl's retry budget nor a read-only command's --timeout governs (a read with --timeout 2 from a
+# paused GCS emulator took 43 s). rlctl uses none of the hierarchical-namespace or zonal features it
+# serves: off, unless the variable is set.
+GCS_NAMESPACES = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
 S3_CLIENT_DEFAULTS = {
     "connect_timeout": 5,
@@ -139,6 +146,8 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
     A protocol whose filesystem package is not installed is a ConfigError naming the extra to install
     (an installation to change, not a store to wait for)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
+    if protocol in GCS and "gcsfs" not in sys.modules:
+        os.environ.setdefault(GCS_NAMESPACES, "false")  # (see GCS_NAMESPACES)
     try:
         fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
     except ImportError as exc:

@@ -3,8 +3,10 @@ real server on loopback: S3 (moto's), GCS (gcp-storage-emulator through gcsfs) a
 through adlfs). GCS's client cannot append; Azure's can only to blobs made for it."""
 
 import hashlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -138,3 +140,16 @@ def _pause(proc) -> None:
     while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
         assert time.monotonic() < deadline, "the server did not stop"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize(("variable", "client"), [(None, "GCSFileSystem"), ("true", "ExtendedGcsFileSystem")])
+def test_gcsfs_experimental_client_is_left_off_unless_its_variable_says_otherwise(gcs_env, variable, client):
+    """gcsfs's experimental client asks a bucket's type over gRPC, outside every timeout rlctl sets: a
+    process of rlctl's that imports gcsfs leaves it off, unless GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT is set."""
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # (the tests' own)
+    if variable is not None:
+        env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = variable
+    code = "import json, sys; from rlctl.storage import Storage; print(type(Storage(sys.argv[1], json.loads(sys.argv[2])).fs).__name__)"
+    argv = [sys.executable, "-c", code, "gs://rlctl-runs/run", json.dumps(gcs_env[1])]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == client, done.stderr[-2000:]
