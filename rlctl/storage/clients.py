@@ -81,6 +81,8 @@ S3, GCS, AZURE = ({p for p, extra in EXTRAS.items() if extra == name} for name i
 # paused GCS emulator took 43 s). rlctl uses none of the hierarchical-namespace or zonal features it
 # serves: off, unless the variable is set.
 GCS_NAMESPACES = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+if "gcsfs" not in sys.modules:  # (set as rlctl's storage is imported: before fsspec can import gcsfs for it)
+    os.environ.setdefault(GCS_NAMESPACES, "false")
 
 S3_CLIENT_DEFAULTS = {
     "connect_timeout": 5,
@@ -146,8 +148,6 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
     A protocol whose filesystem package is not installed is a ConfigError naming the extra to install
     (an installation to change, not a store to wait for)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    if protocol in GCS and "gcsfs" not in sys.modules:
-        os.environ.setdefault(GCS_NAMESPACES, "false")  # (see GCS_NAMESPACES)
     try:
         fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
     except ImportError as exc:

@@ -149,7 +149,10 @@ def test_gcsfs_experimental_client_is_left_off_unless_its_variable_says_otherwis
     env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # (the tests' own)
     if variable is not None:
         env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = variable
-    code = "import json, sys; from rlctl.storage import Storage; print(type(Storage(sys.argv[1], json.loads(sys.argv[2])).fs).__name__)"
+    code = (  # (the preflight asks fsspec for gs://'s class first, which imports gcsfs)
+        "import json, sys, fsspec; from rlctl.storage import Storage; fsspec.get_filesystem_class('gs'); "
+        "print(type(Storage(sys.argv[1], json.loads(sys.argv[2])).fs).__name__)"
+    )
     argv = [sys.executable, "-c", code, "gs://rlctl-runs/run", json.dumps(gcs_env[1])]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split()[-1] == client, done.stderr[-2000:]
