@@ -110,11 +110,12 @@ def load_resharded(engine, path: str, *, strict: bool) -> None:
 def _steps_beside_their_parameters(optimizer) -> None:
     """DeepSpeed's universal loader sets each parameter's optimizer ``step`` as it read it: a CPU tensor.
     A fused (rlctl's AdamW on CUDA) or capturable AdamW keeps it on its parameter's device and hands it to
-    its kernel unchecked; torch's own ``load_state_dict`` moves it there, as this does."""
-    for group in optimizer.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
-            continue
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if isinstance(step, torch.Tensor) and step.device != param.device:
-                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
+    its kernel unchecked; torch's own ``load_state_dict`` moves it there, as this does. (The state's keys
+    are the parameters: ZeRO-3 empties its groups' parameter lists between optimizer steps.)"""
+    groups = optimizer.param_groups
+    if not any(group.get("fused") or group.get("capturable") for group in groups):
+        return
+    for param, state in optimizer.state.items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and isinstance(param, torch.Tensor) and step.device != param.device:
+            state["step"] = step.to(device=param.device, dtype=torch.float32)
