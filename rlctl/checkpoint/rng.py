@@ -1,5 +1,5 @@
 """The random number generators of the process, as one Stateful: Python, NumPy, torch CPU, and the
-generator of this process's CUDA device (where it uses one) or the NPU generators when present."""
+generator of this process's CUDA or NPU device, where it uses one."""
 
 from __future__ import annotations
 
@@ -22,11 +22,8 @@ class RNGState:
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
         }
-        if torch.cuda.is_initialized():  # (a CPU run on a GPU machine makes no CUDA context for this)
-            state["cuda"] = torch.cuda.get_rng_state()  # this rank's device's: the others are other ranks'
-        npu = getattr(torch, "npu", None)
-        if npu is not None and npu.is_available():
-            state["npu"] = npu.get_rng_state_all()
+        for name, module in _accelerators_in_use():  # this rank's device's: the others are other ranks'
+            state[name] = module.get_rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -34,18 +31,28 @@ class RNGState:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_initialized():
-            torch.cuda.set_rng_state(_this_devices(state["cuda"]))
-        npu = getattr(torch, "npu", None)
-        if "npu" in state and npu is not None and npu.is_available():
-            npu.set_rng_state_all(state["npu"])
+        for name, module in _accelerators_in_use():
+            if name in state:
+                module.set_rng_state(_this_devices(module, state[name]))
 
 
-def _this_devices(saved: Any) -> torch.Tensor:
-    """The saved CUDA generator state of this process's device. Earlier snapshots hold a list, one state
-    per visible device, where this rank's is at its device's index (a resume on fewer visible devices has
-    no such index: device 0's then, as a rank on one device is)."""
+def _accelerators_in_use() -> list[tuple[str, Any]]:
+    """("cuda", torch.cuda) and ("npu", torch.npu) where this process has made a context on one (a CPU run
+    on a GPU machine makes none for its snapshots: a context before the writer's fork refuses the fork)."""
+    found = []
+    for name in ("cuda", "npu"):
+        module = getattr(torch, name, None)
+        initialized = getattr(module, "is_initialized", None) or getattr(module, "is_available", None)
+        if initialized is not None and initialized():
+            found.append((name, module))
+    return found
+
+
+def _this_devices(module: Any, saved: Any) -> torch.Tensor:
+    """The saved generator state of this process's device. Earlier snapshots hold a list, one state per
+    visible device, where this rank's is at its device's index (a resume on fewer visible devices has no
+    such index: device 0's then, as a rank on one device is)."""
     if isinstance(saved, torch.Tensor):
         return saved
-    index = torch.cuda.current_device()
+    index = module.current_device()
     return saved[index] if index < len(saved) else saved[0]
