@@ -26,7 +26,19 @@ RLCTL = str(Path(__file__).resolve().parents[1] / "rlctl")
 HERE = str(Path(__file__).resolve())
 DEVICE = torch.device("cpu", 0)
 DEVICE_OF = torch._C.TensorBase.__dict__["device"]  # (``t.device``: the device's spelling for a tensor on it)
-MIXING_ALLOWED = {"__getitem__", "__setitem__", "copy_", "to", "type_as", "cpu", "index_put_", "__get__", "__set__"}
+# copies and moves, attribute access, and calls that compute nothing (a deep copy's memo holds every tensor)
+MIXING_ALLOWED = {
+    "copy_",
+    "to",
+    "type_as",
+    "cpu",
+    "__get__",
+    "__set__",
+    "_has_compatible_shallow_copy_type",
+    "__deepcopy__",
+}
+INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}  # (a device tensor takes CPU indices)
+OWN_BUFFERS = "/deepspeed/"  # a library that keeps real CPU buffers here (its CPU accelerator's)
 
 
 def _named(func) -> str:
@@ -68,11 +80,19 @@ class DeviceMix(TorchFunctionMode):
             for out in tree_flatten(result)[0]:
                 if isinstance(out, torch.Tensor):
                     self.on_device[out] = True
-        if name not in MIXING_ALLOWED and any(self._on(t) for t in tensors):
+        if name in INDEXING:
+            self._indexing(name, args)
+        elif name not in MIXING_ALLOWED and any(self._on(t) for t in tensors):
             cpu = [tuple(t.shape) for t in tensors if not self._on(t) and t.dim() > 0]
             if cpu:
                 self._report(name, cpu)
         return result
+
+    def _indexing(self, name: str, args) -> None:
+        """A tensor on the device takes CPU indices (and values); a CPU tensor refuses device indices."""
+        cpu = len(args) > 1 and isinstance(args[0], torch.Tensor) and not self._on(args[0])
+        if cpu and any(isinstance(t, torch.Tensor) and self._on(t) for t in tree_flatten(args[1])[0]):
+            self._report(name, [tuple(args[0].shape)])
 
     def _target(self, name: str, args, kwargs) -> bool | None:
         if name == "cpu":
@@ -88,15 +108,20 @@ class DeviceMix(TorchFunctionMode):
         return None
 
     def _report(self, name: str, cpu_shapes: list) -> None:
-        for frame in reversed(traceback.extract_stack()[:-2]):
-            if frame.filename == HERE or "/torch/" in frame.filename:
-                continue
-            if frame.filename.startswith(self.root):
-                where = f"{Path(frame.filename).relative_to(Path(self.root).parent)}:{frame.lineno}"
-                seen = self.mixes.setdefault(where, {"where": where, "code": frame.line, "call": name, "count": 0})
-                seen["count"] += 1
-                seen["cpu_shapes"] = cpu_shapes
+        """At the innermost frame of the watched code: the call's own, or, for a call in a library (a model
+        given a CPU input), the watched code's that called into it; none for DeepSpeed's own buffers."""
+        frames = [f for f in reversed(traceback.extract_stack()) if f.filename != HERE and "/torch/" not in f.filename]
+        if not frames or OWN_BUFFERS in frames[0].filename:
             return
+        ours = next((f for f in frames if f.filename.startswith(self.root)), None)
+        if ours is None:
+            return
+        where = f"{Path(ours.filename).relative_to(Path(self.root).parent)}:{ours.lineno}"
+        seen = self.mixes.setdefault(where, {"where": where, "code": ours.line, "call": name, "count": 0})
+        seen["count"] += 1
+        seen["cpu_shapes"] = cpu_shapes
+        if frames[0] is not ours:
+            seen["in"] = f"{frames[0].filename}:{frames[0].lineno}"
 
 
 def main(argv: list[str]) -> int:

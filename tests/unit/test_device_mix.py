@@ -29,11 +29,34 @@ def test_a_cpu_tensor_of_one_dimension_or_more_beside_a_device_tensor_is_reporte
     assert watched(mixes) == ["isin", "where", "add", "mm"]
 
 
+def test_a_cpu_tensor_indexed_by_a_device_tensor_is_reported():
+    def indexing():
+        on = torch.arange(4, device=DEVICE)
+        torch.arange(8)[on]  # (CUDA: indices on the CPU or on the indexed tensor's device)
+
+    assert watched(indexing) == ["__getitem__"]
+
+
+def test_a_library_given_a_cpu_input_is_reported_where_the_watched_code_called_it(tmp_path):
+    (tmp_path / "a_model_library.py").write_text(
+        "import torch\n\ndef embed(ids, table):\n    return torch.nn.functional.embedding(ids, table)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    from a_model_library import embed
+
+    mode = DeviceMix(root=__file__)
+    with mode:
+        embed(torch.tensor([[1, 2]]), torch.nn.Parameter(torch.ones(4, 3)))
+    (mix,) = mode.mixes.values()
+    assert mix["call"] == "embedding" and "embed(torch.tensor" in mix["code"] and "a_model_library.py" in mix["in"]
+
+
 def test_what_cuda_allows_is_not_reported():
     def allowed():
         on = torch.nn.Linear(4, 4)(torch.ones(2, 4, device=DEVICE))  # (a parameter is on the device)
         _ = on * torch.tensor(2.0)  # a 0-dimensional CPU tensor
         _ = on[torch.tensor([0])]  # indexing with a CPU index
+        on[torch.tensor([0])] = torch.zeros(1, 4)  # and writing through one
         _ = on.cpu() + torch.ones(2, 4)  # moved to the CPU first (here the same tensor: told apart)
         _ = torch.zeros(2, 4, device=on.device) + on  # made on the device through .device
         _ = torch.ones(2, 4).to(on.device) + on  # moved there
