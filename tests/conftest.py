@@ -153,6 +153,19 @@ def _stop(proc) -> None:
     proc.wait(timeout=30)
 
 
+def _pause(proc) -> None:
+    """SIGSTOP ``proc`` and wait until the kernel shows it stopped."""
+    import time
+
+    import psutil
+
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.01)
+
+
 def _installed(path: Path, what: str) -> str:
     if not path.exists():
         pytest.skip(f"{what} is not installed ({path}: `make venv` installs it)")

@@ -112,8 +112,7 @@ def _steps_beside_their_parameters(optimizer) -> None:
     A fused (rlctl's AdamW on CUDA) or capturable AdamW keeps it on its parameter's device and hands it to
     its kernel unchecked; torch's own ``load_state_dict`` moves it there, as this does. (The state's keys
     are the parameters: ZeRO-3 empties its groups' parameter lists between optimizer steps.)"""
-    groups = optimizer.param_groups
-    if not any(group.get("fused") or group.get("capturable") for group in groups):
+    if not any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups):
         return
     for param, state in optimizer.state.items():
         step = state.get("step") if isinstance(state, dict) else None

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import _listens, _server, _start
+from conftest import _listens, _pause, _server, _start
 
 from rlctl.errors import ExitCode, StorageError
 from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
@@ -76,7 +76,7 @@ class MotoServer:
         }
 
     def pause(self):
-        self.proc.send_signal(signal.SIGSTOP)
+        _pause(self.proc)
 
     def resume(self):
         self.proc.send_signal(signal.SIGCONT)

@@ -109,7 +109,7 @@ def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeo
     """gcsfs gives its requests no timeout of their own (aiohttp then waits for ever on a server that
     accepted the connection and went silent): rlctl's connect and read timeouts, capped by a read-only
     command's --timeout (2 s here), end the read in about that."""
-    from conftest import _server, _stop
+    from conftest import _pause, _server, _stop
 
     from rlctl.errors import StorageError
 
@@ -131,15 +131,6 @@ def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeo
     finally:
         proc.send_signal(signal.SIGCONT)
         _stop(proc)
-
-
-def _pause(proc) -> None:
-    """SIGSTOP ``proc`` and wait until the kernel shows it stopped."""
-    proc.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED:
-        assert time.monotonic() < deadline, "the server did not stop"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(("variable", "client"), [(None, "GCSFileSystem"), ("true", "ExtendedGcsFileSystem")])
