@@ -187,14 +187,20 @@ def s3_env():
     _stop(proc)
 
 
+def gcs_emulator() -> list[str]:
+    """The command that starts gcp-storage-emulator, through tests/gcs_emulator.py (which mends its
+    multipart reader) with this interpreter."""
+    _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
+    return [sys.executable, str(Path(__file__).parent / "gcs_emulator.py")]
+
+
 @pytest.fixture(scope="session")
 def gcs_env():
     """A real GCS endpoint on loopback (gcp-storage-emulator, in memory) holding the bucket
     ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace probe is
     off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
-    server = _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
     args = ["start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory", "--default-bucket", "rlctl-runs"]
-    proc, url = _server([server, *args], "gcp-storage-emulator")
+    proc, url = _server([*gcs_emulator(), *args], "gcp-storage-emulator")
     opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}
     yield {"FSSPEC_GS": json.dumps(opts), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, opts
     _stop(proc)
