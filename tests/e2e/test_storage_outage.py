@@ -247,7 +247,7 @@ class KilledRun:
         while not ready(self):
             assert self.proc.poll() is None, "\n".join(line for _, line in self.lines[-40:])
             assert time.monotonic() - waited < 180, "the moment never came"
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def end(self) -> tuple[int, list[tuple[float, str]]]:
         """Its exit code (once it exited) and its stderr lines, timed."""
@@ -298,9 +298,9 @@ MOMENTS = {
     # mid-commit: the files of step 4's snapshot are uploaded, its manifest is held back 3 s
     "mid-commit": ("commit_delay@4=3", {}, lambda r: r.uploaded(4)),
     # mid-upload, a local run whose snapshots go to the server: step 4's snapshot is staged and handed to
-    # the writer process, which holds it a second, then meets the outage alone (the training process hears
-    # of it from the snapshot)
-    "mid-upload": ("write_delay@4=1", {"checkpoint.dir": f"s3://{BUCKET}/snaps"}, lambda r: r.staged(4)),
+    # the writer process, which holds it 2 s (the test must see it staged in that while, on a loaded
+    # machine too), then meets the outage alone (the training process hears of it from the snapshot)
+    "mid-upload": ("write_delay@4=2", {"checkpoint.dir": f"s3://{BUCKET}/snaps"}, lambda r: r.staged(4)),
 }
 # a stall, not a kill, while the run sleeps after step 1; it sleeps again after step 3, past the budget
 STALL = (f"sleep@1=1,sleep@3={BUDGET:g}", {"trainer.total_steps": 4}, None)

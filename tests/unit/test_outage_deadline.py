@@ -31,11 +31,16 @@ def no_outage_left():
     OUTAGES.clear()
 
 
+_HELD: list[socket.socket] = []
+
+
 def _refused(bucket: str, retry_timeout: float) -> Storage:
-    """An S3 storage in ``bucket`` whose endpoint is a closed port on loopback (every request is refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    """An S3 storage in ``bucket`` whose endpoint is a closed port on loopback (every request is refused;
+    the port stays bound while the tests run, so no other worker's server can take it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    port = sock.getsockname()[1]
     opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}, "key": "k", "secret": "s"}
     return Storage(f"s3://{bucket}/run", {**opts, "skip_instance_cache": True}, retry_timeout=retry_timeout)
 

@@ -90,7 +90,7 @@ STUCK = textwrap.dedent(
         gone = not os.path.exists(f"/proc/{s.pid}") or open(f"/proc/{s.pid}/stat").read().split()[2] == "Z"
         again = s.spawn(sys.argv[1], 1, dict(os.environ), frozenset())
     time.sleep(3)
-    print(forked is None, again is None, round(waited), gone)
+    print(forked is None, again is None, 1 <= waited < 3, gone)  # (its deadline, then the kill and the reap)
     """
 )
 
@@ -102,7 +102,7 @@ def test_a_starter_that_does_not_answer_in_time_is_ended_and_its_ranks_are_execd
     argv = [sys.executable, "-c", STUCK, str(tmp_path / "rank"), str(tmp_path)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "1", "True"]
+    assert done.stdout.split() == ["True", "True", "True", "True"]
     assert not list(tmp_path.glob("rank.*"))  # no rank ran in the starter, then or later
 
 
@@ -126,8 +126,8 @@ INTERRUPTED = textwrap.dedent(
 
     starter.select = Select
 
-    def stand_in():
-        time.sleep(1)
+    def stand_in():  # (alive while the next rank is forked, on a loaded machine too: no exit comes first)
+        time.sleep(3)
         sys.exit(int(sys.argv[2]) + 5)
 
     with starter.rank_starter(True, stand_in):

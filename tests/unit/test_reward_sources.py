@@ -146,9 +146,19 @@ def test_timeout_is_retried_then_reported(serve):
 def test_a_stop_signal_cuts_the_backoff_short(serve):
     s = serve((503, {}, "down"))
     seen = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+
+    def ours(signum, frame):
+        seen.append(signum)
+
+    def stop_in_the_backoff():  # once the backoff watches (a fixed delay could land while the POST runs)
+        end = time.monotonic() + 30
+        while signal.getsignal(signal.SIGTERM) is ours and time.monotonic() < end:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, ours)
     try:
-        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        threading.Thread(target=stop_in_the_backoff, daemon=True).start()
         start = time.monotonic()
         with pytest.raises(Stopped):
             RemoteReward(s.url, retries=1, backoff=20)(PROMPTS, COMPLETIONS)

@@ -22,11 +22,16 @@ from rlctl.storage import Storage, describe, guarded, is_transient
 
 from helpers import invoke, small_tmpfs
 
+_HELD: list[socket.socket] = []
+
 
 def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port on loopback that refuses every connection: bound and never listened on, and kept bound while
+    the tests run, so no other worker's server can take it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return sock.getsockname()[1]
 
 
 def _dead_s3(retry_timeout: float, **config) -> Storage:
@@ -338,17 +343,17 @@ def _failing_writes(st: Storage, monkeypatch, errors):
 def test_heartbeat_survives_a_short_outage_then_renews(tmp_path, monkeypatch):
     st = Storage(str(tmp_path))
     failing = _failing_writes(st, monkeypatch, [StorageError("cannot write x: endpoint unreachable"), KeyError("boom")])
-    lease = Lease(st, timeout=1.5, heartbeat=0.05).acquire()
+    lease = Lease(st, timeout=4.0, heartbeat=0.05).acquire()  # (seconds of margin: fsyncs stall here)
     try:
         failing.set()
         assert _until(lambda: lease.last_error is not None)
         stalled = _heartbeat_of(st)
-        time.sleep(0.6)  # well under the timeout: many beats fail, with both kinds of error
+        time.sleep(1.0)  # well under the timeout: many beats fail, with both kinds of error
         assert lease._thread.is_alive() and lease.held and _heartbeat_of(st) == stalled
         lease.check()
         failing.clear()
         assert _until(lambda: _heartbeat_of(st) > stalled and lease.last_error is None)
-        time.sleep(1.2)  # beyond the timeout since the outage began: the renewals count
+        time.sleep(3.5)  # beyond the timeout since the outage began: the renewals count
         assert lease.held and lease._thread.is_alive()
         lease.check()
     finally:
