@@ -168,6 +168,29 @@ def test_a_stop_signal_cuts_the_backoff_short(serve):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_stop_signal_during_a_request_cuts_the_backoff_after_it_short(serve):
+    """A preemption that lands while the endpoint takes its time to answer 503: the run's handler runs
+    then, and the backoff that follows is not waited out."""
+    s = serve((503, {}, "down"), delay=1.0)
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+
+    def stop_during_the_request():
+        end = time.monotonic() + 30
+        while not s.requests and time.monotonic() < end:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        threading.Thread(target=stop_during_the_request, daemon=True).start()
+        start = time.monotonic()
+        with pytest.raises(Stopped):
+            RemoteReward(s.url, retries=1, backoff=20)(PROMPTS, COMPLETIONS)
+        assert time.monotonic() - start < 10 and seen == [signal.SIGTERM] and len(s.requests) == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sources_sum_with_weights_and_record_each_mean(serve):
     s = serve((200, {}, {"scores": [2.0, 4.0]}))
     cfg = RewardConfig(

@@ -61,14 +61,16 @@ class RemoteReward:
         """The scores as the endpoint gave them (checked by the caller: ``score``)."""
         body = self._body(prompts, completions, columns)
         last: _Retryable | None = None
-        for attempt in range(1, self.retries + 2):
-            try:
-                return self._post(body)
-            except _Retryable as exc:
-                last = exc
-            if attempt <= self.retries:
-                delay = last.retry_after if last.retry_after is not None else self.backoff * 2 ** (attempt - 1)
-                _wait(min(delay, RETRY_AFTER_MAX if last.retry_after is not None else BACKOFF_MAX), self.clock)
+        with _StopWatch() as stop:  # (from the first request: a stop signal during one cuts the backoff after it)
+            for attempt in range(1, self.retries + 2):
+                try:
+                    return self._post(body)
+                except _Retryable as exc:
+                    last = exc
+                if attempt <= self.retries:
+                    delay = last.retry_after if last.retry_after is not None else self.backoff * 2 ** (attempt - 1)
+                    cap = RETRY_AFTER_MAX if last.retry_after is not None else BACKOFF_MAX
+                    _wait(min(delay, cap), self.clock, stop)
         attempts = self.retries + 1
         raise InputError(
             f"reward URL {self.url} did not answer after {attempts} attempt{'s' if attempts > 1 else ''} "
@@ -139,15 +141,15 @@ def retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _wait(seconds: float, clock: Callable[[], float]) -> None:
-    """Sleep ``seconds``, cut short by a stop signal: its handler runs as before, then Stopped is raised
-    (where the handler raised already, that goes through). Off the main thread signals cannot arrive."""
+def _wait(seconds: float, clock: Callable[[], float], stop: _StopWatch) -> None:
+    """Sleep ``seconds``, cut short by a stop signal ``stop`` noted, before or during the sleep: its handler
+    ran as before, and Stopped is raised (where the handler raised already, that went through). Off the
+    main thread signals cannot arrive."""
     end = clock() + seconds
-    with _StopWatch() as stop:
-        while (left := end - clock()) > 0:
-            time.sleep(min(left, 0.1))
-            if stop.signal_name is not None:
-                raise Stopped(stop.signal_name)
+    while stop.signal_name is None and (left := end - clock()) > 0:
+        time.sleep(min(left, 0.1))
+    if stop.signal_name is not None:
+        raise Stopped(stop.signal_name)
 
 
 class _StopWatch:
