@@ -187,22 +187,22 @@ def s3_env():
     _stop(proc)
 
 
-def gcs_emulator() -> list[str]:
-    """The command that starts gcp-storage-emulator, through tests/gcs_emulator.py (which mends its
-    multipart reader) with this interpreter."""
+def gcs_server(*args: str):
+    """gcp-storage-emulator in memory on loopback, started through tests/gcs_emulator.py (which mends its
+    multipart reader) with this interpreter: (the process, its URL)."""
     _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
-    return [sys.executable, str(Path(__file__).parent / "gcs_emulator.py")]
+    argv = [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--in-memory", *args]
+    return _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
 
 
 @pytest.fixture(scope="session")
 def gcs_env():
     """A real GCS endpoint on loopback (gcp-storage-emulator, in memory) holding the bucket
-    ``rlctl-runs``, and the fsspec config that points gcsfs at it. gcsfs's hierarchical-namespace probe is
-    off: it asks the bucket's type over gRPC, which no emulator answers (60 s a probe)."""
-    args = ["start", "--host", "127.0.0.1", "--port", "{port}", "--in-memory", "--default-bucket", "rlctl-runs"]
-    proc, url = _server([*gcs_emulator(), *args], "gcp-storage-emulator")
+    ``rlctl-runs``, and the fsspec config that points gcsfs at it. (gcsfs's hierarchical-namespace probe,
+    which no emulator answers, is off: in this process as the conftest is imported, in rlctl's own.)"""
+    proc, url = gcs_server("--default-bucket", "rlctl-runs")
     opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}
-    yield {"FSSPEC_GS": json.dumps(opts), "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}, opts
+    yield {"FSSPEC_GS": json.dumps(opts)}, opts
     _stop(proc)
 
 

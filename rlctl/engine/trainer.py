@@ -377,11 +377,15 @@ class Trainer:
         return stop
 
     # -- one step --------------------------------------------------------------------------------------
+    def _timed(self, t: dict[str, float], name: str):
+        """``timed``, waiting for the accelerator at both ends (a GPU runs a phase's kernels after it)."""
+        return timed(t, name, self.runtime.synchronize)
+
     def train_step(self, step: int) -> dict[str, Any]:
         t: dict[str, float] = {}
         self.follow_schedules(step)
-        with timed(t, "step", self.runtime.synchronize):
-            with timed(t, "gen", self.runtime.synchronize):
+        with self._timed(t, "step"):
+            with self._timed(t, "gen"):
                 seqs, scores, sampling = self.batch_for(step)
             old, ref, values, drift = self.forward_passes(seqs, t)
             rewards, current_kl, advantages, returns = advantages_of(
@@ -423,19 +427,19 @@ class Trainer:
         """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
         (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
         temperature = self.cfg.rollout.temperature
-        with timed(t, "old_log_prob", self.runtime.synchronize), torch.no_grad():
+        with self._timed(t, "old_log_prob"), torch.no_grad():
             old = None if self.on_policy else self.actor.old_log_probs(seqs, temperature)
         drift = {}
         if seqs.rollout_log_probs is not None and old is not None:
             diff = (old - seqs.rollout_log_probs).abs()
             drift["rollout/logprob_diff"] = algos.masked_mean(diff, seqs.response_mask).item()
-        with timed(t, "ref", self.runtime.synchronize), torch.no_grad():
+        with self._timed(t, "ref"), torch.no_grad():
             ref = (
                 None
                 if self.ref is None
                 else self.actor.in_pieces(seqs, lambda part: sequence_log_probs(self.ref, part, temperature)[0])
             )
-        with timed(t, "values", self.runtime.synchronize), torch.no_grad():
+        with self._timed(t, "values"), torch.no_grad():
             values = self.critic.values(seqs) if self.critic is not None else None
         return old, ref, values, drift
 
@@ -443,10 +447,10 @@ class Trainer:
         """The critic's update (PPO), then the actor's (after the critic's warm-up); their metrics."""
         stats: dict[str, float] = {}
         if self.critic is not None:
-            with timed(t, "update_critic", self.runtime.synchronize):
+            with self._timed(t, "update_critic"):
                 stats.update(self.critic.update(seqs, values, returns))
         if self.critic is None or step > self.cfg.critic.warmup_steps:
-            with timed(t, "update_actor", self.runtime.synchronize):
+            with self._timed(t, "update_actor"):
                 drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
                 poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
                 rollout_lp = seqs.rollout_log_probs  # (on-policy: logprob_diff; any step: the rollout correction)

@@ -82,14 +82,13 @@ def test_a_dead_endpoint_fails_within_the_budget_not_after_the_clients_own_retri
     """gcsfs would try each request 6 times (about 31 s of backoff) and the Azure SDK 4 times (85 s against
     a dead endpoint) before rlctl saw a failure: rlctl's clients make one try, so a write to a server that
     is gone gives up after the 3 s budget."""
-    from conftest import AZURITE_ACCOUNT, AZURITE_KEY, _server, _stop, gcs_emulator
+    from conftest import AZURITE_ACCOUNT, AZURITE_KEY, _server, _stop, gcs_server
 
     from rlctl.errors import StorageError
 
     _, options = request.getfixturevalue(ENVS[protocol])  # (the installed server, and its options)
     if protocol == "gs":
-        argv = [*gcs_emulator(), "start", "--in-memory"]
-        proc, url = _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
+        proc, url = gcs_server()
         options = {**options, "endpoint_url": url}
     else:
         argv = [
@@ -119,12 +118,11 @@ def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeo
     """gcsfs gives its requests no timeout of their own (aiohttp then waits for ever on a server that
     accepted the connection and went silent): rlctl's connect and read timeouts, capped by a read-only
     command's --timeout (2 s here), end the read in about that."""
-    from conftest import _pause, _server, _stop, gcs_emulator
+    from conftest import _pause, _stop, gcs_server
 
     from rlctl.errors import StorageError
 
-    argv = [*gcs_emulator(), "start", "--in-memory"]
-    proc, url = _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
+    proc, url = gcs_server()
     options, bucket = {**gcs_env[1], "endpoint_url": url}, f"paused-{uuid.uuid4().hex[:8]}"
     try:
         reader = Storage.for_reading(f"gs://{bucket}/run", 2, options)
