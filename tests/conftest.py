@@ -114,6 +114,20 @@ def _server(argv: list[str], name: str, env: dict | None = None):
     raise RuntimeError(f"{name} did not start")
 
 
+_HELD: list = []  # the sockets that keep refused ports bound
+
+
+def refused_port() -> int:
+    """A port on loopback that refuses every connection: bound and never listened on, and kept bound while
+    the tests run, so no other worker's server can take it."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return sock.getsockname()[1]
+
+
 def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     """A test server in a session of its own: signals to the suite's process group (a terminal's Ctrl-C,
     the kernel's SIGHUP and SIGCONT to a group left orphaned with a stopped member) never reach it, and

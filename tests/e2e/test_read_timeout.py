@@ -11,6 +11,7 @@ import uuid
 
 import fsspec
 import pytest
+from conftest import refused_port
 
 from rlctl.config import RunConfig
 from rlctl.errors import StorageError
@@ -22,9 +23,7 @@ from helpers import RLCTL, child_env, invoke
 @pytest.fixture(scope="module")
 def refused():
     """The URL of an S3 endpoint whose every connection is refused: a port bound, never listened on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    return f"http://127.0.0.1:{refused_port()}"
 
 
 def timed(args: list[str], env: dict[str, str], out: dict, key) -> None:

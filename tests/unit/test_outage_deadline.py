@@ -10,11 +10,11 @@ The failures are real: an S3 endpoint on a closed loopback port refuses every co
 import gc
 import pickle
 import re
-import socket
 import sys
 import time
 
 import pytest
+from conftest import refused_port
 
 from rlctl.errors import ExitCode, StorageError
 from rlctl.metrics import JsonlLog
@@ -31,16 +31,9 @@ def no_outage_left():
     OUTAGES.clear()
 
 
-_HELD: list[socket.socket] = []
-
-
 def _refused(bucket: str, retry_timeout: float) -> Storage:
-    """An S3 storage in ``bucket`` whose endpoint is a closed port on loopback (every request is refused;
-    the port stays bound while the tests run, so no other worker's server can take it)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    _HELD.append(sock)
-    port = sock.getsockname()[1]
+    """An S3 storage in ``bucket`` whose endpoint is a refused port on loopback (every request is refused)."""
+    port = refused_port()
     opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}, "key": "k", "secret": "s"}
     return Storage(f"s3://{bucket}/run", {**opts, "skip_instance_cache": True}, retry_timeout=retry_timeout)
 

@@ -14,6 +14,7 @@ import time
 
 import orjson
 import pytest
+from conftest import refused_port
 
 from rlctl.errors import ConfigError, ExitCode, LeaseError, StorageError
 from rlctl.rundir import lease as lease_mod
@@ -22,21 +23,10 @@ from rlctl.storage import Storage, describe, guarded, is_transient
 
 from helpers import invoke, small_tmpfs
 
-_HELD: list[socket.socket] = []
-
-
-def _closed_port() -> int:
-    """A port on loopback that refuses every connection: bound and never listened on, and kept bound while
-    the tests run, so no other worker's server can take it."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    _HELD.append(sock)
-    return sock.getsockname()[1]
-
 
 def _dead_s3(retry_timeout: float, **config) -> Storage:
     """An S3 storage whose endpoint is a closed port on loopback (every request is refused)."""
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{refused_port()}"
     opts = {"client_kwargs": {"endpoint_url": endpoint}, "key": "k", "secret": "s", "skip_instance_cache": True}
     if config:
         opts["config_kwargs"] = config
