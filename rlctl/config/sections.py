@@ -214,6 +214,14 @@ class RolloutConfig(Strict):
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (always eager on CPU).")
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    sampler: Literal["counter", "generator"] = Field(
+        "counter",
+        description="hf backend: where the sampling noise comes from. counter: a pure function of (the "
+        "sequence's seed, the token's position, the vocabulary index), computed on the device beside the "
+        "logits, the same on the CPU and CUDA (docs/sampling.md). generator: one CPU generator per sequence, "
+        "the only sampler before this key existed; a run's saved config without this key was started with it, and "
+        "resumes with it bit for bit.",
+    )
     top_p: float = Field(
         1.0,
         gt=0,

@@ -103,10 +103,19 @@ def validate_run_config(run: Storage, data: dict[str, Any]) -> RunConfig:
     from rlctl.config import Provenance, validate_config
 
     try:
-        cfg = validate_config(data, {})
+        cfg = validate_config(with_legacy_sampler(data), {})
     except RlctlError as exc:
         raise ConfigError(f"{run.url_of(CONFIG)}: {exc.message}") from None
     return cfg.read_from(Provenance(f"{run.url_of(CONFIG)}: invalid config"))
+
+
+def with_legacy_sampler(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config without ``rollout.sampler`` was written before the key existed, by an rlctl whose
+    only sampler was the per-sequence CPU generator: it resumes with that one (bit for bit)."""
+    rollout = data.get("rollout")
+    if rollout is None or (isinstance(rollout, dict) and "sampler" not in rollout):
+        return {**data, "rollout": {**(rollout or {}), "sampler": "generator"}}
+    return data
 
 
 def last_step(run: Storage) -> int:
