@@ -142,8 +142,12 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: st
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) entropy of softmax(logits), computed in fp32."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    return entropy_from_log_probs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_log_probs(logp: torch.Tensor) -> torch.Tensor:
+    """(..., V) log-probabilities of a distribution -> (...) its entropy, -sum p log p (the log-probs'
+    dtype)."""
     return -(logp.exp() * logp).sum(dim=-1)
 
 

@@ -9,21 +9,24 @@ thread, benchmarks/zero_overhead.py). The engine owns the weights, optimizer and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rlctl import algos
+from rlctl.algos.logprobs import token_log_probs
 from rlctl.checkpoint.collectives import Collectives
 from rlctl.config import RunConfig
 from rlctl.engine import lora
 from rlctl.engine.batch import Sequences, position_ids_for
 from rlctl.engine.dist import MAX, MEAN, MIN, SUM, combine
 from rlctl.engine.ds_module import DSModule, EngineSpec, rank_mini_batch, weights_digest
-from rlctl.engine.microbatch import MicroBatch
+from rlctl.engine.microbatch import MicroBatch, by_count
 from rlctl.engine.model import load_causal_lm, logits_to_keep
 from rlctl.engine.runtime import Runtime
+from rlctl.engine.token_budget import device_token_budget
 
 # How the ranks reduce each metric ``Actor.update`` reports (also how its micro-batches combine: counts
 # add up, extremes take the max or min, the others are means of values weighted so that their mean is
@@ -79,11 +82,25 @@ class Actor(DSModule):
             warmup_steps=cfg.actor.warmup_steps,
         )
         model = load_causal_lm(model_dir, runtime.dtype, cfg.model.trust_remote_code)
+        shape = model.config
         if cfg.actor.gradient_checkpointing:
             lora.enable_gradient_checkpointing(model, "actor.gradient_checkpointing")
         if cfg.actor.lora.rank:  # the base frozen, a seeded adapter trained
             model = lora.apply_lora(model, cfg.actor.lora, cfg.seed)
         super().__init__(model, spec, runtime, collectives=collectives, fence=fence)
+        if cfg.actor.micro_batch_size is None and cfg.actor.max_tokens_per_micro_batch is None:
+            self._default_token_budget(shape)
+
+    def _default_token_budget(self, shape) -> None:
+        """On a GPU, with neither ``actor.micro_batch_size`` nor ``actor.max_tokens_per_micro_batch`` set:
+        micro-batches by the token budget the device's free memory allows now (``token_budget``; the
+        smallest over the ranks), the weights and optimizer state already placed. ``shape``: the model's
+        transformers config. On the CPU nothing changes: the rank's whole share in one piece."""
+        budget = device_token_budget(
+            self.runtime.device, shape, self.runtime.dtype, self.cfg.actor.gradient_checkpointing
+        )
+        if budget is not None:
+            self.spec = dataclasses.replace(self.spec, max_tokens=-self.collectives.max(-budget))
 
     @property
     def trains_in_train_mode(self) -> bool:
@@ -117,15 +134,24 @@ class Actor(DSModule):
     def log_probs(
         self, seqs: Sequences, temperature: float, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, T) log π(response | prompt) of the sampled tokens in fp32 (logits / temperature, as the
-        sampler used), and optionally the (B, T) entropy of the token distribution. Gradients flow
-        when called outside ``torch.no_grad``."""
-        return sequence_log_probs(self.engine, seqs, temperature, with_entropy)
+        """(B, T) log π(response | prompt) of the sampled tokens in fp32 (the logits scaled by the
+        temperature as the run's ``rollout.sampler`` did), and optionally the (B, T) entropy of the token
+        distribution, without gradient. Gradients flow to the log-probs when called outside ``torch.no_grad``."""
+        return sequence_log_probs(self.engine, seqs, temperature, with_entropy, sampler=self.cfg.rollout.sampler)
 
     def old_log_probs(self, seqs: Sequences, temperature: float) -> torch.Tensor:
         """(B, T) log-probs of the sampled tokens without gradients, micro-batch by micro-batch under a
         token budget (``in_pieces``)."""
         return self.in_pieces(seqs, lambda part: self.log_probs(part, temperature)[0])
+
+    def in_pieces(self, seqs: Sequences, forward: Callable[[Sequences], torch.Tensor]) -> torch.Tensor:
+        """``forward``'s (B, T) result over the rank's batch: by ``actor.micro_batch_size`` sequences at a
+        time when that is set (as the update cuts them), else as ``DSModule.in_pieces`` (a token budget, or
+        one piece). Every rank's share has the same size, so the ranks run as many forwards (ZeRO-3)."""
+        micro = self.cfg.actor.micro_batch_size
+        if self.spec.max_tokens is not None or micro is None or micro >= len(seqs):
+            return super().in_pieces(seqs, forward)
+        return torch.cat([forward(seqs.select(rows)).float() for rows in by_count(0, len(seqs), micro)])
 
     def update(
         self,
@@ -223,26 +249,27 @@ class Actor(DSModule):
         loss = pl.pg_loss * pg_weight
         if a.entropy_coef:
             loss = loss - a.entropy_coef * weight * algos.agg_loss(entropy, mask, a.loss_agg_mode, horizon)
-        kl_loss = torch.zeros(())
+        kl_loss = log_prob.new_zeros(())
         if ref_log_prob is not None and not a.kl_in_reward:
             kl = algos.kl_penalty(log_prob, mb.tokens(ref_log_prob), a.kl_estimator)
             kl_loss = algos.agg_loss(kl, mask, a.loss_agg_mode, horizon)
             loss = loss + kl_coef * weight * kl_loss
-        stats = {
-            "actor/pg_loss": pl.pg_loss.item() * pg_weight,
-            "actor/kl_loss": kl_loss.item() * weight,
-            "actor/ppo_kl": pl.ppo_kl.item() * tw,
-            "actor/pg_clipfrac": pl.pg_clipfrac.item() * tw,
-            "actor/pg_clipfrac_lower": pl.pg_clipfrac_lower.item() * tw,
-            "actor/entropy": algos.masked_mean(entropy, mask).item() * tw,
-            "actor/nonfinite/log_prob": algos.count_nonfinite(log_prob, mask),
-            "actor/nonfinite/loss": float(not torch.isfinite(loss).item()),
-            "actor/ppo_ratio/max": pl.ratio_max.item(),
-            "actor/log_prob/min": algos.core.masked_min(log_prob.detach(), mask).item(),
+        pending = {
+            "actor/pg_loss": (pl.pg_loss, pg_weight),
+            "actor/kl_loss": (kl_loss, weight),
+            "actor/ppo_kl": (pl.ppo_kl, tw),
+            "actor/pg_clipfrac": (pl.pg_clipfrac, tw),
+            "actor/pg_clipfrac_lower": (pl.pg_clipfrac_lower, tw),
+            "actor/entropy": (algos.masked_mean(entropy, mask), tw),
+            "actor/nonfinite/log_prob": ((~torch.isfinite(log_prob) & mask.bool()).sum(), 1.0),
+            "actor/nonfinite/loss": (~torch.isfinite(loss), 1.0),
+            "actor/ppo_ratio/max": (pl.ratio_max, 1.0),
+            "actor/log_prob/min": (algos.core.masked_min(log_prob.detach(), mask), 1.0),
+            **rollout_stats(old, rollout_lp, corr, mask, tw, on_policy=old_log_prob is None),
         }
+        stats = read_once(pending)
         if old_log_prob is None:  # on-policy: the old log-probs are this forward's
             stats["actor/nonfinite/old_log_prob"] = stats["actor/nonfinite/log_prob"]
-        stats.update(rollout_stats(old, rollout_lp, corr, mask, tw, on_policy=old_log_prob is None))
         return loss, stats
 
     def _correction(
@@ -284,8 +311,19 @@ class Actor(DSModule):
 
 
 def sequence_log_probs(
-    model: torch.nn.Module, seqs: Sequences, temperature: float, with_entropy: bool = False
+    model: torch.nn.Module,
+    seqs: Sequences,
+    temperature: float,
+    with_entropy: bool = False,
+    *,
+    sampler: str = "generator",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) fp32 log-probs of ``seqs``' response tokens under ``model`` (a causal LM, an engine, a LoRA
+    reference), the logits scaled by ``temperature`` as ``sampler`` did (``rollout.sampler``; "generator",
+    the division, for a caller that names none), and with ``with_entropy`` the (B, T) entropy of each
+    position's distribution, without gradient (the metric and the entropy term, as always: the term adds
+    no gradient). Computed a chunk of positions at a time (``algos.logprobs.token_log_probs``): no
+    (B, T, V) fp32 tensor is kept for the backward."""
     T = seqs.responses.shape[1]
     out = model(
         input_ids=seqs.input_ids,
@@ -294,14 +332,13 @@ def sequence_log_probs(
         use_cache=False,
         **logits_to_keep(model, T + 1),  # the LM head over the response's positions only
     )
-    logits = out.logits[:, -(T + 1) : -1, :].float() / temperature  # (B, T, V): position t predicts token t+1
-    log_probs = torch.log_softmax(logits, dim=-1)
-    token_lp = log_probs.gather(-1, seqs.responses.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = algos.entropy_from_logits(logits.detach())
-    return token_lp, entropy
+    logits = out.logits  # (B, L, V): position L - T - 1 + t predicts response token t
+    first = logits.shape[1] - (T + 1)
+    del out
+    token_lp, entropy = token_log_probs(
+        logits, seqs.responses, temperature, sampler, first=first, with_entropy=with_entropy
+    )
+    return token_lp, None if entropy is None else entropy.detach()
 
 
 def rollout_stats(
@@ -312,18 +349,29 @@ def rollout_stats(
     tw: float,
     *,
     on_policy: bool,
-) -> dict[str, float]:
-    """A micro-batch's metrics against the rollout engine's (B, T) log-probs, weighted by its token weight
-    ``tw`` as the others: on-policy, `rollout/logprob_diff` against its (B, T) ``old`` log-probs (this
-    forward's; off-policy the trainer compares its separate pass itself); the rollout correction's."""
-    stats: dict[str, float] = {}
+) -> dict[str, tuple[torch.Tensor, float]]:
+    """A micro-batch's metrics against the rollout engine's (B, T) log-probs, as ``read_once`` takes them
+    (0-dim value, weight): weighted by its token weight ``tw`` as the others: on-policy,
+    `rollout/logprob_diff` against its (B, T) ``old`` log-probs (this forward's; off-policy the trainer
+    compares its separate pass itself); the rollout correction's."""
+    stats: dict[str, tuple[torch.Tensor, float]] = {}
     if on_policy and rollout_lp is not None:
-        stats["rollout/logprob_diff"] = algos.masked_mean((old - rollout_lp).abs(), mask).item() * tw
+        stats["rollout/logprob_diff"] = (algos.masked_mean((old - rollout_lp).abs(), mask), tw)
     if corr is not None:
-        stats["rollout_corr/ratio_mean"] = corr.ratio_mean.item() * tw
-        stats["rollout_corr/ratio_max"] = corr.ratio_max.item()
-        stats["rollout_corr/clipfrac"] = corr.clipfrac.item() * tw
+        stats["rollout_corr/ratio_mean"] = (corr.ratio_mean, tw)
+        stats["rollout_corr/ratio_max"] = (corr.ratio_max, 1.0)
+        stats["rollout_corr/clipfrac"] = (corr.clipfrac, tw)
     return stats
+
+
+def read_once(pending: dict[str, tuple[torch.Tensor, float]]) -> dict[str, float]:
+    """Each metric's 0-dim tensor (any dtype: a value, a count, a flag) read to the host in one transfer
+    (one ``tolist`` of their fp32 stack, the same floats ``.item()`` gives: fp32 values are exact, counts
+    are below 2**24), times its weight."""
+    if not pending:
+        return {}
+    values = torch.stack([t.detach().reshape(()).float() for t, _ in pending.values()]).tolist()
+    return {key: value * weight for (key, (_, weight)), value in zip(pending.items(), values)}
 
 
 def poisoned(log_prob: torch.Tensor) -> torch.Tensor:

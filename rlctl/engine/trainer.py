@@ -426,7 +426,7 @@ class Trainer:
     def forward_passes(self, seqs: Sequences, t: dict[str, float]):
         """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
         (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
-        temperature = self.cfg.rollout.temperature
+        temperature, sampler = self.cfg.rollout.temperature, self.cfg.rollout.sampler
         with self._timed(t, "old_log_prob"), torch.no_grad():
             old = None if self.on_policy else self.actor.old_log_probs(seqs, temperature)
         drift = {}
@@ -437,7 +437,9 @@ class Trainer:
             ref = (
                 None
                 if self.ref is None
-                else self.actor.in_pieces(seqs, lambda part: sequence_log_probs(self.ref, part, temperature)[0])
+                else self.actor.in_pieces(
+                    seqs, lambda part: sequence_log_probs(self.ref, part, temperature, sampler=sampler)[0]
+                )
             )
         with self._timed(t, "values"), torch.no_grad():
             values = self.critic.values(seqs) if self.critic is not None else None
