@@ -1,9 +1,12 @@
 """YAML sources and the error sentences that point into them.
 
-Where each key of a YAML document was written (``yaml_lines``: key path -> "FILE line N"), reading a
-YAML mapping with located encoding and syntax errors (``read_yaml``, ``parse_yaml_mapping``), and ONE explainer that turns a pydantic
-ValidationError of any strict model (the run config, a rollback policy) into sentences: the dotted key
-people wrote (list items by index, union tags left out), where it came from, and a "did you mean" for
+ONE strict reader for every YAML text rlctl reads (``load_yaml``; files: ``read_yaml``,
+``parse_yaml_mapping``): where each key was written (key path -> "FILE line N"), located encoding and
+syntax errors, and a key given twice in one mapping refused with both lines. It is ruamel.yaml's
+(maintained, YAML 1.2, its node tree carries every line): what people write is read as YAML 1.2, where
+``yes``/``no``/``on``/``off`` are strings and ``1e-3`` a number; what rlctl wrote itself with PyYAML's
+emitter (a run's config.yaml) as the YAML 1.1 that wrote it, so an older run reads as it did. And ONE
+explainer that turns a pydantic of any strict model (the run config, a rollback policy) into sentences: the dotted key people wrote (list items by index, union tags left out), where it came from, and a "did you mean" for
 an unknown key, an unknown ``kind`` / ``type`` of a discriminated union, or a misspelt choice.
 """
 
@@ -15,48 +18,128 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ValidationError
+from ruamel.yaml import YAML, YAMLError
+from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from ruamel.yaml.resolver import VersionedResolver
+from yaml import resolver as pyyaml_resolver
 
 from rlctl.errors import ConfigError
 
 Origin = str  # "demo.yaml line 4" or "--set actor.lr=..."
 Origins = dict[tuple[str, ...], Origin]
 
+PEOPLE = "1.2"  # configs, policies, tool files, --set values: YAML 1.2, where yes/no/on/off are strings
+SAVED = "1.1"  # what rlctl wrote itself (a run's config.yaml, a rank's spec): PyYAML's emitter, YAML 1.1
+_BOOL = "tag:yaml.org,2002:bool"
 
-# --------------------------------------------------------------------------------------------------
-# Where each key was written
+
+class NotYaml(ConfigError):
+    """Text that is not YAML; ``line`` (1-based, or None) and ``problem`` for a caller's own sentence."""
+
+    def __init__(self, source: str, line: int | None, problem: str):
+        super().__init__(f"{source}{f' line {line}' if line else ''} is not valid YAML: {problem}")
+        self.line, self.problem = line, problem
 
 
-def yaml_lines(text: str, source: str) -> Origins:
-    """Map each key path of a YAML document to 'FILE line N', list items included by index:
-    ``("rules", "0", "trigger")``. Empty when the text is not valid YAML."""
+class Spelled(str):
+    """An origin ("run.yaml line 4") of a value that YAML read as a boolean, with how it was written
+    there (``scalar``: "no", "True"), for the sentence of a boolean where a string belongs."""
+
+    scalar: str = ""
+
+
+class _WrittenByRlctl(VersionedResolver):
+    """YAML 1.1 exactly as PyYAML reads it (PyYAML's own table of plain scalars: ``1e-3`` a string,
+    ``yes`` a boolean), for the files rlctl wrote with PyYAML's emitter, which quotes by that table."""
+
+    _TABLE = {first: list(rules) for first, rules in pyyaml_resolver.Resolver.yaml_implicit_resolvers.items()}
+
+    @property
+    def versioned_resolver(self) -> Any:
+        return self._TABLE
+
+    @property
+    def processing_version(self) -> Any:
+        return (1, 1)
+
+
+def _reader(dialect: str) -> YAML:
+    reader = YAML(typ="safe", pure=True)
+    if dialect == SAVED:
+        reader.Resolver = _WrittenByRlctl
+    else:
+        reader.version = (1, 2)
+    return reader
+
+
+def load_yaml(
+    text: str, source: str, dialect: str = PEOPLE, at: tuple[str, ...] = (), lines: bool = True
+) -> tuple[Any, Origins]:
+    """The document in ``text`` (None when empty), read as ``dialect`` (``PEOPLE``: YAML 1.2; ``SAVED``:
+    rlctl's own YAML 1.1), and where each key was written: key path (list items by index, under ``at``)
+    -> "SOURCE line N" (without ``lines``, as for a --set flag: "SOURCE"). NotYaml names the line of a syntax error; a key given
+    twice in one mapping is a ConfigError naming its dotted path and both lines, never the last word."""
+    reader = _reader(dialect)
+    try:
+        root = reader.compose(text)
+        origins = _origins(root, source, at, lines)
+        return (None if root is None else reader.constructor.construct_document(root)), origins
+    except YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise NotYaml(source, mark.line + 1 if mark else None, problem) from None
+
+
+def _origins(root: Node | None, source: str, at: tuple[str, ...], lines: bool) -> Origins:
+    """Where each key path of the tree under ``root`` was written; a key repeated in a mapping refused."""
     origins: Origins = {}
 
-    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            children = [(str(k.value), k, v) for k, v in node.value]
-        elif isinstance(node, yaml.SequenceNode):
-            children = [(str(i), v, v) for i, v in enumerate(node.value)]
+    def walk(node: Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, MappingNode):
+            children = _mapping_children(node, path, source, lines)
+        elif isinstance(node, SequenceNode):
+            children = [(str(i), v.start_mark.line + 1, v) for i, v in enumerate(node.value)]
         else:
             return
-        for name, marked, child in children:
-            origins[(*path, name)] = f"{source} line {marked.start_mark.line + 1}"
+        for name, line, child in children:
+            origin = f"{source} line {line}" if lines else source
+            if isinstance(child, ScalarNode) and str(child.tag) == _BOOL:
+                origin = Spelled(origin)
+                origin.scalar = child.value
+            origins[(*path, name)] = origin
             walk(child, (*path, name))
 
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return origins
     if root is not None:
-        walk(root, ())
+        walk(root, at)
     return origins
+
+
+def _mapping_children(
+    node: MappingNode, path: tuple[str, ...], source: str, lines: bool
+) -> list[tuple[str, int, Node]]:
+    """(key, its line, value) of each entry; ConfigError for a key written twice (same tag, same text),
+    naming ``source`` and, in a text of several ``lines``, both lines."""
+    children: list[tuple[str, int, Node]] = []
+    seen: dict[tuple[str, str], int] = {}
+    for key, value in node.value:
+        line = key.start_mark.line + 1
+        if isinstance(key, ScalarNode):
+            ident = (str(key.tag), key.value)
+            if ident in seen:
+                first, dotted = seen[ident], ".".join((*path, str(key.value)))
+                twice = f"twice on line {line}" if first == line else f"twice: line {first} and line {line}"
+                said = f"'{dotted}' is given {twice if lines else 'twice'}"
+                raise ConfigError(f"{source}: {said}; a key is written once in a mapping: keep one")
+            seen[ident] = line
+        children.append((str(key.value), line, value))
+    return children
 
 
 def read_yaml(path: Path, what: str = "config file") -> tuple[dict[str, Any], Origins]:
     """A YAML file's mapping (empty for an empty file) and the origin of each key; ConfigError names
-    the file (and line, or byte offset) when it is missing, unreadable, not UTF-8, not YAML or not a
-    mapping. ``what`` names the kind of file in messages ("config file", "policy file")."""
+    the file (and line, or byte offset) when it is missing, unreadable, not UTF-8, not YAML, not a
+    mapping, or gives a key twice in one mapping. ``what`` names the kind of file in messages."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -67,8 +150,9 @@ def read_yaml(path: Path, what: str = "config file") -> tuple[dict[str, Any], Or
 
 
 def parse_yaml_mapping(raw: bytes, source: str, what: str = "config file") -> tuple[dict[str, Any], Origins]:
-    """``read_yaml`` of bytes already read from ``source`` (a path or URL): the mapping and the origin
-    of each key; ConfigError naming ``source`` when they are not UTF-8, not YAML or not a mapping."""
+    """``read_yaml`` of bytes already read from ``source`` (a path or URL), as YAML 1.2: the mapping and
+    the origin of each key; ConfigError naming ``source`` when they are not UTF-8, not YAML (a key given
+    twice included) or not a mapping."""
     name = source.rstrip("/").rsplit("/", 1)[-1]
     try:
         text = raw.decode("utf-8")
@@ -79,17 +163,14 @@ def parse_yaml_mapping(raw: bytes, source: str, what: str = "config file") -> tu
             "cannot be decoded; save it as UTF-8"
         ) from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
-        raise ConfigError(f"{name}{where} is not valid YAML: {problem}") from None
+        data, origins = load_yaml(text, name)
+    except NotYaml as exc:
+        raise ConfigError(exc.message) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{name} must be a mapping of keys to values, got {type(data).__name__}")
-    return data, yaml_lines(text, name)
+    return data, origins
 
 
 def origin_for(key: tuple[str, ...], origins: Origins) -> str:
@@ -229,6 +310,8 @@ def _sentence(err: Any, origins: Origins, root: type[BaseModel], suggested: set[
             f"'{'.'.join(key[:-1])}'{where}: unknown setting '{key[-1]}' (one of {', '.join(choices)})"
             f"{did_you_mean(key[-1], choices)}"
         )
+    if kind == "string_type" and isinstance(err.get("input"), bool):
+        return f"'{'.'.join(key)}'{where}: {_read_as_boolean(key, err['input'], origins)}"
     msg = err["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         msg = msg.removeprefix(prefix)
@@ -236,6 +319,18 @@ def _sentence(err: Any, origins: Origins, root: type[BaseModel], suggested: set[
     shown = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {got!r})"
     hint = did_you_mean(got, _choices(tp)) if kind == "literal_error" else ""
     return f"'{'.'.join(key) or '(top level)'}'{where}: {msg[:1].lower() + msg[1:]}{shown}{hint}"
+
+
+def _read_as_boolean(key: tuple[str, ...], value: bool, origins: Origins) -> str:
+    """A boolean where a string belongs: YAML read a plain word as one ("`no` was read as ...")."""
+    spelled = origins.get(key)
+    word = spelled.scalar if isinstance(spelled, Spelled) else ""
+    said = (
+        f"`{word}` was read as the boolean {str(value).lower()}; quote it ('{word}')"
+        if word
+        else (f"the value was read as the boolean {str(value).lower()}; quote it")
+    )
+    return f"a string is expected, but {said}"
 
 
 def _unknown_key_sentence(

@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from rlctl.config.knob_values import domain, get_knob, is_float_field, lift_schedules
@@ -22,7 +21,7 @@ from rlctl.errors import ConfigError
 from rlctl.policies.actions import AdjustAction, RollbackAction
 from rlctl.policies.loader import load_policies, resolve_policy_path
 from rlctl.policies.schema import Rule, rule_metrics
-from rlctl.yamlsrc import Origins, explain, origin_for, read_yaml
+from rlctl.yamlsrc import NotYaml, Origins, Spelled, explain, load_yaml, origin_for, read_yaml
 
 PACKAGED = Path(__file__).parent.parent / "configs"  # configs shipped with rlctl, picked by a bare name
 BUILTIN_CONFIG = PACKAGED / "builtin.yaml"  # what `rlctl start` runs without a CONFIG
@@ -32,13 +31,14 @@ DEMO_CONFIG = PACKAGED / "demo.yaml"  # `rlctl start demo`: the showcase
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] = ()) -> RunConfig:
     """Defaults <- CONFIG (or the packaged built-in config) <- --set overrides, validated strictly. A
     CONFIG that is no file but the bare name of a packaged config (``demo``) picks that one. Policy files
-    are read (relative to the config's folder, then the working directory), checked, and inlined."""
+    are read (relative to the config's folder, then the working directory), checked, and inlined. The
+    overrides apply in order: a key given twice on the command line takes the last value."""
     source = config_source(path)
     data, origins = read_yaml(source)
     for item in overrides:
-        key, value = parse_set(item)
-        _set_path(data, key, value)
-        origins[key] = f"--set {item}"
+        key, value, set_origins = read_set(item)
+        set_path(data, key, value, item)
+        origins.update(set_origins)
     inline_tool_file(data, origins, source.parent)
     cfg = validate_config(data, origins)
     return inline_policies(cfg, source.parent)
@@ -56,26 +56,66 @@ def config_source(path: str | os.PathLike[str] | None) -> Path:
 
 
 def parse_set(item: str) -> tuple[tuple[str, ...], Any]:
-    """``a.b=VALUE`` -> (("a", "b"), yaml-parsed VALUE)."""
+    """``a.b=VALUE`` -> (("a", "b"), VALUE read as YAML 1.2); see ``read_set``."""
+    key, value, _ = read_set(item)
+    return key, value
+
+
+def read_set(item: str) -> tuple[tuple[str, ...], Any, Origins]:
+    """``a.b=VALUE`` -> (("a", "b"), VALUE read as YAML 1.2 (``no`` a string), where the key and each key
+    inside VALUE came from: the flag). A VALUE that is not YAML is its text; one that gives a key twice
+    (``{lr: 1, lr: 2}``) is a ConfigError."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    path, flag = tuple(key.strip().split(".")), f"--set {item}"
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return tuple(key.strip().split(".")), value
+        value, origins = load_yaml(raw, flag, at=path, lines=False) if raw.strip() else (None, {})
+    except NotYaml:
+        value, origins = raw, {}
+    origins[path] = flag
+    if isinstance(value, bool):  # (for the sentence of a boolean where a string belongs)
+        origins[path] = Spelled(flag)
+        origins[path].scalar = raw.strip()
+    return path, value, origins
 
 
-def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        child = node.get(part)
-        if not isinstance(child, dict):
-            child = {}
-            node[part] = child
-        node = child
-    node[path[-1]] = value
+def set_path(data: dict[str, Any], path: tuple[str, ...], value: Any, item: str) -> None:
+    """Set ``path`` in ``data`` (a config file's mapping) to ``value`` for ``--set ITEM``: a mapping made
+    where none is; an item of a list the config gives by its index (``tools.0.name``), which must be there.
+    A list is never turned into a mapping: a part that is no index of it is a ConfigError."""
+    node: Any = data
+    for depth, part in enumerate(path[:-1]):
+        if isinstance(node, list):
+            index = _list_index(node, path[: depth + 1], item)
+            if not isinstance(node[index], (dict, list)):
+                node[index] = {}
+            node = node[index]
+            continue
+        if not isinstance(node.get(part), (dict, list)) and path[depth + 1].isdigit():
+            raise ConfigError(
+                f"--set {item}: the config gives no list at '{'.'.join(path[: depth + 1])}' to take item "
+                f"{path[depth + 1]} of; set the whole list (--set '{'.'.join(path[: depth + 1])}=[...]')"
+            )
+        if not isinstance(node.get(part), (dict, list)):
+            node[part] = {}
+        node = node[part]
+    if isinstance(node, list):
+        node[_list_index(node, path, item)] = value
+    else:
+        node[path[-1]] = value
+
+
+def _list_index(items: list, path: tuple[str, ...], item: str) -> int:
+    """The index ``path[-1]`` names in ``items`` (the list at ``path[:-1]``); else a ConfigError."""
+    part, where = path[-1], ".".join(path[:-1])
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    span = f"0 to {len(items) - 1}" if items else "it is empty"
+    raise ConfigError(
+        f"--set {item}: '{where}' is a list of {len(items)} item(s), and '{part}' is none of its indices "
+        f"({span}); set an item by its index, or the whole list (--set '{where}=[...]')"
+    )
 
 
 def validate_config(data: dict[str, Any], origins: Origins | None = None) -> RunConfig:

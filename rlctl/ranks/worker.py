@@ -18,8 +18,6 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from rlctl import events as names
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.checkpoint.writer import writer as snapshot_writer
@@ -37,6 +35,7 @@ from rlctl.rundir.selection import ResumePlan
 from rlctl.rundir.snapshots import checkpoint_storage, snapshot_manager
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
+from rlctl.yamlsrc import SAVED, load_yaml
 
 if TYPE_CHECKING:
     from rlctl.trackers import Trackers
@@ -263,7 +262,7 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
     )
     # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    cfg = validate_config(yaml.safe_load(spec["config"]), {})
+    cfg = validate_config(load_yaml(spec["config"], "the rank's config", SAVED)[0], {})
     run = Storage(spec["run_url"])
     owner = spec.get("lease_owner")
     fence = owner_fence(run, owner) if rank == 0 and owner else None

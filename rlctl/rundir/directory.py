@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from rlctl.errors import ConfigError, RlctlError
 from rlctl.metrics import read_rows
 from rlctl.rundir.layout import CONFIG, METRICS, MODEL, not_a_run
 from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.storage import Storage
+from rlctl.yamlsrc import SAVED, NotYaml, load_yaml
 
 if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run without them)
     from rlctl.config import RunConfig
@@ -69,7 +68,7 @@ def claim_run_dir(run: Storage, cfg: RunConfig) -> bool:
 # -- reading a run back --------------------------------------------------------------------------------
 def read_config_data(run: Storage) -> dict[str, Any]:
     """The parsed ``config.yaml`` of a run (a mapping), or a ConfigError naming the file: missing, not
-    YAML (or not UTF-8), not a mapping."""
+    YAML (or not UTF-8), a key given twice, not a mapping."""
     where = run.url_of(CONFIG)
     try:
         raw = run.read_bytes(CONFIG)
@@ -77,13 +76,16 @@ def read_config_data(run: Storage) -> dict[str, Any]:
         raise not_a_run(run.url) from None
     except IsADirectoryError:
         raise ConfigError(f"{where} is a directory, not a run's config") from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        cause = getattr(exc, "problem", None) or getattr(exc, "reason", None) or type(exc).__name__
-        raise ConfigError(f"{where} is not valid YAML{line}: {cause}; was it edited by hand?") from None
+    try:  # (rlctl wrote it with PyYAML's emitter: read as that YAML 1.1, strictly)
+        data = load_yaml(raw.decode("utf-8"), where, SAVED)[0]
+    except UnicodeDecodeError as exc:
+        cause = f"byte 0x{raw[exc.start]:02x} at offset {exc.start} is not UTF-8"
+        raise ConfigError(f"{where} is not valid YAML: {cause}; was it edited by hand?") from None
+    except NotYaml as exc:
+        line = f" (line {exc.line})" if exc.line is not None else ""
+        raise ConfigError(f"{where} is not valid YAML{line}: {exc.problem}; was it edited by hand?") from None
+    except ConfigError as exc:  # a key given twice
+        raise ConfigError(f"{exc.message}; was it edited by hand?") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

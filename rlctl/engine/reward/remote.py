@@ -2,8 +2,11 @@
 
 The request body is ``{"prompts": [...], "completions": [...], <column>: [...], "kwargs": {...}}``: the
 dataset's other columns aligned with the completions like a reward function's ``**columns``, and
-``kwargs`` only when the config gives some. The answer must be ``{"scores": [...]}``: one finite number
-per completion (JSON ``NaN``/``Infinity`` are refused like a function's).
+``kwargs`` only when the config gives some. The body is strict JSON: a NaN or infinity anywhere in it (a
+float column with a missing value) is an InputError naming the column and row before any request, since
+JSON has no such numbers (``json.dumps`` would write a bare ``NaN`` that strict servers refuse). The
+answer must be ``{"scores": [...]}``: one finite number per completion (JSON ``NaN``/``Infinity`` are
+refused like a function's).
 
 Connection errors, timeouts (``timeout`` seconds per request), 5xx and 429 are retried ``retries`` times
 with exponential backoff (1, 2, 4 ... seconds, at most 30), or after the answer's ``Retry-After`` (at
@@ -18,6 +21,7 @@ from __future__ import annotations
 import email.utils
 import http.client
 import json
+import math
 import signal
 import threading
 import time
@@ -83,8 +87,14 @@ class RemoteReward:
         if self.kwargs:
             payload["kwargs"] = self.kwargs
         try:
-            return json.dumps(payload, default=_plain).encode()
+            return json.dumps(payload, default=_plain, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
+            where = _non_finite(payload)
+            if where is not None:
+                raise InputError(
+                    f"reward URL {self.url}: {where} is not a finite number, and strict JSON has no NaN or "
+                    "Infinity; clean that column of the dataset (or drop it) before training"
+                ) from None
             raise InputError(f"reward URL {self.url}: the batch cannot be sent as JSON ({exc})") from None
 
     def _post(self, body: bytes) -> Any:
@@ -182,6 +192,34 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     raise TypeError(f"a {type(value).__name__} is not JSON")
+
+
+def _non_finite(payload: dict[str, Any]) -> str | None:
+    """Where the request's first NaN or infinity is, in words ("column 'target' row 3 (nan)"); else None."""
+    for name, column in payload.items():
+        column = column.tolist() if hasattr(column, "tolist") else column
+        rows = enumerate(column) if isinstance(column, list) else [(None, column)]
+        for row, value in rows:
+            found = _first_non_finite(value)
+            if found is not None:
+                at, bad = found
+                what = "kwargs" if name == "kwargs" else f"column '{name}'"
+                return f"{what}{'' if row is None else f' row {row}'}{at} ({bad})"
+    return None
+
+
+def _first_non_finite(value: Any, at: str = "") -> tuple[str, float] | None:
+    """(the path inside ``value``, e.g. "['score']", and the value) of its first NaN or infinity."""
+    if not isinstance(value, (str, bytes, dict, list, tuple, float, int)) and hasattr(value, "tolist"):
+        value = value.tolist()  # (a numpy array or number, a tensor: as _plain sends it)
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (at, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{at}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _describe(exc: BaseException) -> str:
