@@ -196,16 +196,25 @@ def test_vllm_sampling_params_and_logprobs_mode():
     assert [p["seed"] for p in params] == [sample_seed(5, 4, 3, 0), sample_seed(5, 4, 3, 1)]
 
 
-def test_finished_sequences_leave_the_batch(tok):
+@pytest.mark.parametrize("check_every", [1, 2])
+def test_finished_sequences_leave_the_batch(tok, check_every):
     """Rows that end at eos leave the forward batch once an eighth of it is done, and every row still
-    gets its own script: the batch shrinks 8 -> 6 -> 4 -> 2 as pairs of rows end."""
+    gets its own script: the batch shrinks 8 -> 6 -> 4 -> 2 as pairs of rows end (at odd steps, which
+    the host looks at whether it checks every token or every second one)."""
     eos, pad = tok.eos_token_id, tok.pad_token_id
     a = tok.convert_tokens_to_ids("a")
     script = [[a] * n + [eos] for n in (1, 1, 3, 3, 5, 5, 7, 7)]
     model = Scripted(script, len(tok))
     enc = tok(["q"] * 8, return_tensors="pt")
     responses, _, _ = decode(
-        model, enc["input_ids"], enc["attention_mask"], 10, [eos], pad, SeededGumbelSampler(list(range(8)), 0.0)
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        10,
+        [eos],
+        pad,
+        SeededGumbelSampler(list(range(8)), 0.0),
+        check_every=check_every,
     )
     assert model.batch_sizes == [8, 8, 6, 6, 4, 4, 2, 2]
     mask = response_mask_for(responses, [eos])

@@ -1,13 +1,17 @@
 """Rollouts with a Hugging Face model: batched sampling with a KV cache, on the actor's own weights.
 
-Sampling is Gumbel-max: argmax(logits / T + g) with g drawn from one generator per sequence seeded by
-``sample_seed``, which samples exactly softmax(logits / T) while making every sequence reproducible
-on its own. rollout.top_p/top_k/min_p set filtered tokens' scaled logits to -inf before the noise is
-added (the same noise: a resume samples the same), so the truncated distribution is sampled; the
-log-probs returned stay those of the untruncated softmax(logits / T), as the actor computes them.
-rollout.stop ends a sequence at the first token completing a stop string (checked on the decoded
-text of each live sequence's last tokens, every step). The backend generates with the actor's module (its weights are the actor's, so there is
-nothing to copy after an update; under ZeRO-3 the parameters are gathered for the whole generate).
+Sampling is Gumbel-max: argmax(scaled logits + g), where the noise g of each sequence depends on its
+seed (``sample_seed``) alone, which samples exactly softmax(logits / T) while making every sequence
+reproducible on its own. rollout.sampler says where g comes from: ``counter`` (new runs) computes it on
+the logits' device from (seed, position, vocabulary index) (``noise.CounterSampler``); ``generator``
+(runs started before that key) draws it from one CPU generator per sequence (``SeededGumbelSampler``).
+rollout.top_p/top_k/min_p set filtered tokens' scaled logits to -inf before the noise is added (the
+same noise: a resume samples the same), so the truncated distribution is sampled; the log-probs
+returned stay those of the untruncated softmax(logits / T), as the actor computes them. rollout.stop
+ends a sequence at the first token completing a stop string, found on decoded text when the host
+looks at the batch (every ``check_every`` tokens of the sampler's). The backend generates with the
+actor's module (its weights are the actor's, so there is nothing to copy after an update; under ZeRO-3
+the parameters are gathered for the whole generate).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from rlctl.config import RunConfig
+from rlctl.config import RolloutConfig, RunConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import prompt_texts
 from rlctl.engine.model import logits_to_keep
+from rlctl.engine.rollout.noise import CounterSampler
 from rlctl.engine.rollout.sampling import StopStrings, truncate
 from rlctl.engine.rollout.seeds import sample_seed
 
@@ -29,7 +34,10 @@ class SeededGumbelSampler(LogitsProcessor):
     every sequence is reproducible on its own. Noise is drawn ``chunk`` tokens at a time per sequence
     (one call per sequence per chunk, not per token). ``top_p``, ``top_k`` and ``min_p`` truncate the
     scaled logits first (``sampling.truncate``; nothing is touched when all are off). Also usable as a
-    transformers LogitsProcessor turning greedy decoding into this sampling."""
+    transformers LogitsProcessor turning greedy decoding into this sampling. Its runs' decode looks at the
+    batch after every token (``check_every``), as it always did, so that they resume bit for bit."""
+
+    check_every = 1
 
     def __init__(
         self,
@@ -66,6 +74,11 @@ class SeededGumbelSampler(LogitsProcessor):
         if self._noise is not None:
             self._noise = self._noise[rows.to(self._noise.device)]
 
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, V) logits of the next position -> ((B,) sampled tokens, (B, V) fp32 logits / T, untruncated,
+        for the log-probs; the logits themselves when greedy)."""
+        return self(None, logits).argmax(-1), logits.float() / (self.temperature or 1.0)
+
     def __call__(self, input_ids: torch.LongTensor | None, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.temperature == 0:  # greedy: the argmax of the logits, no noise drawn (no filter removes it)
             return scores.float()
@@ -73,15 +86,14 @@ class SeededGumbelSampler(LogitsProcessor):
         return scaled + self.gumbel(scores.shape[-1]).to(scores.device)
 
 
-def stop_hits(stops: StopStrings, tokens: list[torch.Tensor], live: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: which ``live`` sequences' last tokens (``tokens``: one (B,) tensor per step so far)
-    now complete a stop string. Only the live rows' last ``stops.window`` tokens are decoded."""
-    hit = torch.zeros_like(live)
-    rows = live.nonzero()[:, 0].tolist()
-    if rows:
-        tail = torch.stack(tokens[-stops.window :], dim=1)[rows].tolist()
-        hit[rows] = torch.tensor(stops.hits(tail), device=live.device)
-    return hit
+Sampler = CounterSampler | SeededGumbelSampler
+
+
+def sampler_for(rollout: RolloutConfig, seeds: list[int], temperature: float) -> Sampler:
+    """The run's sampler (``rollout.sampler``) for sequences with these seeds, at ``temperature`` (0:
+    greedy), truncated by rollout.top_p/top_k/min_p."""
+    kind = CounterSampler if rollout.sampler == "counter" else SeededGumbelSampler
+    return kind(seeds, temperature, top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p)
 
 
 @torch.no_grad()
@@ -92,17 +104,20 @@ def decode(
     max_new_tokens: int,
     eos_ids: list[int],
     pad_id: int,
-    sampler: SeededGumbelSampler,
+    sampler: Sampler,
     stops: StopStrings | None = None,
+    check_every: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
     pad after each sequence's eos or stop string, the (B, R) fp32 log-probs of the sampled tokens (of
     the untruncated logits / T; of the logits themselves when greedy, T = 0) and the (B,) number of
     tokens each sequence kept before a stop string ended it (R where none did).
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
-    token, no generation-config machinery. Finished sequences leave the batch (``Decoding.compact``):
-    no forward computes them once an eighth of the batch is done, so a batch of mixed lengths costs
-    its real tokens, not its longest sequence times its size."""
+    token, no generation-config machinery. The host looks at the batch every ``check_every`` tokens
+    only (``Decoding.check``; the sampler's ``check_every`` by default): whether all rows are done, stop
+    strings, and compaction (finished rows leave the batch once an eighth of it is done, so a batch of
+    mixed lengths costs its real tokens). The tokens are the same for every ``check_every`` (tokens after
+    a row's end are padding either way); the log-probs too within rounding (the forward's batch differs)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -117,15 +132,19 @@ def decode(
     )
     state = Decoding(input_ids.shape[0], max_new_tokens, eos_ids, pad_id, input_ids.device)
     position = positions[:, -1:]
+    check_every = check_every or sampler.check_every
     for step in range(max_new_tokens):
-        state.sample(out.logits[:, -1, :], sampler, step, stops)
-        if state.finished():
+        state.sample(out.logits[:, -1, :], sampler)
+        if (step + 1) % check_every == 0 or step + 1 == max_new_tokens:
+            if state.check(stops):
+                break
+            keep = state.compact()
+            if keep is not None:
+                cache.batch_select_indices(keep)
+                sampler.keep(keep)
+                attention_mask, position = attention_mask[keep], position[keep]
+        if step + 1 == max_new_tokens:
             break
-        keep = state.compact()
-        if keep is not None:
-            cache.batch_select_indices(keep)
-            sampler.keep(keep)
-            attention_mask, position = attention_mask[keep], position[keep]
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         position = position + 1
         out = model(
@@ -140,34 +159,41 @@ def decode(
 
 class Decoding:
     """The bookkeeping of ``decode`` over the whole batch (B rows) while the model computes only the
-    rows still in it (``rows``: their indices in the batch, in order)."""
+    rows still in it (``rows``: their indices in the batch, in order). Everything per token stays on the
+    device; the host reads it in ``check``."""
 
     def __init__(self, batch: int, max_new_tokens: int, eos_ids: list[int], pad_id: int, device):
         self.pad_id, self.eos = pad_id, torch.tensor(eos_ids, device=device)
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.kept = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+        self.max_new_tokens = max_new_tokens
+        self.kept = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)  # before a stop string
+        self.eos_at = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)  # max_new_tokens: none
         self.rows = torch.arange(batch, device=device)
         self.tokens: list[torch.Tensor] = []  # one (B,) tensor per step
         self.log_probs: list[torch.Tensor] = []
         self.last: torch.Tensor | None = None  # the rows' tokens of the last step (after ``sample``)
+        self.checked = 0  # the steps whose stop strings ``check`` has looked at
 
-    def sample(self, logits: torch.Tensor, sampler: SeededGumbelSampler, step: int, stops) -> None:
-        """Sample the next token of every row in the batch from its (rows, V) logits."""
-        nxt = sampler(None, logits).argmax(-1)
+    def sample(self, logits: torch.Tensor, sampler: Sampler) -> None:
+        """Sample the next token of every row in the batch from its (rows, V) logits (on the device)."""
+        nxt, scaled = sampler.pick(logits)
         nxt = torch.where(self.done[self.rows], torch.full_like(nxt, self.pad_id), nxt)
-        scaled = logits.float() / (sampler.temperature or 1.0)  # log p of the sampled token, no (B, V) log-softmax
-        lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)
+        lp = scaled.gather(-1, nxt[:, None])[:, 0] - scaled.logsumexp(-1)  # log p, no (B, V) log-softmax
         self.tokens.append(torch.full_like(self.done, self.pad_id, dtype=nxt.dtype).index_copy_(0, self.rows, nxt))
         self.log_probs.append(torch.zeros_like(self.done, dtype=lp.dtype).index_copy_(0, self.rows, lp))
-        live = ~self.done & ~torch.isin(self.tokens[-1], self.eos)
-        self.done |= ~live
-        if stops:
-            stopped = stop_hits(stops, self.tokens, live)
-            self.kept = torch.where(stopped, step + 1, self.kept)
-            self.done |= stopped
+        ends = ~self.done & torch.isin(self.tokens[-1], self.eos)
+        self.eos_at = torch.where(ends, len(self.tokens) - 1, self.eos_at)
+        self.done |= ends
         self.last = nxt
 
-    def finished(self) -> bool:
+    def check(self, stops: StopStrings | None) -> bool:
+        """Look at the tokens since the last check: end the rows whose text now holds a stop string
+        (``stop_ends``); whether every row is done."""
+        if stops:
+            first, self.checked = self.checked, len(self.tokens)
+            alive = (self.eos_at > first) & (self.kept == self.max_new_tokens)
+            for row, kept in stop_ends(stops, self.tokens, first, alive, self.eos_at).items():
+                self.kept[row], self.done[row] = kept, True
         return bool(self.done.all())
 
     def compact(self) -> torch.Tensor | None:
@@ -182,11 +208,42 @@ class Decoding:
         return keep
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' tokens and log-probs up to the last row's end (pad and 0 after each row's own end,
+        found at a check after it: the tokens a row sampled past its stop string are dropped here)."""
+        lengths = torch.minimum(self.eos_at + 1, self.kept)
+        width = int(lengths.max()) if len(lengths) else 0
+        tokens, log_probs = torch.stack(self.tokens[:width], dim=1), torch.stack(self.log_probs[:width], dim=1)
+        after = torch.arange(width, device=tokens.device) >= lengths[:, None]
         return (
-            torch.stack(self.tokens, dim=1),
-            torch.stack(self.log_probs, dim=1),
-            self.kept.clamp(max=len(self.tokens)),
+            tokens.masked_fill(after, self.pad_id),
+            log_probs.masked_fill(after, 0.0),
+            self.kept.clamp(max=width),
         )
+
+
+def stop_ends(
+    stops: StopStrings, tokens: list[torch.Tensor], first: int, alive: torch.Tensor, eos_at: torch.Tensor
+) -> dict[int, int]:
+    """{row: tokens it keeps} for the rows (``alive``: (B,) bool, not yet ended before step ``first``)
+    whose text now holds a stop string: the first step from ``first`` on (before the row's eos, at (B,)
+    ``eos_at``) after which its last ``stops.window`` tokens' text holds one. Each row's new tokens are
+    decoded once with the window before them; only a row whose text holds a stop string is looked at
+    token by token (a window's text is part of the whole's: tokenizers decode a suffix of bytes alike)."""
+    rows = alive.nonzero()[:, 0].tolist()
+    if not rows:
+        return {}
+    start = max(0, first - stops.window + 1)
+    block = torch.stack(tokens[start:], dim=1)[rows].tolist()
+    ends = [min(len(tokens), e) for e in eos_at[rows].tolist()]  # eos tokens are never checked
+    texts = stops.tokenizer.batch_decode([ids[: e - start] for ids, e in zip(block, ends)], skip_special_tokens=False)
+    found = {}
+    for row, ids, end, text in zip(rows, block, ends, texts):
+        if any(s in text for s in stops.stops):
+            hits = stops.hits([ids[: k - start + 1] for k in range(first, end)])
+            at = next((k for k, hit in zip(range(first, end), hits) if hit), None)
+            if at is not None:
+                found[row] = at + 1
+    return found
 
 
 def response_mask_for(responses: torch.Tensor, eos_ids: list[int], kept: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,7 +327,7 @@ class HFRollout:
         seeds = [sample_seed(self.cfg.seed, step, p, s) for p, s in keys]
         r = self.cfg.rollout
         t = r.temperature if temperature is None else temperature
-        sampler = SeededGumbelSampler(seeds, t, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
+        sampler = sampler_for(r, seeds, t)
         module = self.actor.module
         was_training = module.training
         module.eval()

@@ -53,7 +53,7 @@ from rlctl.engine.rollout.conversation import (
     batch_of,
     metrics_row,
 )
-from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, decode, response_mask_for
+from rlctl.engine.rollout.hf import HFRollout, decode, response_mask_for, sampler_for
 from rlctl.engine.rollout.offers import EVERY_TOOL, Offer, Offers
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
@@ -262,7 +262,7 @@ class MultiTurnRollout(HFRollout):
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in rows], device=self.actor.runtime.device)
         attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows], device=ids.device)
         seeds = [sample_seed(self.cfg.seed, step, *c.seed, turn=turn) for c in convs]
-        sampler = SeededGumbelSampler(seeds, t, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
+        sampler = sampler_for(r, seeds, t)
         module = self.actor.module  # in eval mode, its parameters gathered (``generate``)
         out, lps, kept = decode(module, ids, attn, max(budgets), self.eos_ids, pad, sampler, self.turn_stops)
         mask = response_mask_for(out, self.eos_ids, kept if self.turn_stops else None)
