@@ -56,10 +56,11 @@ def chunk_positions(rows: int, vocab: int, elements: int = CHUNK_ELEMENTS) -> in
 class _TokenLogProbs(torch.autograd.Function):
     """(B, L, V) logits, (B, T) tokens, the position ``first`` whose logits predict token 0 ->
     (B, T) fp32 log-probs, (B, T) fp32 entropies (zeros when not asked for). Saves the logits (not a
-    copy), the tokens and the entropies; the backward recomputes the softmax chunk by chunk."""
+    copy), the tokens and the entropies; the backward recomputes the softmax chunk by chunk, into a new
+    tensor or, with ``in_place``, into the logits themselves (``token_log_probs``)."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, first, temperature, sampler, chunk, with_entropy):
+    def forward(ctx, logits, tokens, first, temperature, sampler, chunk, with_entropy, in_place):
         B, T = tokens.shape
         token_lp = torch.empty(B, T, dtype=torch.float32, device=logits.device)
         entropy = torch.zeros(B, T, dtype=torch.float32, device=logits.device)
@@ -71,18 +72,23 @@ class _TokenLogProbs(torch.autograd.Function):
                 entropy[:, s:e] = entropy_from_log_probs(logp)
             del logp
         ctx.save_for_backward(logits, tokens, entropy)
-        ctx.spec = (first, temperature, sampler, chunk)
+        ctx.spec = (first, temperature, sampler, chunk, in_place)
         ctx.set_materialize_grads(False)
         return token_lp, entropy
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, tokens, entropy = ctx.saved_tensors
-        first, temperature, sampler, chunk = ctx.spec
-        grad = torch.zeros_like(logits)
-        if g_lp is None and g_ent is None:
-            return grad, None, None, None, None, None, None
+        first, temperature, sampler, chunk, in_place = ctx.spec
         T = tokens.shape[1]
+        if in_place:  # (an in-place write bumps the logits' version: a node that saved them fails loudly)
+            grad = logits
+            grad[:, :first].zero_()
+            grad[:, first + T :].zero_()
+        else:
+            grad = torch.zeros_like(logits)
+        if g_lp is None and g_ent is None:
+            return grad.zero_(), None, None, None, None, None, None, None
         for s in range(0, T, chunk):
             e = min(s + chunk, T)
             grad[:, first + s : first + e] = _chunk_grad(
@@ -94,7 +100,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 temperature,
                 sampler,
             )
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def _chunk_grad(logits, tokens, entropy, g_lp, g_ent, temperature: float, sampler: str) -> torch.Tensor:
@@ -123,17 +129,24 @@ def token_log_probs(
     first: int = 0,
     with_entropy: bool = False,
     chunk: int | None = None,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L, V) logits of any float dtype, (B, T) sampled token ids -> (B, T) fp32 log-probs of the tokens
     under softmax(``scale_logits``), and the (B, T) fp32 entropy of that distribution when
     ``with_entropy`` (else None). Position ``first + t`` of the logits predicts ``tokens[:, t]``
     (L >= first + T). Gradients flow to the logits from both outputs when called with grad enabled.
-    ``chunk``: positions per chunk (default ``chunk_positions``: about ``CHUNK_ELEMENTS`` fp32 values)."""
+    ``chunk``: positions per chunk (default ``chunk_positions``: about ``CHUNK_ELEMENTS`` fp32 values).
+
+    ``in_place``: the backward writes the gradient into the logits' own memory (as Liger-kernel's cross
+    entropy does), so the forward and backward together hold one (B, L, V) tensor, not two. Only for
+    logits nothing else reads after the backward, such as a model output the caller drops; a graph node
+    that saved them for its own backward then fails on autograd's version check rather than compute
+    with the overwritten values."""
     B, T = tokens.shape
     if logits.shape[1] < first + T:
         raise ValueError(f"logits have {logits.shape[1]} positions; tokens need {first + T} from {first}")
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; valid: {', '.join(SAMPLERS)}")
     chunk = chunk or chunk_positions(B, logits.shape[-1])
-    token_lp, entropy = _TokenLogProbs.apply(logits, tokens, first, temperature, sampler, chunk, with_entropy)
+    token_lp, entropy = _TokenLogProbs.apply(logits, tokens, first, temperature, sampler, chunk, with_entropy, in_place)
     return token_lp, entropy if with_entropy else None

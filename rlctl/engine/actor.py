@@ -10,6 +10,7 @@ thread, benchmarks/zero_overhead.py). The engine owns the weights, optimizer and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -323,7 +324,7 @@ def sequence_log_probs(
     the division, for a caller that names none), and with ``with_entropy`` the (B, T) entropy of each
     position's distribution, without gradient (the metric and the entropy term, as always: the term adds
     no gradient). Computed a chunk of positions at a time (``algos.logprobs.token_log_probs``): no
-    (B, T, V) fp32 tensor is kept for the backward."""
+    (B, T, V) fp32 tensor is kept for the backward, and the logits' gradient takes the logits' memory."""
     T = seqs.responses.shape[1]
     out = model(
         input_ids=seqs.input_ids,
@@ -336,8 +337,8 @@ def sequence_log_probs(
     first = logits.shape[1] - (T + 1)
     del out
     token_lp, entropy = token_log_probs(
-        logits, seqs.responses, temperature, sampler, first=first, with_entropy=with_entropy
-    )
+        logits, seqs.responses, temperature, sampler, first=first, with_entropy=with_entropy, in_place=True
+    )  # (the model's logits are read by nothing else: the backward writes their gradient into them)
     return token_lp, None if entropy is None else entropy.detach()
 
 
@@ -365,12 +366,14 @@ def rollout_stats(
 
 
 def read_once(pending: dict[str, tuple[torch.Tensor, float]]) -> dict[str, float]:
-    """Each metric's 0-dim tensor (any dtype: a value, a count, a flag) read to the host in one transfer
-    (one ``tolist`` of their fp32 stack, the same floats ``.item()`` gives: fp32 values are exact, counts
-    are below 2**24), times its weight."""
+    """Each metric's 0-dim tensor (any dtype: a value, a count, a flag) read to the host in one transfer,
+    times its weight: one ``tolist`` of their stack in the widest float dtype among them (fp64 where a
+    ratio is kept in fp64, else fp32), which holds each value exactly, so the floats are those ``.item()``
+    gives (counts are below 2**24)."""
     if not pending:
         return {}
-    values = torch.stack([t.detach().reshape(()).float() for t, _ in pending.values()]).tolist()
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t, _ in pending.values()), torch.float32)
+    values = torch.stack([t.detach().reshape(()).to(dtype) for t, _ in pending.values()]).tolist()
     return {key: value * weight for (key, (_, weight)), value in zip(pending.items(), values)}
 
 
