@@ -1,0 +1,149 @@
+"""What the GPU check builds and runs (its sizes: the full one for a GPU, the tiny one of the CPU dry run),
+the budgets of its checks and phases, written here in one place so that they can be seen to add up, and
+what the checks share while they run (Ctx)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpucheck.report import Report
+
+# Qwen2.5-0.5B-Instruct's shapes (its config.json): 494M parameters, 136M of them the tied embedding
+QWEN_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY_MODEL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's datasheets, by a name's substring;
+# the first that matches counts (more specific names first). The MFU uses check 1's measured rate;
+# the datasheet's is reported beside it
+BF16_PEAK = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.4),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.2),
+    ("RTX 3090", 71.0),
+]
+SNAPSHOT_BYTES_PER_PARAM = 16  # bf16 weights, fp32 master weights, Adam's two moments (14), and room
+
+
+def bf16_peak(name: str | None) -> float | None:
+    return next((peak for key, peak in BF16_PEAK if name and key in name), None)
+
+
+@dataclass(frozen=True)
+class Size:
+    """What the checks build and run. The runs go in phases (runs of a phase side by side; a phase's
+    runs are stopped at its budget); ``budgets`` are the in-process checks' seconds."""
+
+    model: dict
+    vocab: int  # the trained tokenizer's vocabulary (the model's is larger, as Qwen's)
+    words: int  # distinct words of the synthetic corpus the tokenizer is trained on
+    io_mib: int  # the most check 1 writes to disk and to /dev/shm to time them
+    matmul: int  # the side of the square matrix product timed in check 1
+    probe: dict  # the decode probe's shape (check 3): batch, prompt and new tokens, rounds at most
+    identity: dict  # the CPU/GPU identity's batch, prompt tokens and decode steps (check 4)
+    throughput: dict  # the realistic run T (check 5)
+    small: dict  # the shape of the resume (check 6), LoRA, fp16 and gradient-checkpointing runs (check 7)
+    lora_rank: int
+    phases: tuple  # ((runs, budget), ...) in the order they run
+    budgets: dict  # seconds of the checks that run in this process
+    disk_gib: float  # free disk the runs need in the work folder
+    total: float  # seconds for the whole script: the sum of the budgets and Python's start and end
+
+
+FULL = Size(
+    model=QWEN_05B,
+    vocab=151643,
+    words=150000,
+    io_mib=2048,
+    matmul=8192,
+    probe=dict(batch=128, prompt=512, new_tokens=128, rounds=3),
+    identity=dict(batch=8, prompt=64, steps=8),
+    # 256 sequences x 512 new tokens after 512-token prompts, 1 PPO epoch, one optimizer step: the work of
+    # a common GRPO step. No snapshot (a 7 GB commit is not what it times); step 2 is the steady one,
+    # step 1 warms up; micro-batches of 8,192 tokens keep the (tokens, vocabulary) logits near 5 GB
+    throughput=dict(prompts=64, group=4, new_tokens=512, prompt_tokens=512, epochs=1, steps=2, micro_tokens=8192),
+    small=dict(prompts=8, group=4, new_tokens=48, epochs=1),
+    lora_rank=16,
+    # sized from the H100's third try (2026-11-27): a run's first step ended about 50 s after its start
+    # (imports, the model, DeepSpeed, a generation whose noise came from the CPU), later small steps took
+    # seconds, and a snapshot of the 0.5B model with its AdamW state is about 7 GB
+    phases=((("T",), 130), (("R", "K"), 100), (("K+", "L", "F", "S"), 90)),
+    budgets={"env": 25, "build": 30, "probe": 45, "identity": 10, "gpu_tests": 40},
+    disk_gib=25,  # snapshots on disk at once, at most: R's two and K's one
+    # 470 s of budgets and 10 s for Python's start, the imports before check 1 and the last report: with
+    # the wheels' install (about 25 s) one call of the lent machine's (600 s) has over 60 s to spare
+    total=480,
+)
+TINY = Size(
+    model=TINY_MODEL,
+    vocab=500,
+    words=2000,
+    io_mib=16,
+    matmul=256,
+    probe=dict(batch=4, prompt=16, new_tokens=8, rounds=2),
+    identity=dict(batch=4, prompt=8, steps=4),
+    # open-ended: stopped when its phase's other runs end, as the budget stops it on a GPU
+    throughput=dict(prompts=4, group=2, new_tokens=16, prompt_tokens=48, epochs=1, steps=500, micro_tokens=256),
+    small=dict(prompts=4, group=4, new_tokens=8, epochs=1),
+    lora_rank=4,
+    # fewest process starts: T beside R and K
+    phases=((("T", "R", "K"), 150), (("K+", "L", "S"), 150)),
+    budgets={"env": 60, "build": 60, "probe": 40, "identity": 30, "gpu_tests": 60},
+    disk_gib=0.1,
+    total=900,
+)
+
+
+@dataclass
+class Ctx:
+    """What the checks share."""
+
+    device: str  # cuda or cpu
+    size: Size
+    tiny: bool
+    work: Path  # the temporary folder: the model, the configs, the runs
+    report: Report
+    fp16: bool = False  # whether DeepSpeed trains in fp16 here (CUDA; a CPU with oneDNN fp16)
+    model_dir: Path | None = None
+    model: Any = None  # check 2's model, on the device, for checks 3 and 4 (then let go)
+    tokenizer: Any = None
+    params: int = 0
+    matmul_params: int = 0  # weights of the model's matrix products, the tied LM head included
+    head_params: int = 0  # the LM head's (computed over the response's positions only)
+    gpu_name: str | None = None
+    matmul_tflops: float | None = None  # the bf16 (CPU: fp32) matrix product's rate measured in check 1
+    shm_free: int | None = None  # bytes free in /dev/shm (check 1)
+    plan: Any = None  # the rlctl runs (plan.Plan)

@@ -1,0 +1,268 @@
+"""Checks 3 and 4, on check 2's model in this process.
+
+3, the decode probe: rlctl's HF rollout decode (``rlctl.engine.rollout.hf.decode`` with the counter
+sampler new runs use) against transformers' own sampling ``generate(do_sample=True)`` and, where the
+installed transformers has it, its continuous batching (``generate_batch``), on the same model, prompts
+and shape, full-vocabulary sampling at temperature 1 for all three: tokens per second of each, in rounds
+whose order alternates, after a short warm-up of each; the rounds stop when the next would not fit the
+budget (the figures keep the rounds that ran).
+
+4, the CPU/GPU identity of the counter sampler: the model's logits for a batch, a decode step at a time,
+picked on the device and, copied, on the CPU by a fresh sampler each with the same seeds, plain and with
+top-p, top-k and min-p: the tokens must be equal at every step (the dry run compares the CPU with itself).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from gpucheck.context import Ctx
+from gpucheck.report import Clock, Fail, Skip
+
+SEED = 1234
+PAGE = 256  # tokens per page of transformers' paged cache (continuous batching)
+
+
+def prompts(ctx: Ctx, batch: int, length: int):
+    """(batch, length) random token ids of the trained tokenizer's ordinary tokens (no padding), seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    low = len(ctx.tokenizer.all_special_ids)
+    ids = torch.randint(low, len(ctx.tokenizer), (batch, length), generator=g)
+    return ids.to(ctx.device), torch.ones_like(ids).to(ctx.device)
+
+
+def synchronize(ctx: Ctx) -> None:
+    import torch
+
+    if ctx.device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Methods:
+    """The three ways to sample ``new`` tokens after the same prompts: each returns the tokens it made
+    (up to and including each row's eos, the same count rlctl's response mask gives)."""
+
+    def __init__(self, ctx: Ctx, ids, mask):
+        self.ctx, self.ids, self.mask = ctx, ids, mask
+        tok = ctx.tokenizer
+        self.eos, self.pad = tok.eos_token_id, tok.pad_token_id
+        self.seeds = [SEED + i for i in range(ids.shape[0])]
+
+    def rlctl(self, new: int) -> int:
+        from rlctl.engine.rollout.hf import decode, response_mask_for
+        from rlctl.engine.rollout.noise import CounterSampler
+
+        sampler = CounterSampler(self.seeds, 1.0)
+        responses, _, _ = decode(self.ctx.model, self.ids, self.mask, new, [self.eos], self.pad, sampler)
+        return int(response_mask_for(responses, [self.eos]).sum())
+
+    def generate(self, new: int) -> int:
+        from rlctl.engine.rollout.hf import response_mask_for
+
+        out = self.ctx.model.generate(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            do_sample=True,
+            max_new_tokens=new,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        return int(response_mask_for(out[:, self.ids.shape[1] :], [self.eos]).sum())
+
+    def generate_batch(self, new: int) -> int:
+        """transformers' continuous batching, its paged cache sized to this work (by default it takes most
+        of the free memory: on the CPU, the machine's), its manager kept between calls, as a server keeps
+        it (``close`` lets it go)."""
+        import inspect
+
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=True,
+            max_new_tokens=new,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        batch, length = self.ids.shape
+        sizes = {"num_blocks": -(-batch * (length + new) // PAGE) + batch, "max_batch_tokens": batch * length}
+        accepts = inspect.signature(self.ctx.model.generate_batch).parameters
+        kwargs = {"persistent_manager": True, "warmup": self.ctx.device == "cuda"}
+        kwargs = {k: v for k, v in kwargs.items() if k in accepts}
+        if "continuous_batching_config" in accepts:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(page_size=PAGE, **sizes)
+        else:  # older versions read the cache's sizes from the generation config
+            config.update(block_size=PAGE, **sizes)
+        outputs = self.ctx.model.generate_batch(inputs=self.ids.tolist(), generation_config=config, **kwargs)
+        errors = [o.error for o in outputs.values() if o.error]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+        return sum(len(o.generated_tokens) for o in outputs.values())
+
+    def close(self) -> None:
+        destroy = getattr(self.ctx.model, "destroy_cached_continuous_batching_manager", None)
+        if destroy is not None:
+            destroy()
+
+
+def timed(ctx: Ctx, fn, new: int) -> dict:
+    synchronize(ctx)
+    t = time.perf_counter()
+    tokens = fn(new)
+    synchronize(ctx)
+    took = time.perf_counter() - t
+    return {"seconds": round(took, 4), "tokens": tokens, "tokens_per_s": round(tokens / took, 1)}
+
+
+def check_probe(ctx: Ctx, fig: dict, clock: Clock) -> None:
+    if ctx.model is None:
+        raise Skip("no model: check 2 did not build one")
+    shape = ctx.size.probe
+    batch, new = shape["batch"], shape["new_tokens"]
+    fig["shape"] = dict(shape)
+    fig["sampling"] = "temperature 1, the whole vocabulary (top_k 0, top_p 1) in all three"
+    methods = Methods(ctx, *prompts(ctx, batch, shape["prompt"]))
+    names = ["rlctl", "generate"] + (["generate_batch"] if hasattr(ctx.model, "generate_batch") else [])
+    fig["methods"] = {n: {"warmup": None, "rounds": [], "error": None} for n in names}
+    if "generate_batch" not in names:
+        fig["generate_batch"] = "this transformers has no generate_batch (continuous batching)"
+    try:
+        warmup(ctx, methods, fig["methods"], clock, min(8, new))
+        fig["stopped_at_budget"] = measure_rounds(ctx, methods, fig["methods"], clock, new, shape["rounds"])
+    finally:
+        methods.close()
+    rate = {n: median_rate(m) for n, m in fig["methods"].items()}
+    fig["tokens_per_s"] = rate
+    fig["rlctl_over"] = {
+        n: round(rate["rlctl"] / rate[n], 3) for n in names[1:] if rate.get(n) and rate.get("rlctl") is not None
+    }
+    fig["summary"] = probe_summary(fig, rate, batch, new)
+    for name in ("rlctl", "generate"):
+        if fig["methods"][name]["error"]:
+            raise Fail(f"{name} failed: {fig['methods'][name]['error']}")
+    if not fig["methods"]["rlctl"]["rounds"] or not fig["methods"]["generate"]["rounds"]:
+        raise Fail("the budget ran out before a measured round of rlctl and of generate")
+
+
+def warmup(ctx: Ctx, methods: Methods, found: dict, clock: Clock, new: int) -> None:
+    """One short call of each (kernels chosen, caches made), generate_batch's only while half the budget is
+    left (it may capture CUDA graphs first); its time estimates a full round's."""
+    for name in found:
+        if name == "generate_batch" and clock.left() < clock.seconds / 2:
+            found[name]["error"] = "not warmed up: less than half the budget left"
+            continue
+        try:
+            found[name]["warmup"] = {**timed(ctx, getattr(methods, name), new), "new_tokens": new}
+        except Exception as exc:  # one method's failure is its figure; the others still run
+            found[name]["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def measure_rounds(ctx: Ctx, methods: Methods, found: dict, clock: Clock, new: int, rounds: int) -> bool:
+    """Up to ``rounds`` rounds of every method that warmed up, in alternating order; a call is left out
+    when its estimate (its last round, else its warm-up scaled to ``new`` tokens, with half again) does
+    not fit the budget. Whether any was left out."""
+    live = [n for n in found if found[n]["error"] is None]
+    stopped = False
+    for r in range(rounds):
+        for name in live if r % 2 == 0 else live[::-1]:
+            m = found[name]
+            last = (
+                m["rounds"][-1]["seconds"] if m["rounds"] else m["warmup"]["seconds"] * new / m["warmup"]["new_tokens"]
+            )
+            if found[name]["error"] is not None or not clock.fits(1.5 * last):
+                stopped = True
+                continue
+            try:
+                m["rounds"].append(timed(ctx, getattr(methods, name), new))
+            except Exception as exc:
+                m["error"] = f"{type(exc).__name__}: {exc}"
+    return stopped
+
+
+def median_rate(m: dict) -> float | None:
+    rates = [r["tokens_per_s"] for r in m["rounds"]]
+    return round(statistics.median(rates), 1) if rates else None
+
+
+def probe_summary(fig: dict, rate: dict, batch: int, new: int) -> str:
+    parts = [f"{n} {r:.0f}" if r else f"{n} -" for n, r in rate.items()]
+    ratios = ", ".join(f"rlctl/{n} {v}x" for n, v in fig["rlctl_over"].items())
+    rounds = "/".join(str(len(m["rounds"])) for m in fig["methods"].values())
+    cut = " (stopped at its budget)" if fig["stopped_at_budget"] else ""
+    return f"{batch} x {new} tokens, tokens/s: {', '.join(parts)}; {ratios}; rounds {rounds}{cut}"
+
+
+# -- 4: CPU/GPU identity ----------------------------------------------------------------------------------
+FILTERS = {
+    "plain": dict(temperature=1.0),
+    "filtered": dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05),
+}
+
+
+def check_identity(ctx: Ctx, fig: dict, clock: Clock) -> None:
+    if ctx.model is None:
+        raise Skip("no model: check 2 did not build one")
+    try:
+        from rlctl.engine.rollout.noise import CounterSampler  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"rlctl has no counter sampler here ({exc})") from None
+    shape = ctx.size.identity
+    fig["compared"] = f"{ctx.device} against cpu" if ctx.device != "cpu" else "cpu against cpu (the dry run has no GPU)"
+    fig["shape"] = dict(shape)
+    fig["runs"] = {}
+    for name, settings in FILTERS.items():
+        if not clock.fits(2):
+            fig["runs"][name] = {"stopped_at_budget": True}
+            continue
+        fig["runs"][name] = {**settings, **compare_devices(ctx, shape, settings, clock)}
+    runs = fig["runs"].values()
+    differing = sum(r.get("tokens_differing", 0) for r in runs)
+    steps = sum(r.get("steps", 0) for r in runs)
+    fig["summary"] = f"{fig['compared']}: {differing} of {steps * shape['batch']} tokens differ over {steps} steps"
+    if differing:
+        raise Fail(f"{differing} tokens differ between {fig['compared']}")
+    if not steps:
+        raise Fail("the budget ran out before a step was compared")
+
+
+def compare_devices(ctx: Ctx, shape: dict, settings: dict, clock: Clock) -> dict:
+    """Decode ``shape['steps']`` tokens with the device's picks, picking each step's logits on both
+    devices; the tokens differing (each step), the first step that differs, the largest difference of
+    the scaled logits."""
+    import torch
+    from transformers import DynamicCache
+
+    from rlctl.engine.rollout.noise import CounterSampler
+
+    ids, mask = prompts(ctx, shape["batch"], shape["prompt"])
+    seeds = [SEED + 7 * i for i in range(shape["batch"])]
+    temperature = settings["temperature"]
+    filters = {k: v for k, v in settings.items() if k != "temperature"}
+    here, cpu = CounterSampler(seeds, temperature, **filters), CounterSampler(seeds, temperature, **filters)
+    cache, differing, first, largest, steps = DynamicCache(), 0, None, 0.0, 0
+    with torch.no_grad():
+        out = ctx.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for step in range(shape["steps"]):
+            logits = out.logits[:, -1, :]
+            tokens, scaled = here.pick(logits)
+            tokens_cpu, scaled_cpu = cpu.pick(logits.to("cpu", copy=True))
+            wrong = int((tokens.cpu() != tokens_cpu).sum())
+            differing += wrong
+            first = step if wrong and first is None else first
+            largest = max(largest, float((scaled.cpu() - scaled_cpu).abs().max()))
+            steps += 1
+            if not clock.fits(1):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = ctx.model(input_ids=tokens[:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
+    return {"steps": steps, "tokens_differing": differing, "first_differing_step": first, "scaled_max_abs": largest}
