@@ -144,7 +144,8 @@ def run_config(ctx: Ctx, name: str) -> tuple[dict, str, int | None]:
             "max_prompt_length": t["prompt_tokens"],
         }
         cfg["actor"]["max_tokens_per_micro_batch"] = t["micro_tokens"]
-        return cfg, "", None
+        # the dry run's T sleeps after step 2 until it is stopped, as a budget stops a run mid-step
+        return cfg, ("sleep@2=600" if ctx.tiny else ""), None
     if name in ("R", "K"):  # check 6: the reference and the run killed after step 3 (last snapshot: 2)
         cfg = base_config(ctx, size.small, steps=4, every=2)
         cfg["trainer"]["deterministic"] = True

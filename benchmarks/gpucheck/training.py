@@ -95,7 +95,8 @@ def throughput_figures(ctx: Ctx, steady: list[dict]) -> dict:
 def throughput_summary(fig: dict) -> str:
     memory = f", peak GPU memory {fig['gpu_peak_gib']} GiB" if fig["gpu_peak_gib"] is not None else ""
     mfu = f" (MFU {fig['update_mfu']:.1%})" if fig["update_mfu"] is not None else ""
-    which = f"steady steps {fig['steady_steps']}" if fig["steady_steps"] else "step 1 only, warm-up included"
+    steady = fig["steady_steps"]
+    which = f"steady steps {steady[0]}-{steady[-1]}" if steady else "step 1 only, warm-up included"
     cut = ", stopped at its budget" if fig["stopped_at_budget"] else ""
     return (
         f"{fig['tokens_per_s']:.0f} tokens/s, generating {fig['gen_share_of_step']:.0%} of the step at "
