@@ -120,6 +120,7 @@ import dataclasses
 import importlib.metadata as md
 import json
 import platform
+import select
 import shlex
 import statistics
 import subprocess
@@ -134,6 +135,7 @@ PROMPTS_PER_STEP = 8
 GROUP = 4
 LR = 1e-5
 SEED = 0
+GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +151,27 @@ class Job:
     dtype: str = "fp32"  # fp32, or bf16: rlctl model.dtype=bf16, TRL bf16=True (its default)
     max_tokens: int | None = None  # rlctl only: actor.max_tokens_per_micro_batch (dynamic batching)
     mode: str = "sync"  # rlctl only: rollout.mode (--one-step-off adds one_step_off runs)
+    device: str = "cpu"  # cpu, or cuda (--device cuda: the model of the GPU check, bf16)
+    prompts_per_step: int = PROMPTS_PER_STEP
+    group: int = GROUP
+    max_prompt_length: int = 64  # rlctl's data.max_prompt_length (TRL 1.x truncates no prompt)
+    micro_batch: int | None = None  # sequences per forward/backward of the update (None: the whole batch)
+    continuous_batching: bool = False  # TRL only: use_transformers_continuous_batching
+    cb_config: dict | None = None  # TRL only: its transformers_continuous_batching_config (None: TRL's sizing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One workload of --device: the batch, the lengths and the update's micro-batches."""
+
+    name: str
+    prompts: int  # per step
+    group: int  # samples per prompt
+    new_tokens: int
+    prompt_tokens: int | None  # about this many tokens per prompt (random words); None: the echo task's prompts
+    micro_batch: int | None  # sequences per micro-batch of the update (None: the whole batch)
+    steps: int  # per run at most (the budget may take fewer)
+    warmup: int  # leading steps of each run left out
 
 
 @dataclasses.dataclass
@@ -164,6 +187,9 @@ class RunResult:
     wall_s: float  # the whole run, setup included
     threads: int  # torch intra-op threads seen during the run
     describe: dict | None = None
+    update_tokens: list[float] | None = None  # real (unpadded) prompt + completion tokens the update trained on
+    peak_memory: int | None = None  # torch.cuda.max_memory_allocated over the run, reset at its start (CUDA)
+    memory_after: int | None = None  # torch.cuda.memory_reserved once the run is freed (CUDA)
 
 
 def log(msg: str) -> None:
@@ -218,23 +244,23 @@ def rlctl_overrides(job: Job) -> list[str]:
     return [
         "name=bench",
         f"seed={SEED}",
-        "device=cpu",
+        f"device={job.device}",
         "policies=[]",
         f"model.path={job.model_dir}",
         f"model.dtype={job.dtype}",
         f"data.path={job.data}",
         "data.prompt_key=prompt",
         "data.apply_chat_template=false",
-        "data.max_prompt_length=64",
+        f"data.max_prompt_length={job.max_prompt_length}",
         "data.shuffle=true",
         "reward.function=rlctl.engine.reward.builtin:echo_reward",
         "reward.kwargs={}",
         f"trainer.total_steps={job.steps}",
-        f"trainer.prompts_per_step={PROMPTS_PER_STEP}",
+        f"trainer.prompts_per_step={job.prompts_per_step}",
         "trainer.num_threads=1",
         "algorithm.name=grpo",
         "algorithm.adv_estimator=grpo",
-        f"algorithm.group_size={GROUP}",
+        f"algorithm.group_size={job.group}",
         f"algorithm.kl_coef={job.kl_coef}",
         "algorithm.kl_estimator=k3",
         "algorithm.kl_in_reward=false",
@@ -253,7 +279,7 @@ def rlctl_overrides(job: Job) -> list[str]:
         "actor.betas=[0.9, 0.999]",
         "actor.warmup_steps=0",
         "actor.mini_batch_size=null",
-        "actor.micro_batch_size=null",
+        f"actor.micro_batch_size={job.micro_batch or 'null'}",
         f"actor.max_tokens_per_micro_batch={job.max_tokens if job.max_tokens else 'null'}",
         "rollout.backend=hf",
         f"rollout.mode={job.mode}",
@@ -278,7 +304,7 @@ def run_rlctl(job: Job) -> RunResult:
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     if [r["step"] for r in rows] != list(range(1, job.steps + 1)):
         raise RuntimeError(f"rlctl wrote steps {[r['step'] for r in rows]} in {job.out}; expected 1..{job.steps}")
-    batch = PROMPTS_PER_STEP * GROUP
+    batch = job.prompts_per_step * job.group
     return RunResult(
         side="rlctl",
         step_s=[r["timing_s/step"] for r in rows],
@@ -290,6 +316,7 @@ def run_rlctl(job: Job) -> RunResult:
         max_len=[r["response_length/max"] for r in rows],
         wall_s=wall,
         threads=torch.get_num_threads(),
+        update_tokens=[batch * (r["prompt_length/mean"] + r["response_length/mean"]) for r in rows],
     )
 
 
@@ -301,17 +328,19 @@ def trl_config(job: Job):
     from trl import GRPOConfig
 
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    batch = job.prompts_per_step * job.group  # TRL's batch counts completions
+    micro = job.micro_batch or batch
     kwargs = dict(  # noqa: C408 - keyword arguments of GRPOConfig
         output_dir=job.out,
-        use_cpu=True,
+        use_cpu=job.device == "cpu",
         seed=SEED,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,  # TRL's batch counts completions
-        gradient_accumulation_steps=1,
-        num_generations=GROUP,
+        per_device_train_batch_size=micro,  # one generation of the whole batch, one optimizer step over it
+        gradient_accumulation_steps=batch // micro,
+        num_generations=job.group,
         num_iterations=1,
-        steps_per_generation=1,
+        steps_per_generation=batch // micro,
         max_completion_length=job.max_new_tokens,
-        max_prompt_length=64,
+        max_prompt_length=job.max_prompt_length,
         temperature=1.0,
         top_p=1.0,
         learning_rate=LR,
@@ -334,10 +363,14 @@ def trl_config(job: Job):
         gradient_checkpointing=job.grad_ckpt,
         dataloader_num_workers=0,
         use_vllm=False,
+        use_transformers_continuous_batching=job.continuous_batching,
+        transformers_continuous_batching_config=job.cb_config,
         disable_tqdm=True,
     )
     if "top_k" in fields:  # "no top-k" is None in older TRL, 0 in newer
         kwargs["top_k"] = None if fields["top_k"].default is None else 0
+    if job.continuous_batching and "use_transformers_continuous_batching" not in fields:
+        raise RuntimeError("this TRL has no use_transformers_continuous_batching (TRL 1.x with transformers >= 5.8)")
     for key in [k for k in kwargs if k not in fields]:  # names that changed across TRL versions
         if key not in _NOTED:
             _NOTED.add(key)
@@ -399,6 +432,7 @@ def run_trl(job: Job) -> RunResult:
     from rlctl.engine.reward.builtin import echo_reward
 
     torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)  # a clock read sees the work done
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -409,9 +443,11 @@ def run_trl(job: Job) -> RunResult:
 
         def on_step_begin(self, args, state, control, **kw):
             self.threads = torch.get_num_threads()
+            sync()
             self.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             self.step_s[state.global_step] = time.perf_counter() - self.begin
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -440,22 +476,27 @@ def run_trl(job: Job) -> RunResult:
 
     def timed(name, inner):
         def wrapper(*a, **k):
+            sync()
             start = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
+                sync()
                 step = trainer.state.global_step + 1
                 phases[name][step] = phases[name].get(step, 0.0) + time.perf_counter() - start
 
         return wrapper
 
-    padding: dict[int, float] = {}  # the update's padding: prompts and completions padded to the batch's longest
+    # The update's real and computed token positions per step (prompts and completions padded to each
+    # micro-batch's longest), summed on the device and read once after the run
+    counted: dict[int, list] = {}
     compute_loss = trainer._compute_loss
 
     def counted_loss(model, inputs):
         masks = (inputs["prompt_mask"], inputs["completion_mask"])
-        real, computed = sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks)
-        padding[trainer.state.global_step + 1] = 1.0 - real / computed
+        real = masks[0].sum() + masks[1].sum()
+        entry = counted.setdefault(trainer.state.global_step + 1, [0, 0])
+        entry[0], entry[1] = entry[0] + real, entry[1] + sum(m.numel() for m in masks)
         return compute_loss(model, inputs)
 
     trainer._compute_loss = counted_loss
@@ -479,8 +520,9 @@ def run_trl(job: Job) -> RunResult:
     steps = sorted(timer.step_s)
     if steps != list(range(1, job.steps + 1)) or sorted(timer.logs) != steps:
         raise RuntimeError(f"TRL timed steps {steps} and logged {sorted(timer.logs)}; expected 1..{job.steps}")
-    batch = PROMPTS_PER_STEP * GROUP
+    batch = job.prompts_per_step * job.group
     mean_len = [float(timer.logs[s]["completions/mean_length"]) for s in steps]
+    real = {s: float(counted[s][0]) for s in steps}
     nan = float("nan")
     return RunResult(
         side="TRL",
@@ -489,11 +531,12 @@ def run_trl(job: Job) -> RunResult:
         mean_len=mean_len,
         gen_s=[phases["gen"].get(s, nan) for s in steps],
         ref_s=[phases["prepare"].get(s, nan) - phases["gen"].get(s, nan) for s in steps],
-        padding=[padding[s] for s in steps],
+        padding=[1.0 - real[s] / counted[s][1] for s in steps],
         max_len=[float(timer.logs[s]["completions/max_length"]) for s in steps],
         wall_s=wall,
         threads=timer.threads,
         describe=describe,
+        update_tokens=[real[s] for s in steps],
     )
 
 
@@ -519,7 +562,7 @@ def worker(side: str) -> None:
         if not line.strip():
             continue
         try:
-            result = run(Job(**json.loads(line)))
+            result = measured(run, Job(**json.loads(line)))
             out = {"ok": True, "result": dataclasses.asdict(result)}
         except Exception:  # noqa: BLE001 - reported to the parent, which stops the benchmark
             out = {"ok": False, "error": traceback.format_exc()}
@@ -527,10 +570,32 @@ def worker(side: str) -> None:
         reply.flush()
 
 
+def measured(run, job: Job) -> RunResult:
+    """``run(job)`` with this process's peak GPU memory over it (reset at its start), and then everything
+    it left freed, so that the other side's runs find the GPU as this one found it."""
+    import gc
+
+    import torch
+
+    cuda = job.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        result = run(job)
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if cuda:
+        result.peak_memory = torch.cuda.max_memory_allocated()
+        result.memory_after = torch.cuda.memory_reserved()
+    return result
+
+
 class Worker:
-    def __init__(self, side: str):
+    def __init__(self, side: str, device: str = "cpu"):
         self.side = side
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": device}
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
         self.proc = subprocess.Popen(
@@ -541,22 +606,43 @@ class Worker:
             env=env,
         )
 
-    def run(self, job: Job) -> RunResult:
+    def run(self, job: Job, timeout: float | None = None, fatal: bool = True) -> RunResult:
+        """The job's result; past ``timeout`` seconds the worker is killed and Overrun raised. A run that
+        fails stops the benchmark, or with ``fatal`` False raises RunFailed (its error's last line)."""
         self.proc.stdin.write(json.dumps(dataclasses.asdict(job)) + "\n")
         self.proc.stdin.flush()
+        if timeout is not None and not select.select([self.proc.stdout], [], [], max(0.0, timeout))[0]:
+            self.proc.kill()
+            self.proc.wait()
+            raise Overrun(f"the {self.side} worker's run passed the budget's deadline and was killed")
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"the {self.side} worker died (exit {self.proc.wait()}); see its stderr above")
         out = json.loads(line)
         if not out["ok"]:
             log(f"{self.side} failed:\n{out['error']}")
+            if not fatal:
+                raise RunFailed(out["error"].strip().splitlines()[-1])
             raise SystemExit(1)
         return RunResult(**out["result"])
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60) -> None:
+        """Let the worker exit, or kill it after ``timeout`` seconds."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Overrun(Exception):
+    """A run did not end by the budget's deadline."""
+
+
+class RunFailed(Exception):
+    """A run that may fail (a side the installed versions may not allow) failed; the message says why."""
 
 
 # -- summary (parent) -------------------------------------------------------------------------------
@@ -666,6 +752,306 @@ def print_targets(table: list, peaks: dict, offs: dict) -> None:
         print("  one_step_off     not run (--one-step-off runs it on the 25M model)")
 
 
+# -- --device: the GPU check's model on one device, two shapes (parent) -------------------------------------
+T0 = time.monotonic()  # the budget counts from the script's start
+# The GPU check's small shape (benchmarks/gpu_check.py, Size.small: 8 prompts x 4, 48 new tokens, 1 epoch, the
+# echo task's prompts) and a realistic one: 256 sequences x 512 new tokens after ~512-token prompts, 1 epoch,
+# updated in micro-batches of 16 sequences. --tiny: the same code on the GPU check's tiny model, in seconds.
+SHAPES = {
+    "small": Shape("small", 8, 4, 48, None, None, steps=6, warmup=1),
+    "realistic": Shape("realistic", 64, 4, 512, 512, 16, steps=4, warmup=1),
+}
+TINY_SHAPES = {
+    "small": Shape("small", 4, 4, 8, None, None, steps=3, warmup=1),
+    "realistic": Shape("realistic", 4, 4, 16, 32, 8, steps=3, warmup=1),
+}
+SHAPE_WEIGHT = {"small": 1, "realistic": 3}  # shares of the budget left when a shape starts
+SIDES = {  # side: (worker, rlctl's rollout.mode / TRL's continuous batching)
+    "rlctl": ("rlctl", "sync"),
+    "TRL": ("trl", False),
+    "TRL-cb": ("trl", True),
+    "rlctl-off": ("rlctl", "one_step_off"),
+}
+RESERVE_S = 15  # the budget's end kept for the report and the workers' exit
+# --tiny: continuous batching's KV cache sized for the tiny shapes; by default it takes half the device's
+# free memory (TRL's max_memory_percent), which on a CPU is the host's and far more than a dry run needs
+TINY_CB = {"num_blocks": 16, "max_batch_tokens": 512}
+
+
+@dataclasses.dataclass
+class ShapeRuns:
+    """One shape's runs by side, and why any round or side was left out."""
+
+    shape: Shape
+    runs: dict[str, list[RunResult]]
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # side: the error that ended it
+    notes: list[str] = dataclasses.field(default_factory=list)
+    rounds: int = 0  # rounds every side that had not failed ran
+    stopped: bool = False  # a run passed the budget's deadline and was killed: no further shape runs
+
+
+def device_prompts(shape: Shape, tok, n: int) -> list[dict]:
+    """The shape's prompt rows: the echo task's (``prompt_tokens`` None), or random words of the tokenizer's
+    corpus up to about ``prompt_tokens`` tokens (uniform within +-6%), each row's target its first word."""
+    import random
+
+    from qwen2_random import corpus_words
+
+    from rlctl.engine.reward.builtin import make_prompts
+
+    if shape.prompt_tokens is None:
+        return make_prompts(n, SEED)
+    words = corpus_words(2000)
+    cost = {w: len(tok(" " + w, add_special_tokens=False)["input_ids"]) for w in words}
+    rng, rows = random.Random(SEED), []
+    for _ in range(n):
+        want = rng.randint(int(shape.prompt_tokens * 0.94), int(shape.prompt_tokens * 1.06))
+        picked, used = [], 0
+        while used + cost[w := rng.choice(words)] <= want:
+            picked.append(w)
+            used += cost[w]
+        rows.append({"prompt": " ".join(picked), "target": picked[0]})
+    return rows
+
+
+def plan_steps(shape: Shape, seen: RunResult | None, left: float, runs_left: int) -> int | None:
+    """Steps of a side's next run: the fewest (warm-up + 1) for its first run of the shape, which measures
+    its set-up and step times; then as many as this run's share of the time ``left`` holds, at most
+    ``shape.steps``. None when not even the fewest fit in ``left``: the rounds end there."""
+    least = shape.warmup + 1
+    if seen is None:
+        return least
+    step = statistics.median(seen.step_s)
+    setup = max(0.0, seen.wall_s - sum(seen.step_s))
+    if setup + least * step > left:
+        return None
+    return max(least, min(shape.steps, int((left / runs_left - setup) / step)))
+
+
+def run_shape(
+    shape: Shape, sides: list[str], workers: dict, base: dict, until: float, deadline: float, rounds: int
+) -> ShapeRuns:
+    """Alternate the sides' runs of ``shape`` for ``rounds`` rounds, each sized to end by ``until``; a run
+    still going at ``deadline`` (less half the reserve) is killed, and the benchmark stops there."""
+    out = ShapeRuns(shape, {side: [] for side in sides})
+    for r in range(rounds):
+        for i, side in enumerate(sides):
+            if side in out.failed:
+                continue
+            left = until - time.monotonic()
+            seen = out.runs[side][-1] if out.runs[side] else None
+            steps = plan_steps(shape, seen, left, (rounds - r) * len(sides) - i)
+            if steps is None:
+                out.notes.append(f"round {r + 1} and later cut by the budget ({left:.0f} s left at {side})")
+                return out
+            which, knob = SIDES[side]
+            job = Job(
+                **{**base, "out": f"{base['out']}-{side}-{r + 1}"},
+                steps=steps,
+                mode=knob if which == "rlctl" else "sync",
+                continuous_batching=knob if which == "trl" else False,
+            )
+            try:
+                timeout = deadline - RESERVE_S / 2 - time.monotonic()
+                res = workers[which].run(job, timeout=timeout, fatal=which == "rlctl" and knob == "sync")
+            except RunFailed as exc:
+                out.failed[side] = str(exc)
+                continue
+            except Overrun as exc:
+                out.notes.append(f"round {r + 1}, {side}: {exc}; the benchmark stopped there")
+                out.stopped = True
+                return out
+            out.runs[side].append(res)
+            log(
+                f"[{shape.name} round {r + 1}] {side:9s}: {steps} steps, median "
+                f"{statistics.median(res.step_s[shape.warmup :]):.3f} s/step, run {res.wall_s:.1f} s"
+            )
+        out.rounds = r + 1
+    return out
+
+
+def side_summary(results: list[RunResult], warmup: int, facts: dict, peak: float | None) -> dict:
+    """summarize()'s figures, with peak GPU memory (GiB, the highest of the runs; None on the CPU), the
+    update's model TFLOP/s and its share of the bf16 peak (None where no peak is known: the CPU). The
+    update's FLOPs: 6 per matmul weight per real prompt and completion token (forward and backward), the
+    LM head over completion tokens only (both sides compute logits there alone); attention's score and
+    value products and padding left out, so both sides are credited the same work."""
+    summ = summarize(results, warmup)
+    body, head = facts["matmul_params"] - facts["head_params"], facts["head_params"]
+    rates = []
+    for r in results:
+        for s, g, f, tok, upd in list(zip(r.step_s, r.gen_s, r.ref_s, r.tokens, r.update_tokens))[warmup:]:
+            rates.append(6 * (body * upd + head * tok) / max(1e-9, s - g - f) / 1e12)
+    memory = [r.peak_memory for r in results if r.peak_memory is not None]
+    summ["peak_memory_gib"] = round(max(memory) / GIB, 2) if memory else None
+    summ["memory_after_gib"] = [None if r.memory_after is None else round(r.memory_after / GIB, 2) for r in results]
+    summ["update_tflops"] = statistics.median(rates)
+    summ["update_mfu"] = round(summ["update_tflops"] / peak, 4) if peak else None
+    return summ
+
+
+def shape_report(sr: ShapeRuns, facts: dict, peak: float | None) -> dict:
+    """The shape's per-side summaries (sides with a measured step), ratios against TRL's and what was cut."""
+    w = sr.shape.warmup
+    sides = {side: side_summary(rs, w, facts, peak) for side, rs in sr.runs.items() if rs}
+    ratios = {}
+    for side in [s for s in sides if s != "TRL"]:
+        for base in [b for b in ("TRL", "TRL-cb") if b in sides and b != side]:
+            ratios[f"{side}/{base} tok/s"] = round(sides[side]["tok_per_s"] / sides[base]["tok_per_s"], 3)
+            m, mb = sides[side]["peak_memory_gib"], sides[base]["peak_memory_gib"]
+            ratios[f"{side}/{base} peak memory"] = round(m / mb, 3) if m and mb else None
+    return {
+        "shape": dataclasses.asdict(sr.shape),
+        "rounds": sr.rounds,
+        "sides": sides,
+        "ratios": ratios,
+        "failed": sr.failed,
+        "notes": sr.notes,
+    }
+
+
+def na(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def print_shape(report: dict) -> None:
+    shape = report["shape"]
+    print(
+        f"\n{shape['name']}: {shape['prompts']} prompts x {shape['group']} samples, {shape['new_tokens']} new "
+        f"tokens, prompts of {report['prompt_tokens']:.0f} tokens on average, update micro-batch "
+        f"{shape['micro_batch'] or 'the whole batch'}, 1 epoch; {report['rounds']} round(s)"
+    )
+    head = (
+        f"  {'side':9s} {'s/step':>8s} {'gen s':>8s} {'update s':>8s} {'other s':>8s} {'tok/s':>9s} "
+        f"{'mean len':>8s} {'peak GiB':>8s} {'upd TFLOP/s':>11s} {'upd MFU':>7s}"
+    )
+    print(head)
+    for side, s in report["sides"].items():
+        print(
+            f"  {side:9s} {s['s_per_step']:8.3f} {s['gen_s']:8.3f} {s['update_s']:8.3f} {s['ref_s']:8.3f} "
+            f"{s['tok_per_s']:9.0f} {s['mean_len']:8.1f} {na(s['peak_memory_gib'], '8.2f'):>8s} "
+            f"{s['update_tflops']:11.3f} {na(s['update_mfu'], '7.1%'):>7s}"
+        )
+    for key, value in report["ratios"].items():
+        print(f"  {key}: {na(value, '.2f')}")
+    for side, why in report["failed"].items():
+        print(f"  {side}: n/a, its run failed: {why}")
+    for note in report["notes"]:
+        print(f"  note: {note}")
+
+
+def device_setup(args, work: Path) -> tuple[dict, dict]:
+    """Write the model directory and each shape's prompts; (the model's facts, each shape's job fields)."""
+    from qwen2_random import QWEN_05B, TINY_MODEL, write_model_dir
+    from transformers import AutoTokenizer
+
+    model_dir = work / "qwen2-random"
+    shape_of, vocab, words = (TINY_MODEL, 500, 2000) if args.tiny else (QWEN_05B, 151643, 150000)
+    t = time.monotonic()
+    facts = write_model_dir(model_dir, shape_of, vocab=vocab, words=words, device=args.device)
+    facts["build_s"] = round(time.monotonic() - t, 1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bases = {}
+    for name, shape in (TINY_SHAPES if args.tiny else SHAPES).items():
+        rows = device_prompts(shape, tok, max(256, 2 * shape.prompts * shape.steps))
+        data = work / f"prompts-{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        lengths = [len(ids) for ids in tok([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+        bases[name] = dict(
+            model_dir=str(model_dir),
+            data=str(data),
+            max_new_tokens=shape.new_tokens,
+            kl_coef=0.0,
+            dtype="bf16",
+            device=args.device,
+            prompts_per_step=shape.prompts,
+            group=shape.group,
+            max_prompt_length=max(lengths),
+            micro_batch=shape.micro_batch,
+            cb_config=TINY_CB if args.tiny else None,
+        )
+        facts[f"prompt_tokens/{name}"] = statistics.fmean(lengths)
+    return facts, bases
+
+
+def device_runs(args, work: Path, facts: dict, bases: dict, peak: float | None) -> dict:
+    """Every shape's rounds, the shapes sharing the budget left by their weights; each shape's report."""
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    deadline = T0 + args.budget
+    workers = {"rlctl": Worker("rlctl", args.device), "trl": Worker("trl", args.device)}
+    reports = {}
+    try:
+        for i, name in enumerate(shapes):
+            left = deadline - RESERVE_S - time.monotonic()
+            until = time.monotonic() + left * SHAPE_WEIGHT[name] / sum(SHAPE_WEIGHT[n] for n in shapes[i:])
+            shape = (TINY_SHAPES if args.tiny else SHAPES)[name]
+            base = {**bases[name], "out": str(work / f"run-{name}")}
+            sr = run_shape(shape, sides, workers, base, until, deadline, args.rounds or 2)
+            reports[name] = shape_report(sr, facts, peak) | {"prompt_tokens": facts[f"prompt_tokens/{name}"]}
+            if sr.stopped:
+                break
+    finally:
+        for w in workers.values():  # past the deadline less the reserve, a worker still busy is killed
+            w.close(timeout=max(1.0, deadline - RESERVE_S / 2 - time.monotonic()))
+    return reports
+
+
+def main_device(args) -> None:
+    """--device: rlctl, TRL and TRL's continuous batching on the GPU check's model, two shapes, one budget."""
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    gpu = torch.cuda.get_device_name() if cuda else None
+    from qwen2_random import bf16_peak
+
+    peak = bf16_peak(gpu) if gpu else None
+    print("command: " + shlex.join([sys.executable, *sys.argv]))
+    print(f"versions: python {platform.python_version()}, {versions()}")
+    print(f"device: {gpu or 'cpu'} (bf16 peak {na(peak, '.0f')} TFLOP/s); budget {args.budget:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rlctl-vs-trl-") as tmp:
+        facts, bases = device_setup(args, Path(tmp))
+        log(f"model: {facts['params'] / 1e6:.1f}M parameters, built and saved in {facts['build_s']} s")
+        reports = device_runs(args, Path(tmp), facts, bases, peak)
+    for report in reports.values():
+        print_shape(report)
+    real = reports.get("realistic", {}).get("ratios", {})
+    print()
+    for key, want in (("rlctl/TRL tok/s", 1.0), ("rlctl-off/TRL tok/s", 1.3)):
+        got = real.get(key)
+        verdict = "not run" if got is None else "met" if got >= want else "NOT met"
+        print(f"target, realistic shape: {key} >= {want}: {verdict}" + ("" if got is None else f" ({got:.2f})"))
+    wall = time.monotonic() - T0
+    print(
+        f"model: {facts['params'] / 1e6:.1f}M parameters ({facts['matmul_params'] / 1e6:.1f}M in matrix products), "
+        f"bf16 on both sides (rlctl: a bf16 module in DeepSpeed's bf16 ZeRO-2 optimizer; TRL: bf16=True, autocast "
+        f"over an fp32 module). total {wall:.0f} s of the {args.budget:.0f} s budget"
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "device": args.device,
+                    "gpu": gpu,
+                    "bf16_peak_tflops": peak,
+                    "versions": versions(),
+                    "model": facts,
+                    "budget_s": args.budget,
+                    "wall_s": round(wall, 1),
+                    "shapes": reports,
+                },
+                indent=1,
+            )
+        )
+
+
 def versions() -> str:
     out = []
     for name in ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "rlctl"):
@@ -718,10 +1104,41 @@ def main() -> None:
         help="25M: also run rlctl with rollout.mode one_step_off, alternating with the other two sides",
     )
     ap.add_argument("--json", default=None, help="also write every per-step number to this file")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="the GPU comparison: the GPU check's Qwen2-shaped ~0.5B random model in bf16, shapes small and "
+        "realistic (--shapes), sides rlctl, TRL and TRL's continuous batching (--sides); without it, the CPU "
+        "comparison above. --device cpu --tiny is its dry run",
+    )
+    ap.add_argument("--tiny", action="store_true", help="--device: the GPU check's tiny model and shapes")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="--device: seconds from the start for everything; runs get fewer steps, then rounds are cut, "
+        "rather than overrun it (default 480: one 600 s call with the wheels' install and 60 s to spare)",
+    )
+    ap.add_argument("--shapes", default="small,realistic", help="--device: comma list of: small, realistic")
+    ap.add_argument(
+        "--sides",
+        default="rlctl,TRL,TRL-cb",
+        help="--device: comma list of: rlctl, TRL, TRL-cb (TRL with use_transformers_continuous_batching; "
+        "n/a where this TRL or transformers has none), rlctl-off (rlctl with rollout.mode one_step_off)",
+    )
     ap.add_argument("--worker", choices=["rlctl", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker)
+    if args.device:
+        bad = [s for s in args.sides.split(",") if s.strip() not in SIDES]
+        bad += [s for s in args.shapes.split(",") if s.strip() not in SHAPES]
+        if bad or "rlctl" not in args.sides.split(","):
+            ap.error(f"--sides must name rlctl and --sides/--shapes only known names; unknown: {bad}")
+        return main_device(args)
+    if args.tiny:
+        ap.error("--tiny goes with --device")
 
     rounds = args.rounds or (1 if args.quick else 2)
     tiny_warm = args.warmup if args.warmup is not None else (2 if args.quick else 3)
