@@ -246,3 +246,27 @@ def test_looking_every_k_tokens_gives_what_looking_every_token_gives(tiny, sampl
     for ids, lps, kept_k in results[1:]:
         assert torch.equal(ids, results[0][0]) and torch.equal(kept_k, results[0][2])
         torch.testing.assert_close(lps, results[0][1], atol=1e-5, rtol=1e-5)  # (the forward's batch differs)
+
+
+def test_the_expression_for_the_compiler_is_the_eager_path():
+    """``_noisy_argmax`` (what CUDA compiles into one kernel) picks what the blocked in-place path picks,
+    truncated logits (-inf) included."""
+    gen = torch.Generator().manual_seed(3)
+    scaled = torch.randn(5, 3001, generator=gen)
+    scaled[:, ::7] = float("-inf")
+    keys = noise.step_keys(noise.row_keys([sample_seed(0, 4, i, 0) for i in range(5)], "cpu"), 11)
+    table, counters = noise._device_tables("cpu", 3001)
+    eager = noise.gumbel_noise(keys, 3001).add_(scaled).argmax(-1)
+    assert torch.equal(noise._noisy_argmax(scaled, keys, counters, table), eager)
+
+
+@pytest.mark.gpu
+def test_cuda_picks_the_cpus_tokens():
+    """On a GPU: the same logits give the same tokens on CUDA (the compiled kernel) and on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    logits = torch.randn(64, 151_936, generator=torch.Generator().manual_seed(0)).bfloat16()
+    seeds = [sample_seed(0, 1, i, 0) for i in range(64)]
+    cpu, cuda = CounterSampler(seeds, 0.7), CounterSampler(seeds, 0.7)
+    for _ in range(3):
+        assert torch.equal(cpu.pick(logits)[0], cuda.pick(logits.cuda())[0].cpu())

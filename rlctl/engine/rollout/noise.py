@@ -139,6 +139,33 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return out
 
 
+def _noisy_argmax(
+    scaled: torch.Tensor, keys: torch.Tensor, counters: torch.Tensor, table: torch.Tensor
+) -> torch.Tensor:
+    """(B,) argmax(scaled + gumbel_noise(keys)) in one functional expression (for a compiler to fuse into
+    one pass over the (B, V) logits): the same integer steps, the same table, the same fp32 addition."""
+    x = counters[None, :] ^ keys[:, None]
+    for shift, mul in ((16, _MUL1), (15, _MUL2), (16, None)):
+        x = x ^ ((x >> shift) & ((1 << (32 - shift)) - 1))
+        if mul is not None:
+            x = x * _i32(mul)
+    w = (x & 0x7FFFFFFF) | 1
+    index = (w.float().view(torch.int32) >> _BIN_SHIFT) - _FIRST_BIN
+    return (table[index.long()] + scaled).argmax(-1)
+
+
+@lru_cache(maxsize=1)
+def fused_noisy_argmax():
+    """On CUDA: ``_noisy_argmax`` compiled (TorchInductor, one fused kernel for any batch size); its tokens
+    are the eager path's bit for bit (the GPU check compares them with the CPU's). None where Triton is
+    missing: the eager path then runs, with the same tokens."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    return torch.compile(_noisy_argmax, dynamic=True)
+
+
 class CounterSampler:
     """Sampling at ``temperature`` (0: greedy) as argmax(logits * (1/T) + counter noise), one (B,) key per
     sequence from its seed; ``top_p``, ``top_k`` and ``min_p`` truncate the scaled logits first
@@ -175,8 +202,11 @@ class CounterSampler:
         step, self.step = self.step, self.step + 1
         if self.temperature == 0:  # greedy: no noise drawn (no filter removes the most probable token)
             return scaled.argmax(-1), scaled
-        noise = gumbel_noise(step_keys(self.keys(logits.device), step), scaled.shape[-1])
-        return noise.add_(truncate(scaled, **self.filters)).argmax(-1), scaled
+        keys, truncated = step_keys(self.keys(logits.device), step), truncate(scaled, **self.filters)
+        fused = fused_noisy_argmax() if logits.is_cuda else None
+        if fused is not None:
+            return fused(truncated, keys, *reversed(_device_tables(str(keys.device), scaled.shape[-1]))), scaled
+        return gumbel_noise(keys, scaled.shape[-1]).add_(truncated).argmax(-1), scaled
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows (positions in the current batch, a device tensor), in this order."""
