@@ -87,7 +87,7 @@ FULL = Size(
     model=QWEN_05B,
     vocab=151643,
     words=150000,
-    io_mib=2048,
+    io_mib=1024,
     matmul=8192,
     probe=dict(batch=128, prompt=512, new_tokens=128, rounds=3),
     identity=dict(batch=8, prompt=64, steps=8),

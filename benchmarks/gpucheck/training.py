@@ -320,21 +320,26 @@ def check_gpu_tests(ctx: Ctx, fig: dict, clock: Clock) -> None:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     budget = clock.left() - 3
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-m", "gpu", "-p", "no:cacheprovider", *files]
     try:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=budget)
+        output, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        fig["output_tail"] = output.splitlines()[-25:]
-        fig["summary"] = f"stopped at its budget of {budget:.0f} s; the passed and failed so far are in output_tail"
-        raise Fail(f"the gpu tests ran past their budget of {budget:.0f} s") from None
-    output = done.stdout + done.stderr
+        output, rc = exc.stdout or "", None
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
     fig["output_tail"] = output.splitlines()[-25:]
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", output)}
-    fig["counts"], fig["exit"] = counts, done.returncode
-    fig["summary"] = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no summary line"
-    if done.returncode != 0:
-        raise Fail(f"pytest -m gpu exited {done.returncode} ({fig['summary']})")
+    found = re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR)", output)
+    fig["counts"] = counts = {k.lower(): found.count(k) for k in sorted(set(found))}
+    fig["exit"] = rc
+    text = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no test reported"
+    if rc is None:
+        fig["summary"] = f"stopped at its budget of {budget:.0f} s after {text}"
+        if counts.get("failed") or counts.get("error"):
+            raise Fail(f"pytest -m gpu: {text} before its budget ran out")
+        raise Skip(f"pytest -m gpu ran out of its {budget:.0f} s after {text}")
+    fig["summary"] = text
+    if rc != 0:
+        raise Fail(f"pytest -m gpu exited {rc} ({text})")
 
 
 def ensure_entry_point() -> str:
