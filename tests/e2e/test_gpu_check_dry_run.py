@@ -115,3 +115,29 @@ def test_a_probe_stopped_at_its_budget_reports_what_it_measured(gpucheck, tmp_pa
     assert figures["stopped_at_budget"] is True and figures["summary"]
     assert figures["methods"]["rlctl"]["warmup"]["tokens_per_s"] > 0 and figures["methods"]["rlctl"]["rounds"] == []
     assert figures["methods"]["generate"]["warmup"]["tokens"] == 4 * 8
+
+
+def test_the_full_checks_run_configs_pass_rlctls_schema(gpucheck, tmp_path):
+    """The configs of the GPU's runs (the full size, which only a GPU runs) are valid rlctl configs: a
+    wrong key would otherwise be found on the lent machine. T's prompts are read back at their length."""
+    from gpucheck import plan
+
+    from rlctl.config import validate_config
+
+    build, context, _, report = gpucheck
+    ctx = context.Ctx("cuda", context.FULL, False, tmp_path, report.Report(tmp_path / "out", {}, total=60))
+    ctx.tokenizer = build.train_tokenizer(context.TINY)  # (the full one takes a minute to train)
+    ctx.model_dir, ctx.params, ctx.shm_free, ctx.fp16 = tmp_path / "model", 494_032_768, 8 << 30, True
+    ctx.plan = plan.Plan(ctx)
+    configs = {name: plan.run_config(ctx, name)[0] for name in ("T", "R", "K", "L", "F", "S")}
+    for name, cfg in configs.items():
+        run = validate_config(cfg)
+        assert run.trainer.total_steps == cfg["trainer"]["total_steps"], name
+    t = validate_config(configs["T"])
+    assert (t.rollout.max_new_tokens, t.data.max_prompt_length, t.algorithm.group_size) == (512, 512, 4)
+    assert t.trainer.prompts_per_step * t.algorithm.group_size == 256 and t.checkpoint.every == 0
+    assert ctx.plan.writers["R"].startswith("process")  # 8 GiB of /dev/shm: too little for four runs' snapshots
+    assert all(ctx.plan.writers[n].startswith("thread: /dev/shm has 8.0 GiB free") for n in ("K", "L", "S"))
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    lengths = [len(ctx.tokenizer(p, add_special_tokens=False).input_ids) for p in prompts]
+    assert len(prompts) == 128 and min(lengths) > 512  # truncated from the left to 512 by the run
