@@ -57,15 +57,20 @@ clean:
 # The wheels a GPU image with torch, transformers, peft and accelerate lacks, for CPython 3.12 on x86-64,
 # at this venv's versions: DeepSpeed built here without ops (py3-none-any: nothing to compile there), the
 # others downloaded as binaries, one version each, into .whl/ (ignored). Fails over $(WHL_LIMIT_MIB) MiB.
+# BENCH_WHEELS: what benchmarks/grpo_vs_trl.py --device cuda adds (TRL and datasets, pure Python; the image
+# has accelerate, huggingface-hub, pyarrow, pandas, xxhash), at the versions the venv's bench extra installed.
 .PHONY: gpu-wheels gpu-check
 WHL := .whl
-WHL_LIMIT_MIB := 60
-GPU_WHEELS := hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions orjson
+WHL_LIMIT_MIB := 64
+BENCH_WHEELS := trl datasets dill multiprocess
+GPU_WHEELS := hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions orjson $(BENCH_WHEELS)
 GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
 VERSION_OF = $$($(PY) -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' $(1))
 
 gpu-wheels:
 	@test -x $(PY) || { echo "no $(PY): run make venv first" >&2; exit 1; }
+	@$(PY) -c 'import importlib.metadata as m; m.version("trl")' 2>/dev/null || \
+		{ echo "no trl in $(VENV): $(PY) -m pip install -e '.[bench]' first (the benchmark's wheels)" >&2; exit 1; }
 	rm -rf $(WHL) && mkdir -p $(WHL)
 	@set -e; pins="$(foreach p,deepspeed $(GPU_WHEELS),$(p)==$(call VERSION_OF,$(p)))"; echo "pins: $$pins"; \
 		DS_BUILD_OPS=0 DS_ACCELERATOR=cuda $(PY) -m pip wheel -q --no-deps --no-build-isolation \
