@@ -5,8 +5,40 @@
                                               [--max-tokens 1024] [--var-steps 4] [--one-step-off]
                                               [--json FILE]
 
+    python3 benchmarks/grpo_vs_trl.py --device cuda [--budget 480] [--shapes small,realistic]
+                                      [--sides rlctl,TRL,TRL-cb] [--rounds 2] [--json FILE]
+    .venv/bin/python benchmarks/grpo_vs_trl.py --device cpu --tiny     # its dry run (the test suite's)
+
 Needs `pip install trl accelerate datasets` in the venv (they are not rlctl dependencies). This is a
 benchmark, not a test: it prints numbers and asserts nothing about them.
+
+On one GPU (`--device cuda`; docs/performance.md gives the device machine's command, with the wheels of
+`make gpu-wheels`). The same identical work, on the GPU check's model: a Qwen2-shaped model of
+Qwen2.5-0.5B-Instruct's sizes with seeded random weights and a byte-level BPE tokenizer trained on the
+spot (benchmarks/qwen2_random.py, built on the device, saved once for every side), bf16 on both sides as
+in the bf16 rows above (TRL: bf16=True over an fp32 module; rlctl: model.dtype bf16). Two shapes, 1 PPO
+epoch, no KL: `small`, the GPU check's (8 prompts x 4 samples, 48 new tokens, the echo task's prompts,
+the whole batch per update), and `realistic` (64 prompts x 4 = 256 sequences, 512 new tokens after
+prompts of ~512 tokens of the tokenizer's own words, updated in micro-batches of 16 sequences with one
+optimizer step: rlctl's actor.micro_batch_size, TRL's per_device_train_batch_size 16 with 16 gradient
+accumulation steps and steps_per_generation 16, so one generation of the 256). The random model almost
+never samples eos at a vocabulary of 151936, so completions run to the cap on every side. Sides,
+alternating in each round: rlctl (its HF rollout), TRL (HF `generate`, use_vllm False) and TRL-cb (TRL's
+use_transformers_continuous_batching, transformers' `generate_batch`; n/a with its error where this TRL or
+transformers has none; it casts the model to bf16 for generation and keeps it so); `--sides` adds
+rlctl-off (rollout.mode one_step_off). Per side: s/step, its split into generation, update and other
+(scoring, advantages), tokens/s, peak GPU memory (torch.cuda.max_memory_allocated in the side's worker,
+reset at each run's start; the worker frees its cache after each run), and the update's model TFLOP/s
+and MFU against the GPU's datasheet bf16 peak: 6 FLOPs per matmul weight per real prompt and completion
+token, the LM head over completion tokens only. The CPU has no GPU memory and no bf16 peak: n/a. Both
+sides' phase clocks wait for the device (torch.cuda.synchronize) before they are read.
+
+The budget (`--budget`, seconds from the start, the model's build included): the shapes share what is
+left by weight (small 1, realistic 3). A side's first run of a shape is the fewest steps (warm-up + 1),
+which measures its set-up and step times; each later run gets as many steps as its share of the time
+left holds (at most the shape's), and when not even the fewest fit, the rounds end there (noted). A run
+still going near the deadline is killed and the benchmark reports what it has. `--tiny` runs the same
+code on the GPU check's tiny model and shapes.
 
 How it runs. For each model and KL setting, rlctl (through its library API, `rlctl.run.start_run`, which
 is what `rlctl start` calls) and TRL (`trl.GRPOTrainer.train()`) each run N GRPO steps from the same
