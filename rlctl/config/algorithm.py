@@ -194,7 +194,8 @@ class ActorConfig(Strict):
         None,
         ge=1,
         description="Sequences per forward/backward on each rank, accumulated to the rank's share "
-        "of a mini-batch; empty: that whole share.",
+        "of a mini-batch, and per forward of the actor's no-grad passes; empty: that whole share (on a GPU, "
+        "see max_tokens_per_micro_batch).",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,
@@ -202,7 +203,9 @@ class ActorConfig(Strict):
         description="Dynamic batching (verl's use_dynamic_bsz, ppo_max_token_len_per_gpu): each rank's share "
         "of a mini-batch sorted by length and cut into micro-batches of at most this many padded tokens "
         "(rows x (longest prompt + longest response)), for the actor's and critic's updates and their "
-        "no-grad passes; the loss stays the exact mini-batch mean. Empty: by micro_batch_size.",
+        "no-grad passes; the loss stays the exact mini-batch mean. Empty: by micro_batch_size; with both "
+        "empty, on a GPU a budget sized from the free device memory at start (rlctl/engine/token_budget.py), "
+        "on the CPU the whole share.",
     )
 
     @model_validator(mode="after")
