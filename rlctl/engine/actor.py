@@ -101,7 +101,19 @@ class Actor(DSModule):
             self.runtime.device, shape, self.runtime.dtype, self.cfg.actor.gradient_checkpointing
         )
         if budget is not None:
-            self.spec = dataclasses.replace(self.spec, max_tokens=-self.collectives.max(-budget))
+            self.keep_token_budget(-self.collectives.max(-budget))
+
+    @property
+    def token_budget(self) -> int | None:
+        """The micro-batch token budget chosen by ``_default_token_budget`` (None: none chosen)."""
+        return self.spec.max_tokens if self.cfg.actor.max_tokens_per_micro_batch is None else None
+
+    def keep_token_budget(self, budget: int | None) -> None:
+        """Cut micro-batches by ``budget`` tokens (None: the rank's share by micro_batch_size), unless the
+        config sets actor.micro_batch_size or max_tokens_per_micro_batch: a resumed run keeps the budget
+        its start chose (``TrainerState.token_budget``), whatever memory is free now."""
+        if self.cfg.actor.micro_batch_size is None and self.cfg.actor.max_tokens_per_micro_batch is None:
+            self.spec = dataclasses.replace(self.spec, max_tokens=budget)
 
     @property
     def trains_in_train_mode(self) -> bool:

@@ -118,6 +118,7 @@ class Trainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
         self.state = TrainerState()
+        self.state.token_budget = self.actor.token_budget
         self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
@@ -219,6 +220,7 @@ class Trainer:
                 self.recovery.carry_policy_state(info.step, keep_knobs)
             self.data.exclude = self.guard.skipped_prompts
         self._snapshotted = self.state.step
+        self.actor.keep_token_budget(self.state.token_budget)
         self.apply_knobs()
         self.rollout.sync_weights()
 

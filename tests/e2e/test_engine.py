@@ -9,7 +9,7 @@ from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout import sample_seed
-from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for
+from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for, sampler_for
 from rlctl.storage import Storage
 
 
@@ -121,7 +121,7 @@ def test_rollout_is_reproducible_per_sequence_and_matches_actor_log_probs(runtim
                 eos_token_id=rollout.eos_ids,
                 pad_token_id=rollout.tokenizer.pad_token_id,
             ),
-            logits_processor=[SeededGumbelSampler([sample_seed(0, 3, p, s) for p, s in keys], 0.9)],
+            logits_processor=[sampler_for(cfg.rollout, [sample_seed(0, 3, p, s) for p, s in keys], 0.9)],
         )
         gen_lp = torch.stack(out.logits, 1).float().div(0.9).log_softmax(-1)
         gen_lp = gen_lp.gather(-1, a.responses[:, : gen_lp.shape[1]].unsqueeze(-1)).squeeze(-1)

@@ -56,10 +56,20 @@ def refuses_other_versions(obj, owner: str) -> None:
 
 def test_trainer_state():
     a = TrainerState()
-    a.step, a.tokens_seen, a.prompts_seen = 7, 1234, 56
+    a.step, a.tokens_seen, a.prompts_seen, a.token_budget = 7, 1234, 56, 4096
     b = roundtrip(a, TrainerState())
-    assert (b.step, b.tokens_seen, b.prompts_seen) == (7, 1234, 56)
+    assert (b.step, b.tokens_seen, b.prompts_seen, b.token_budget) == (7, 1234, 56, 4096)
     refuses_other_versions(b, "trainer")
+
+
+def test_a_trainer_state_from_before_the_token_budget_loads_without_one():
+    """Version 2 (before the GPU's default micro-batch token budget): those runs cut no micro-batches by
+    tokens, and resume so."""
+    old = {"version": 2, "step": 3, "tokens_seen": 10, "prompts_seen": 4, "last_val": None}
+    b = TrainerState()
+    b.token_budget = 512
+    b.load_state_dict(old)
+    assert (b.step, b.token_budget) == (3, None)
 
 
 def test_rng_state_replays_every_generator():

@@ -208,6 +208,16 @@ class CounterSampler:
             return fused(truncated, keys, *reversed(_device_tables(str(keys.device), scaled.shape[-1]))), scaled
         return gumbel_noise(keys, scaled.shape[-1]).add_(truncated).argmax(-1), scaled
 
+    def __call__(self, input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
+        """As a transformers LogitsProcessor (greedy decoding then samples as ``pick``): the (B, V) scaled,
+        truncated logits plus the next position's noise (the scaled logits alone when greedy)."""
+        scaled = self.scale(scores)
+        step, self.step = self.step, self.step + 1
+        if self.temperature == 0:
+            return scaled
+        noise = gumbel_noise(step_keys(self.keys(scores.device), step), scaled.shape[-1])
+        return noise.add_(truncate(scaled, **self.filters))
+
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows (positions in the current batch, a device tensor), in this order."""
         if self._keys is not None:
