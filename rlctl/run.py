@@ -31,6 +31,7 @@ from rlctl.ranks.ray import launch_ray
 from rlctl.ranks.report import Reporter, SilentReporter
 from rlctl.ranks.starter import rank_starter
 from rlctl.ranks.stops import STOPS, Stopped
+from rlctl.ranks.tmpdir import run_tempdir
 from rlctl.ranks.worker import start_snapshot_writer, stop_snapshot_writer, train_rank
 from rlctl.rundir.directory import (
     claim_run_dir,
@@ -41,7 +42,7 @@ from rlctl.rundir.directory import (
 )
 from rlctl.rundir.history import abandon_rows_after, ever_committed, turn_tag
 from rlctl.rundir.layout import EVENTS
-from rlctl.rundir.lease import Lease
+from rlctl.rundir.lease import Lease, describe_lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.rundir.record import RunRecord
 from rlctl.rundir.selection import ResumePlan, select
@@ -50,20 +51,23 @@ from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 
 
-def start_run(cfg: RunConfig, url: str, *, reporter: Reporter | None = None) -> dict[str, Any]:
+def start_run(
+    cfg: RunConfig, url: str, *, reporter: Reporter | None = None, wait_for_lease: bool = False
+) -> dict[str, Any]:
     run = run_storage(url, cfg)
     refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
-    with _snapshot_writer(run, cfg), _ranks_starter(cfg):
+    with run_tempdir(run.url), _snapshot_writer(run, cfg), _ranks_starter(cfg):
         _preflight(cfg)
         reporter = reporter or SilentReporter()
         _trackers_need_a_local_run_dir(run, cfg)
         _storage_reaches_every_node(run, cfg)
         run.makedirs()
-        with _lease(run, cfg) as lease:
+        with _lease(run, cfg, reporter, wait=wait_for_lease) as lease:
             reused = claim_run_dir(run, cfg)
             if reused:
                 reporter.note(f"reusing {url}: its earlier start never trained a step")
             with _recording(run, cfg, lease) as events:
+                _record_takeover(lease, events)
                 reused_field = {"reused": True} if reused else {}
                 events.emit({"event": names.START, "total_steps": cfg.trainer.total_steps, **reused_field})
                 snapshot_catalog(run, cfg, events).remove_uncommitted()
@@ -76,26 +80,28 @@ def resume_run(
     overrides: list[str] = (),
     *,
     force: bool = False,
+    wait_for_lease: bool = False,
     reporter: Reporter | None = None,
 ) -> dict[str, Any]:
     parse_step_spec(spec, "--from")  # a bad spec is refused before any work
     run = Storage(url)
     cfg, changes = apply_resume_overrides(load_run_config(run), list(overrides))
     completed = _completed_step(run, cfg) is not None
-    with _snapshot_writer(run, cfg, unless=completed), _ranks_starter(cfg, unless=completed):
-        return _resume(run_storage(url, cfg), cfg, spec, changes, force, reporter or SilentReporter())
+    with run_tempdir(run.url), _snapshot_writer(run, cfg, unless=completed), _ranks_starter(cfg, unless=completed):
+        taking = {"force": force, "wait": wait_for_lease}
+        return _resume(run_storage(url, cfg), cfg, spec, changes, taking, reporter or SilentReporter())
 
 
 def _resume(
-    run: Storage, cfg: RunConfig, spec: str, changes: dict[str, Any], force: bool, reporter: Reporter
+    run: Storage, cfg: RunConfig, spec: str, changes: dict[str, Any], taking: dict[str, bool], reporter: Reporter
 ) -> dict[str, Any]:
-    """``resume_run`` once the config is read: the preflight, then under the lease the plan, and training."""
+    """``resume_run`` once the config is read: the preflight, then under the lease (taken as ``taking``
+    says: ``force``, ``wait``) the plan, and training."""
     _preflight(cfg)
     _trackers_need_a_local_run_dir(run, cfg)
     _storage_reaches_every_node(run, cfg)
-    with _lease(run, cfg, force) as lease, _recording(run, cfg, lease) as events:
-        if lease.taken_over is not None:
-            events.emit({"event": names.LEASE_TAKEN_OVER, "previous": lease.taken_over})
+    with _lease(run, cfg, reporter, **taking) as lease, _recording(run, cfg, lease) as events:
+        _record_takeover(lease, events)
         catalog = snapshot_catalog(run, cfg, events)
         removed = catalog.remove_uncommitted()
         if removed:
@@ -180,8 +186,18 @@ def _storage_reaches_every_node(run: Storage, cfg: RunConfig) -> None:
             )
 
 
-def _lease(run: Storage, cfg: RunConfig, force: bool = False) -> Lease:
-    return Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire(force)
+def _lease(run: Storage, cfg: RunConfig, reporter: Reporter, force: bool = False, wait: bool = False) -> Lease:
+    """The run's lease; a takeover is said on stderr in one line (``_record_takeover`` records it)."""
+    lease = Lease(run, cfg.trainer.lease_timeout, cfg.trainer.lease_heartbeat).acquire(force, wait, reporter.note)
+    if lease.taken_over is not None:
+        reporter.note(f"took over the lease of {describe_lease(lease.taken_over, run)}: {lease.takeover_reason}")
+    return lease
+
+
+def _record_takeover(lease: Lease, events: EventLog) -> None:
+    if lease.taken_over is not None:
+        previous, reason = lease.taken_over, lease.takeover_reason
+        events.emit({"event": names.LEASE_TAKEN_OVER, "previous": previous, "reason": reason})
 
 
 # -- which snapshot ------------------------------------------------------------------------------------

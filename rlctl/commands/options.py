@@ -14,6 +14,14 @@ set_option = click.option(
     help="Override a config key; the value is read as YAML (--set actor.lr=5e-5). Repeatable.",
 )
 
+wait_for_lease_option = click.option(
+    "--wait-for-lease",
+    is_flag=True,
+    help="When another host holds the run's lease with a recent heartbeat, wait for it to go stale (at most "
+    "trainer.lease_timeout) and take it over, rather than exit 10 at once. For schedulers that restart a "
+    "run elsewhere (a lease of an earlier run of the same Slurm job is taken over without it).",
+)
+
 format_option = click.option(
     "--format",
     "fmt",

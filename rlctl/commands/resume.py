@@ -1,10 +1,10 @@
-"""rlctl resume RUN_DIR [--from latest|last-good|best|step-N|N] [--set KEY=VALUE ...] [--force]"""
+"""rlctl resume RUN_DIR [--from latest|last-good|best|step-N|N] [--set KEY=VALUE ...] [--force] [--wait-for-lease]"""
 
 from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import set_option, step_spec
+from rlctl.commands.options import set_option, step_spec, wait_for_lease_option
 from rlctl.ranks.stops import stops_from_the_start
 
 
@@ -22,7 +22,8 @@ from rlctl.ranks.stops import stops_from_the_start
 )
 @set_option
 @click.option("--force", is_flag=True, help="Take over a lease whose heartbeat is older than the timeout.")
-def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) -> None:
+@wait_for_lease_option
+def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool, wait_for_lease: bool) -> None:
     """Restore a run from a snapshot and continue it to trainer.total_steps.
 
     Idempotent: a run that is already complete exits 0 without training, so a requeued Slurm job can
@@ -32,14 +33,16 @@ def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) ->
     committed but none is usable exits 11. A SIGTERM or SIGUSR1 at any moment ends it with exit 75.
     """
     with stops_from_the_start():
-        _resume(run_dir, from_, overrides, force)
+        _resume(run_dir, from_, overrides, force, wait_for_lease)
 
 
-def _resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool) -> None:
+def _resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool, wait_for_lease: bool) -> None:
     from rlctl.commands.progress import StepProgress
     from rlctl.run import resume_run
 
     with StepProgress(run_dir) as progress:
-        summary = resume_run(run_dir, from_, list(overrides), force=force, reporter=progress)
+        summary = resume_run(
+            run_dir, from_, list(overrides), force=force, wait_for_lease=wait_for_lease, reporter=progress
+        )
     progress.print_summary(summary)
     click.echo(run_dir)

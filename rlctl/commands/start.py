@@ -1,4 +1,4 @@
-"""rlctl start [CONFIG] [--run-dir DIR] [--set KEY=VALUE ...]"""
+"""rlctl start [CONFIG] [--run-dir DIR] [--set KEY=VALUE ...] [--wait-for-lease]"""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import click
 
-from rlctl.commands.options import set_option
+from rlctl.commands.options import set_option, wait_for_lease_option
 from rlctl.ranks.stops import stops_from_the_start
 
 
@@ -24,8 +24,14 @@ from rlctl.ranks.stops import stops_from_the_start
     "'local' starts a Ray instance here).",
 )
 @set_option
+@wait_for_lease_option
 def start(
-    config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None, overrides: tuple[str, ...]
+    config: str | None,
+    run_dir: str | None,
+    nproc: int | None,
+    ray_address: str | None,
+    overrides: tuple[str, ...],
+    wait_for_lease: bool,
 ) -> None:
     """Start a new run from CONFIG (a YAML file holding what differs from the defaults), from the
     built-in task when CONFIG is omitted, or from the showcase with `rlctl start demo` (validation,
@@ -36,11 +42,16 @@ def start(
     first step can be run again into the same --run-dir.
     """
     with stops_from_the_start():
-        _start(config, run_dir, nproc, ray_address, overrides)
+        _start(config, run_dir, nproc, ray_address, overrides, wait_for_lease)
 
 
 def _start(
-    config: str | None, run_dir: str | None, nproc: int | None, ray_address: str | None, overrides: tuple[str, ...]
+    config: str | None,
+    run_dir: str | None,
+    nproc: int | None,
+    ray_address: str | None,
+    overrides: tuple[str, ...],
+    wait_for_lease: bool = False,
 ) -> None:
     from rlctl.commands.progress import StepProgress
     from rlctl.config import load_config
@@ -58,6 +69,6 @@ def _start(
 
     check_config_names(cfg)  # a missing file the config names is told as a mistake in it, before any progress line
     with StepProgress(run_dir) as progress:
-        summary = start_run(cfg, run_dir, reporter=progress)
+        summary = start_run(cfg, run_dir, reporter=progress, wait_for_lease=wait_for_lease)
     progress.print_summary(summary)
     click.echo(run_dir)

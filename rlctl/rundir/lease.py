@@ -8,6 +8,14 @@ its heartbeat is older than the timeout, or when its owner ran on this host and 
 (then it is taken over at once: a crash cannot have left a live writer). A stale lease from another
 host, or a lease.json that is not a lease record, is taken over only with ``--force``.
 
+The scheduler's job is an owner too: the lease records the Slurm job it runs under (cluster, job id or
+array job and task, and the job's restart count, ``scheduler_job``). A lease taken by an earlier run of
+the same job (a lower restart count: Slurm requeued the job, and runs one instance of it at a time) is
+taken over at once whatever its host and heartbeat; a lease of another job, of the same run of this job
+(another task of the allocation), or of no job is judged as above. With ``wait`` (``--wait-for-lease``) a
+live lease from another host is watched until it goes stale, for at most the lease timeout, and then
+taken over as ``--force`` would (a lease.json that is not a lease record still needs ``--force``).
+
 Fencing: the heartbeat thread survives any error and keeps trying each beat. The lease is lost when
 lease.json names another owner, or when no renewal succeeded for longer than the timeout (another host
 may then take the run over); ``Lease.check()`` raises from then on, so the writer stops before its next
@@ -27,7 +35,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -40,6 +48,40 @@ from rlctl.storage.failures import OUTAGES
 LEASE_FILE = "lease.json"
 BEAT_DIR = ".lease"
 FIELDS = {"owner": str, "host": str, "pid": int, "heartbeat": float}
+JOB_FIELDS = {"scheduler": str, "cluster": str, "id": str, "restart": int}  # lease.json's optional "job"
+
+
+def scheduler_job(env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The scheduler job this process runs under, or None outside one: Slurm's cluster name, job id (an
+    array task's ``ARRAYJOB_TASK``: its own SLURM_JOB_ID may differ from its first run's) and restart
+    count (SLURM_RESTART_COUNT, 0 before the first requeue)."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        return None
+    array, task = env.get("SLURM_ARRAY_JOB_ID", "").strip(), env.get("SLURM_ARRAY_TASK_ID", "").strip()
+    restart = env.get("SLURM_RESTART_COUNT", "").strip()
+    return {
+        "scheduler": "slurm",
+        "cluster": env.get("SLURM_CLUSTER_NAME", "").strip(),
+        "id": f"{array}_{task}" if array and task else job,
+        "restart": int(restart) if restart.isdecimal() else 0,
+    }
+
+
+def describe_job(job: dict[str, Any]) -> str:
+    """A job in words: "Slurm job 1234 (run 2)"."""
+    return f"Slurm job {job['id']} (run {job['restart'] + 1})"
+
+
+def earlier_run_of(held: dict[str, Any], job: dict[str, Any] | None) -> bool:
+    """Whether ``held`` was taken by an earlier run of ``job`` (same scheduler, cluster and job, a lower
+    restart count): that run is over, since the scheduler runs one instance of a job at a time."""
+    theirs = held.get("job")
+    if job is None or not isinstance(theirs, dict) or held.get("_malformed"):
+        return False
+    same = all(theirs.get(k) == job[k] for k in ("scheduler", "cluster", "id"))
+    return same and theirs["restart"] < job["restart"]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -68,7 +110,17 @@ def _malformed(data: Any) -> str | None:
             return f"its {key!r} is {got}, not {'a number' if kind is not str else 'a string'}"
     if data["pid"] <= 0 or not math.isfinite(data["heartbeat"]):
         return f"its pid {data['pid']} or heartbeat {data['heartbeat']} is out of range"
+    job = data.get("job")  # absent or null in a lease of no job (and in every lease older than the field)
+    if job is not None and not _is_job(job):
+        return f"its 'job' is {orjson.dumps(job).decode()[:60]}, not a scheduler job {sorted(JOB_FIELDS)}"
     return None
+
+
+def _is_job(job: Any) -> bool:
+    if not isinstance(job, dict) or set(job) != set(JOB_FIELDS):
+        return False
+    typed = all(isinstance(job[k], kind) and not isinstance(job[k], bool) for k, kind in JOB_FIELDS.items())
+    return typed and bool(job["id"]) and job["restart"] >= 0
 
 
 def beat_file(owner: str) -> str:
@@ -120,10 +172,12 @@ def lease_state(lease: dict[str, Any] | None, timeout: float, now: float | None 
 
 
 def describe_lease(lease: dict[str, Any], storage: Storage) -> str:
-    """Who holds a lease, in words: "HOST pid PID, heartbeat N s ago", or what is wrong with lease.json."""
+    """Who holds a lease, in words: "HOST pid PID[ of Slurm job J (run N)], heartbeat N s ago", or what is
+    wrong with lease.json."""
     if lease.get("_malformed"):
         return f"{storage.url_of(LEASE_FILE)} is not a lease record: {lease['_malformed']}"
-    return f"{lease['host']} pid {lease['pid']}, heartbeat {time.time() - float(lease['heartbeat']):.0f}s ago"
+    job = f" of {describe_job(lease['job'])}" if lease.get("job") else ""
+    return f"{lease['host']} pid {lease['pid']}{job}, heartbeat {time.time() - float(lease['heartbeat']):.0f}s ago"
 
 
 class Lease:
@@ -132,22 +186,26 @@ class Lease:
         self.timeout = timeout
         self.interval = heartbeat
         self.owner = uuid.uuid4().hex
+        self.job = scheduler_job()  # the scheduler job this process runs under, recorded in lease.json
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._renewed: float | None = None  # monotonic start of the last renewal that succeeded
         self.taken_over: dict[str, Any] | None = None  # the stale lease this one replaced
+        self.takeover_reason: str | None = None  # why it could be taken over, in words
         self.lost_reason: str | None = None
         self.lost_to_storage = False  # lost because renewals failed with the storage, not to another writer
         self.last_error: str | None = None  # of the last beat that failed, until one succeeds
         self._storage_failing = False  # the last beat failed with a storage error
 
     def _record(self) -> bytes:
-        return orjson.dumps(
-            {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
-        )
+        host, pid = socket.gethostname(), os.getpid()
+        return orjson.dumps({"owner": self.owner, "host": host, "pid": pid, "heartbeat": time.time(), "job": self.job})
 
-    def acquire(self, force: bool = False) -> Lease:
+    def acquire(self, force: bool = False, wait: bool = False, say: Callable[[str], None] | None = None) -> Lease:
+        """Take the lease: a free one, a dead one, an earlier run's of this scheduler job, or (``force``) a
+        stale one; with ``wait``, a live one from another host once it has gone stale (``say`` tells
+        once that it waits). LeaseError (exit 10) otherwise."""
         for _ in range(3):
             started = time.monotonic()
             try:
@@ -157,9 +215,11 @@ class Lease:
                 held = read_lease(self.storage)
                 if held is not None and held.get("owner") == self.owner:
                     break  # our create landed, but its answer was lost and the retry found it
+                if held is not None and wait:
+                    held = self._until_not_live(held, say or (lambda _text: None))
                 if lease_state(held, self.timeout) == "free":
                     continue  # released between our create and our read: try the create again
-                self._take_over(held, force)
+                self._take_over(held, force, wait)
         else:
             raise LeaseError(f"another process took the lease of {self.storage.url} at the same moment")
         self._renewed = started
@@ -168,14 +228,37 @@ class Lease:
         self._thread.start()
         return self
 
-    def _take_over(self, held: dict[str, Any], force: bool) -> None:
-        """Remove a dead (or, with ``force``, stale) lease so the exclusive create can be raced again;
-        refuse a live one."""
+    def _until_not_live(self, held: dict[str, Any], say: Callable[[str], None]) -> dict[str, Any] | None:
+        """The lease once it is no longer live, read again every few seconds for at most the lease timeout
+        (a live lease's heartbeat is at most that old); LeaseError when it is still live then."""
+        if earlier_run_of(held, self.job) or lease_state(held, self.timeout) != "live":
+            return held
+        poll = min(self.interval, self.timeout / 4, 5.0)
+        say(
+            f"run {self.storage.url} is being written by {describe_lease(held, self.storage)}; waiting up to "
+            f"{self.timeout:g} s (trainer.lease_timeout) for its lease to go stale (--wait-for-lease)"
+        )
+        deadline = time.monotonic() + self.timeout + poll
+        while held is not None and lease_state(held, self.timeout) == "live" and not earlier_run_of(held, self.job):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LeaseError(
+                    f"run {self.storage.url} is still being written by {describe_lease(held, self.storage)} after "
+                    f"waiting {self.timeout:g} s (--wait-for-lease); one writer per run"
+                )
+            time.sleep(min(poll, left))
+            held = read_lease(self.storage)
+        return held
+
+    def _take_over(self, held: dict[str, Any], force: bool, wait: bool = False) -> None:
+        """Remove a dead lease, an earlier run's of this scheduler job, or (with ``force`` or ``wait``) a
+        stale one so the exclusive create can be raced again; refuse a live one."""
         state = lease_state(held, self.timeout)
         who = describe_lease(held, self.storage)
-        if state == "live":
+        earlier = earlier_run_of(held, self.job)
+        if state == "live" and not earlier:
             raise LeaseError(f"run {self.storage.url} is being written by {who}; one writer per run")
-        if state == "stale" and not force:
+        if state == "stale" and not earlier and not (force or (wait and not held.get("_malformed"))):
             gone = "no other process writes this run" if held.get("_malformed") else "that process is really gone"
             raise LeaseError(f"run {self.storage.url} has a stale lease ({who}); if {gone}, take it over with --force")
         # Takeover is itself exclusive: the first to create the marker named after this stale lease's
@@ -186,8 +269,16 @@ class Lease:
         except FileExistsError:
             raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
         self.taken_over = {k: v for k, v in held.items() if k != "_digest"}
+        self.takeover_reason = self._reason(held, state, earlier)
         self.storage.rm(LEASE_FILE)
         self._forget_beat(held.get("owner", ""))
+
+    def _reason(self, held: dict[str, Any], state: str, earlier: bool) -> str:
+        if earlier:
+            return f"it was taken by an earlier run of {describe_job(held['job'])}, which Slurm requeued"
+        if state == "dead":
+            return "its process on this host is gone"
+        return "its heartbeat is older than trainer.lease_timeout" if not held.get("_malformed") else "it was malformed"
 
     def _forget_beat(self, owner: str) -> None:
         """Remove an owner's heartbeat file (it is no use once its lease is gone); never fails."""
