@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
-from rlctl.storage.clients import AZURE, GCS, fence_third_party_random, open_fs
+from rlctl.storage.appends import appender
+from rlctl.storage.clients import fence_third_party_random, open_fs
 from rlctl.storage.failures import (
     ABSENCE,
     describe,
@@ -82,10 +83,6 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 SHA_CHUNK = 4 << 20
 
 
-# filesystems whose files cannot be opened for append: gcsfs opens "ab" as "wb" (with a warning: what
-# the object held is gone), adlfs appends only to an append blob (never to one a whole write made). An
-# append there reads the object and writes it back whole, as s3fs does for small objects itself.
-NO_APPEND = GCS | AZURE
 RETRY_TIMEOUT_ENV = "RLCTL_RETRY_TIMEOUT"  # the budget of a Storage made without one (default 60 s)
 
 
@@ -279,21 +276,17 @@ class Storage:
                 os.unlink(tmp)
 
     def append_bytes(self, rel: str, data: bytes) -> None:
-        """Append to a file; on a local disk a failed append is cut back, never left half-written."""
+        """Append to a file (created if it does not exist); on a local disk a failed append is cut back,
+        never left half-written. On an object store only the new bytes are sent (``storage.appends``),
+        and a try after a failed one completes what the failed one began, never appends twice."""
         path = self.path(rel)
-        self._call("append to", (rel,), lambda: self._append(path, data), ())
+        remote = None if self.is_local else appender(self.fs, path, data)
+        self._call("append to", (rel,), lambda: self._append(path, data, remote), ())
 
-    def _append(self, path: str, data: bytes) -> None:
+    def _append(self, path: str, data: bytes, remote: Callable[[], None] | None) -> None:
         self._makedirs(posixpath.dirname(path))
-        if not self.is_local:
-            if NO_APPEND & _protocols(self.fs):
-                held = b""
-                with contextlib.suppress(FileNotFoundError):
-                    held = self.fs.cat_file(path)
-                self.fs.pipe_file(path, held + data)  # (one writer appends to a file: the lease holder)
-            else:
-                with self.fs.open(path, "ab") as fh:
-                    fh.write(data)
+        if remote is not None:
+            remote()
             return
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
