@@ -27,7 +27,7 @@ from rlctl.ranks.starter import ForkedRank
 from rlctl.ranks.starter import current as current_starter
 from rlctl.ranks.stops import STOPS, block_stop_signals, on_stop_signals, unblock_stop_signals
 from rlctl.ranks.supervise import StopForwarder, supervise
-from rlctl.ranks.worker import free_port, rank_main, rank_spec
+from rlctl.ranks.worker import rank_main, rank_spec
 from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
@@ -39,6 +39,7 @@ _DIST_VARS = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "RLCTL_RENDEZVOUS",
     "GROUP_RANK",
     "ROLE_RANK",
     "TORCHELASTIC_RUN_ID",
@@ -80,16 +81,19 @@ def launch_local(
     lease_owner: str | None = None,
 ) -> dict[str, Any]:
     """Run the ranks of ``cfg`` as processes on this machine and follow them to the run's outcome
-    (``fence`` and ``lease_owner``: the driver's lease, see ``supervise`` and ``rank_spec``)."""
-    from rlctl.engine.runtime import check_local_ranks
+    (``fence`` and ``lease_owner``: the driver's lease, see ``supervise`` and ``rank_spec``). The ranks
+    meet at a store server this process binds once, on MASTER_PORT where the user set it, else on a port
+    the system chooses, and serves until they end."""
+    from rlctl.engine.runtime import bind_rendezvous, check_local_ranks, user_master_port
 
     check_local_ranks(cfg.device, cfg.world_size)
+    rendezvous = bind_rendezvous(cfg.world_size, user_master_port())
     tmp = tempfile.mkdtemp(prefix="rlctl-ranks-")
     ranks: list[LocalRank] = []
     try:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "wb") as fh:
-            fh.write(orjson.dumps({**rank_spec(run, cfg, plan, lease_owner), "port": free_port()}))
+            fh.write(orjson.dumps({**rank_spec(run, cfg, plan, lease_owner), "port": rendezvous.port}))
         env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
         with StopForwarder().installed() as stops:
             for rank in range(cfg.world_size):

@@ -3,8 +3,10 @@
 A placement group reserves ``trainer.nnodes`` bundles, one per node (STRICT_SPREAD over several nodes,
 PACK on one), each holding ``trainer.n_devices_per_node`` ranks: ``cluster.cpus_per_rank`` CPUs and,
 on CUDA, one GPU per rank (a custom ``NPU`` resource on Ascend). Rank 0's actor publishes its node
-address and a free port; every actor then joins one torch.distributed group and runs the rank's
-session to the end. Actors are threaded (two calls at once) so the driver can forward a stop while a
+address and its store's port; every actor then joins one torch.distributed group and runs the rank's
+session to the end. Rank 0's actor binds the group's store server once, on a port its node's system
+chooses (``bind_rendezvous``), and holds it while the run lasts: no port is probed and bound later.
+Each actor works in a temp folder of its own for the run (``rlctl.ranks.tmpdir``). Actors are threaded (two calls at once) so the driver can forward a stop while a
 rank trains.
 """
 
@@ -21,7 +23,8 @@ from rlctl.ranks.nodes import CRASHED, NodeWatch, Reach
 from rlctl.ranks.report import Reporter
 from rlctl.ranks.stops import STOPS
 from rlctl.ranks.supervise import StopForwarder, supervise
-from rlctl.ranks.worker import free_port, rank_main, rank_spec
+from rlctl.ranks.tmpdir import run_tempdir
+from rlctl.ranks.worker import rank_main, rank_spec
 from rlctl.rundir.selection import ResumePlan
 from rlctl.storage import Storage
 
@@ -56,15 +59,25 @@ class RankActor:
     def ping(self) -> None:
         """Answered while the actor (and its node) is there (``nodes.Reach``)."""
 
-    def free_port(self) -> int:
-        return free_port()
+    def rendezvous(self, world: int, port: int | None) -> dict[str, Any]:
+        """Bind the group's store server here (rank 0's actor), on ``port`` (the driver's user-set
+        MASTER_PORT) or one the system chooses, and keep it while the actor lives: {"port"}, or
+        {"error"} (a sentence: a ConfigError's)."""
+        from rlctl.engine.runtime import bind_rendezvous
+
+        try:
+            self._store = bind_rendezvous(world, port)
+        except ConfigError as exc:
+            return {"error": exc.message}
+        return {"port": self._store.port}
 
     def run(self, spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
         # the driver's working directory where this node has it (a shared filesystem, the driver's own node):
         # the reward and tool modules beside the config, and relative paths, are found as on the driver
         if os.path.isdir(spec["cwd"]):
             os.chdir(spec["cwd"])
-        return rank_main(spec, rank, local_rank, local_world, addr, port)
+        with run_tempdir(spec["run_url"], remove_at_end=True):  # (the actor is killed once its rank ends)
+            return rank_main(spec, rank, local_rank, local_world, addr, port)
 
     def stop(self, reason: str) -> None:
         STOPS.request(reason)
@@ -211,8 +224,13 @@ def _run_ranks(actors: list, spec: dict[str, Any], per_node: int, timeout: float
     Ray's account of the node, one ``NodeWatch`` for them all)."""
     import ray
 
+    from rlctl.engine.runtime import user_master_port
+
     where = ray.get([a.node.remote() for a in actors])
-    addr, port = where[0]["ip"], ray.get(actors[0].free_port.remote())
+    bound = ray.get(actors[0].rendezvous.remote(len(actors), user_master_port()))
+    if "error" in bound:
+        raise ConfigError(bound["error"])
+    addr, port = where[0]["ip"], bound["port"]
     spec = {**spec, "placement": [{"rank": r, "node": w["id"], "ip": w["ip"]} for r, w in enumerate(where)]}
     watch = NodeWatch()
     return [

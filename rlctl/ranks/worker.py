@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -226,13 +225,6 @@ class TrackedEvents:
 
 
 # -- a rank of several ---------------------------------------------------------------------------------
-def free_port() -> int:
-    """A free TCP port on this host (the rendezvous of rank 0)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def rank_spec(run: Storage, cfg: RunConfig, plan: ResumePlan | None, lease_owner: str | None = None) -> dict[str, Any]:
     """What every rank of a run needs to know, as plain data (it travels as JSON or by Ray). With
     ``lease_owner`` (the driver's lease), rank 0 commits a snapshot only while that lease is the run's."""
@@ -248,8 +240,10 @@ def rank_spec(run: Storage, cfg: RunConfig, plan: ResumePlan | None, lease_owner
 
 
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
-    """Run rank ``rank`` of ``spec`` (from ``rank_spec``) to its end in this process; returns {"code",
-    "message", "summary"}. A domain error is a result (with its exit code); a bug propagates."""
+    """Run rank ``rank`` of ``spec`` (from ``rank_spec``) to its end in this process, meeting the others at
+    the store server that listens at ``addr``:``port`` (``rlctl.engine.runtime.bind_rendezvous``: bound
+    by the supervisor or by rank 0's Ray actor); returns {"code", "message", "summary"}. A domain error
+    is a result (with its exit code); a bug propagates."""
     os.environ.update(
         {
             "RANK": str(rank),
@@ -258,6 +252,7 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
             "LOCAL_WORLD_SIZE": str(local_world),
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
+            "RLCTL_RENDEZVOUS": "store",  # (rlctl.engine.runtime.RENDEZVOUS, named here without importing torch)
         }
     )
     # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank

@@ -4,7 +4,6 @@ background thread's over its own group (an overlapped rollout's dynamic sampling
 and none waits on the other's. Without a group of its own the two threads' collectives would meet in one
 group in no agreed order."""
 
-import socket
 import threading
 
 import torch.multiprocessing as mp
@@ -12,22 +11,14 @@ import torch.multiprocessing as mp
 ROUNDS = 50
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, out) -> None:
-    import os
-
     import torch
     import torch.distributed as dist
 
     from rlctl.engine.dist import Dist
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # the parent's server (bound once)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     main = Dist(torch.device("cpu"))
     background = main.own_group()
     sums: list[int] = []
@@ -48,8 +39,10 @@ def _rank(rank: int, port: int, out) -> None:
 def test_a_group_of_its_own_keeps_a_threads_collectives_apart():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    from rlctl.engine.runtime import bind_rendezvous
+
+    server = bind_rendezvous(2)  # the ranks' store, bound once on a port the system chose, as rlctl's supervisor does
+    procs = [ctx.Process(target=_rank, args=(r, server.port, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted(out.get(timeout=120) for _ in procs)
