@@ -1006,12 +1006,11 @@ def device_setup(args, work: Path) -> tuple[dict, dict]:
     return facts, bases
 
 
-def device_runs(args, work: Path, facts: dict, bases: dict, peak: float | None) -> dict:
+def device_runs(args, workers: dict, work: Path, facts: dict, bases: dict, peak: float | None) -> dict:
     """Every shape's rounds, the shapes sharing the budget left by their weights; each shape's report."""
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     deadline = T0 + args.budget
-    workers = {"rlctl": Worker("rlctl", args.device), "trl": Worker("trl", args.device)}
     reports = {}
     try:
         for i, name in enumerate(shapes):
@@ -1047,10 +1046,17 @@ def main_device(args) -> None:
     print("command: " + shlex.join([sys.executable, *sys.argv]))
     print(f"versions: python {platform.python_version()}, {versions()}")
     print(f"device: {gpu or 'cpu'} (bf16 peak {na(peak, '.0f')} TFLOP/s); budget {args.budget:.0f} s", flush=True)
+    # the workers import their libraries while the model is built (device_runs closes them)
+    workers = {"rlctl": Worker("rlctl", args.device), "trl": Worker("trl", args.device)}
     with tempfile.TemporaryDirectory(prefix="rlctl-vs-trl-") as tmp:
-        facts, bases = device_setup(args, Path(tmp))
+        try:
+            facts, bases = device_setup(args, Path(tmp))
+        except BaseException:
+            for w in workers.values():
+                w.close(timeout=10)
+            raise
         log(f"model: {facts['params'] / 1e6:.1f}M parameters, built and saved in {facts['build_s']} s")
-        reports = device_runs(args, Path(tmp), facts, bases, peak)
+        reports = device_runs(args, workers, Path(tmp), facts, bases, peak)
     for report in reports.values():
         print_shape(report)
     real = reports.get("realistic", {}).get("ratios", {})
@@ -1066,22 +1072,9 @@ def main_device(args) -> None:
         f"over an fp32 module). total {wall:.0f} s of the {args.budget:.0f} s budget"
     )
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "command": sys.argv,
-                    "device": args.device,
-                    "gpu": gpu,
-                    "bf16_peak_tflops": peak,
-                    "versions": versions(),
-                    "model": facts,
-                    "budget_s": args.budget,
-                    "wall_s": round(wall, 1),
-                    "shapes": reports,
-                },
-                indent=1,
-            )
-        )
+        meta = {"command": sys.argv, "device": args.device, "gpu": gpu, "bf16_peak_tflops": peak}
+        meta |= {"versions": versions(), "model": facts, "budget_s": args.budget, "wall_s": round(wall, 1)}
+        Path(args.json).write_text(json.dumps(meta | {"shapes": reports}, indent=1))
 
 
 def versions() -> str:
