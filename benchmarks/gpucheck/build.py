@@ -1,12 +1,15 @@
 """Check 2: a Qwen2ForCausalLM of Qwen2.5-0.5B-Instruct's shapes with seeded random weights in bf16, and a
 byte-level BPE tokenizer trained on the spot with ChatML's tokens and a chat template, saved as a Hugging
-Face directory that the runs load; the model stays on the device for the decode probe and the identity."""
+Face directory that the runs load (benchmarks/qwen2_random.py builds both, as for grpo_vs_trl.py); the
+model stays on the device for the decode probe and the identity."""
 
 from __future__ import annotations
 
 import time
 
-from gpucheck.context import Ctx, Size
+from qwen2_random import build_model, matmul_counts, train_tokenizer
+
+from gpucheck.context import Ctx
 from gpucheck.report import MIB, Clock, Fail
 
 REWARDS = '''"""Rewards of the GPU check (benchmarks/gpu_check.py)."""
@@ -21,29 +24,22 @@ def huge(prompts, completions, **_):
     """Rewards of 1e5 (RLOO does not normalise them away): fp16 gradients overflow and the loss scale moves."""
     return [1e5 * (len(c) % 3) for c in completions]
 '''
-CHAT_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def check_build(ctx: Ctx, fig: dict, clock: Clock) -> None:
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     out = ctx.work / "qwen2-random"
     t = time.monotonic()
-    tok = train_tokenizer(ctx.size)
+    tok = train_tokenizer(ctx.size.vocab, ctx.size.words, ctx.size.model["max_position_embeddings"])
     fig["tokenizer_s"], fig["tokenizer_vocab"] = round(time.monotonic() - t, 1), len(tok)
     t = time.monotonic()
-    model = build_model(ctx, tok)
+    model = build_model(ctx.size.model, tok, ctx.device)
     fig["model_init_s"] = round(time.monotonic() - t, 1)
     fig["params"] = sum(p.numel() for p in model.parameters())
-    ctx.matmul_params = fig["matmul_params"] = sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-    )
-    ctx.head_params = model.get_output_embeddings().weight.numel()
+    ctx.matmul_params, ctx.head_params = matmul_counts(model)
+    fig["matmul_params"] = ctx.matmul_params
     ctx.params = fig["params"]
     fig["logits_ok"] = first_forward(ctx, model, tok)
     t = time.monotonic()
@@ -62,62 +58,6 @@ def check_build(ctx: Ctx, fig: dict, clock: Clock) -> None:
     )
     if not fig["logits_ok"]:
         raise Fail("the model's first forward pass gave logits that are not finite, or of the wrong shape")
-
-
-def train_tokenizer(size: Size):
-    """A byte-level BPE tokenizer with ChatML's special tokens and a chat template, trained on a corpus of
-    random words (seeded) up to ``size.vocab`` tokens."""
-    import random
-    import string
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 10))) for _ in range(size.words)]
-    corpus = [" ".join(words[i : i + 100]) for i in range(0, len(words), 100)]
-    corpus += [f"{w}={w}" for w in words[:200]]  # the built-in task's echo prompts and answers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=size.vocab,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        padding_side="left",
-        model_max_length=size.model["max_position_embeddings"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def build_model(ctx: Ctx, tok):
-    """Qwen2ForCausalLM of ``ctx.size.model``'s shapes, seeded random weights, bf16, built on the device."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        **ctx.size.model,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        use_sliding_window=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(ctx.device):
-        model = Qwen2ForCausalLM(cfg)
-    model = model.to(torch.bfloat16).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model
 
 
 def first_forward(ctx: Ctx, model, tok) -> bool:

@@ -1,6 +1,7 @@
 """What the GPU check builds and runs (its sizes: the full one for a GPU, the tiny one of the CPU dry run),
 the budgets of its checks and phases, written here in one place so that they can be seen to add up, and
-what the checks share while they run (Ctx)."""
+what the checks share while they run (Ctx). The model's shapes, the tokenizer and the datasheets' bf16
+peaks are benchmarks/qwen2_random.py's, which benchmarks/grpo_vs_trl.py builds its model with too."""
 
 from __future__ import annotations
 
@@ -8,58 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import qwen2_random
+from qwen2_random import QWEN_05B, TINY_MODEL
+
 from gpucheck.report import Report
 
-# Qwen2.5-0.5B-Instruct's shapes (its config.json): 494M parameters, 136M of them the tied embedding
-QWEN_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-TINY_MODEL = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=1024,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's datasheets, by a name's substring;
-# the first that matches counts (more specific names first). The MFU uses check 1's measured rate;
-# the datasheet's is reported beside it
-BF16_PEAK = [
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("GH200", 989.4),
-    ("H100", 989.4),
-    ("H200", 989.4),
-    ("H800", 989.4),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 4090", 165.2),
-    ("RTX 3090", 71.0),
-]
 SNAPSHOT_BYTES_PER_PARAM = 16  # bf16 weights, fp32 master weights, Adam's two moments (14), and room
 
 
 def bf16_peak(name: str | None) -> float | None:
-    return next((peak for key, peak in BF16_PEAK if name and key in name), None)
+    """The datasheet's dense bf16 peak of this GPU (TFLOP/s; qwen2_random's table), None without one."""
+    return qwen2_random.bf16_peak(name) if name else None
 
 
 @dataclass(frozen=True)

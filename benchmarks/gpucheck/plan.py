@@ -173,15 +173,16 @@ def run_config(ctx: Ctx, name: str) -> tuple[dict, str, int | None]:
 
 
 def prompts_file(ctx: Ctx) -> Path:
-    """T's prompts: a JSONL of random words (seeded), each of more tokens than the run keeps (it truncates
+    """T's prompts: a JSONL of the tokenizer's corpus words drawn at random (seeded), each of more tokens than the run keeps (it truncates
     them from the left to data.max_prompt_length), so that every prompt is that long."""
     import random
-    import string
+
+    from qwen2_random import corpus_words
 
     path = ctx.work / "prompts.jsonl"
     t, tok = ctx.size.throughput, ctx.tokenizer
     rng = random.Random(1)
-    vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 10))) for _ in range(2000)]
+    vocab = corpus_words(min(ctx.size.words, 2000))  # words the tokenizer was trained on
     per_word = max(1.0, len(tok(" ".join(vocab[:200]), add_special_tokens=False).input_ids) / 200)
     words = int(t["prompt_tokens"] / per_word * 1.3) + 8
     rows = [{"prompt": " ".join(rng.choices(vocab, k=words))} for _ in range(t["prompts"] * 2)]

@@ -105,8 +105,9 @@ def test_a_probe_stopped_at_its_budget_reports_what_it_measured(gpucheck, tmp_pa
     build, context, decode, report = gpucheck
     out = report.Report(tmp_path / "out", {"mode": "tiny", "device": "cpu"}, total=60)
     ctx = context.Ctx("cpu", context.TINY, True, tmp_path, out)
-    ctx.tokenizer = build.train_tokenizer(context.TINY)
-    ctx.model = build.build_model(ctx, ctx.tokenizer)
+    tiny = context.TINY
+    ctx.tokenizer = build.train_tokenizer(tiny.vocab, tiny.words, tiny.model["max_position_embeddings"])
+    ctx.model = build.build_model(tiny.model, ctx.tokenizer, "cpu")
 
     out.run("3", "probe", "tiny budget", 30, lambda fig, clock: decode.check_probe(ctx, fig, report.Clock(0.01)))
     check = json.loads((tmp_path / "out" / "report.json").read_text())["checks"][0]
@@ -126,7 +127,8 @@ def test_the_full_checks_run_configs_pass_rlctls_schema(gpucheck, tmp_path):
 
     build, context, _, report = gpucheck
     ctx = context.Ctx("cuda", context.FULL, False, tmp_path, report.Report(tmp_path / "out", {}, total=60))
-    ctx.tokenizer = build.train_tokenizer(context.TINY)  # (the full one takes a minute to train)
+    tiny = context.TINY  # (the full tokenizer takes a minute to train)
+    ctx.tokenizer = build.train_tokenizer(tiny.vocab, tiny.words, tiny.model["max_position_embeddings"])
     ctx.model_dir, ctx.params, ctx.shm_free, ctx.fp16 = tmp_path / "model", 494_032_768, 8 << 30, True
     ctx.plan = plan.Plan(ctx)
     configs = {name: plan.run_config(ctx, name)[0] for name in ("T", "R", "K", "L", "F", "S")}
