@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
-from rlctl.storage.appends import appender
+from rlctl.storage.appends import appender, write_whole
 from rlctl.storage.clients import fence_third_party_random, open_fs
 from rlctl.storage.failures import (
     ABSENCE,
@@ -257,7 +257,7 @@ class Storage:
                 with self.fs.open(path, "xb") as fh:
                     fh.write(data)
             else:
-                self.fs.pipe_file(path, data)
+                write_whole(self.fs, path, data)  # (over an append blob of ours too)
             return
         # complete a temporary file, then rename it into place, or (exclusive) link it: link fails if
         # the name exists, where an "xb" open would show the file empty first

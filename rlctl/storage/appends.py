@@ -39,12 +39,30 @@ AZURE_FILE = {"is_directory": "false"}  # the metadata adlfs gives every file it
 
 def appender(fs: Any, path: str, data: bytes) -> Callable[[], None]:
     """One append of ``data`` to ``path`` on ``fs`` (an object store), as a callable to try and retry."""
-    protocols = set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
+    protocols = _protocols(fs)
     if protocols & GCS:
         return GcsAppend(fs, path, data)
     if protocols & AZURE:
         return AzureAppend(fs, path, data)
     return lambda: _open_append(fs, path, data)
+
+
+def write_whole(fs: Any, path: str, data: bytes) -> None:
+    """Write ``data`` over the object at ``path`` (not exclusively), whichever kind of blob it is. The Azure
+    SDK sends more than 64 MiB as staged blocks, which Azure refuses onto an append blob (InvalidBlobType,
+    raised by adlfs as FileExistsError): such a blob (a log that a resume rewrites) is deleted first, and a
+    reader sees no file from then until the write commits. One request (64 MiB or less) replaces any blob."""
+    try:
+        fs.pipe_file(path, data)
+    except FileExistsError:
+        if not _protocols(fs) & AZURE:
+            raise
+        fs.rm_file(path)
+        fs.pipe_file(path, data)
+
+
+def _protocols(fs: Any) -> set[str]:
+    return set(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else {fs.protocol}
 
 
 def _open_append(fs: Any, path: str, data: bytes) -> None:

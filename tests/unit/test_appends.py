@@ -155,3 +155,16 @@ def _blob_type(store: Storage, rel: str) -> str:
 
 def _committed_blocks(store: Storage, rel: str) -> int:
     return _props(store, rel).append_blob_committed_block_count
+
+
+def test_a_whole_write_over_an_append_blob_of_more_than_64_mib(azure_env):
+    """A resume rewrites metrics.jsonl whole; past 64 MiB the SDK stages blocks, which Azure refuses onto
+    an append blob (adlfs said FileExistsError): the write replaces it, and appends go on."""
+    _, opts = azure_env
+    store = Storage(f"az://rlctl-runs/big-{uuid.uuid4().hex[:8]}", opts, retry_timeout=10)
+    store.append_bytes("metrics.jsonl", rows(0, 3))
+    kept = b"z" * (65 << 20) + b"\n"
+    store.write_bytes("metrics.jsonl", kept)
+    store.append_bytes("metrics.jsonl", rows(3, 1))
+    assert store.read_bytes("metrics.jsonl") == kept + rows(3, 1)
+    assert _blob_type(store, "metrics.jsonl") == "AppendBlob"
