@@ -37,6 +37,26 @@ A config file holds only what differs from these defaults. `rlctl start --set KE
 `rlctl resume --set KEY=VALUE` take the same dotted keys ([which ones a resume may change](knobs-and-schedules.md#rlctl-resume---set)).
 "Empty" is YAML's `null` (or leaving the key out). In a key, `[i]` is any entry of a list and `<knob>` any
 [knob](knobs-and-schedules.md).
+
+## What the loader accepts
+
+Every YAML file rlctl reads (a run config, a policy, a tool file, a `--set` value, a run's saved
+`config.yaml`) goes through one strict reader, built on [ruamel.yaml](https://pypi.org/project/ruamel.yaml/):
+a maintained YAML 1.2 library whose node tree carries the line of every key, so a mistake names its
+file, line and dotted key without parsing of rlctl's own.
+
+- **A key given twice in one mapping is an error** (exit 3, before any work), never the last value:
+  `run.yaml: 'actor.lr' is given twice: line 2 and line 4; a key is written once in a mapping: keep one`.
+  The same holds for a policy (two `when:` lines in one rule), a tool file and a `--set` value
+  (`--set 'actor={lr: 1, lr: 2}'`). Two `--set` flags for one key are not: the last one wins.
+- **Files you write are YAML 1.2**: `yes`, `no`, `on`, `off`, `y` and `n` are strings (a stop string
+  `no` needs no quotes); only `true` and `false` (or `True`, `FALSE` ...) are booleans; `1e-3` is a number, as is `0o17`
+  (octal; `017` is 17). A file that starts with `%YAML 1.1` is read as YAML 1.1. A boolean where a string belongs
+  says so: `` `True` was read as the boolean true; quote it ('True') ``.
+- **A run's `config.yaml`** is written by rlctl (PyYAML's emitter, which quotes by YAML 1.1's rules)
+  and read back as that same YAML 1.1, plain scalars resolved by PyYAML's own table, so a run written by
+  an older rlctl loads exactly as it did (a stop string `1e5` or `0o17`, which PyYAML leaves unquoted,
+  stays a string). It is read as strictly: a key given twice there is an error naming the file.
 """
 
 Row = tuple[str, str, str, str]

@@ -276,3 +276,81 @@ def test_the_yaml_of_a_changed_config_is_rendered_again():
     assert cfg.to_yaml() == first
     cfg.actor.lr = 0.5
     assert "lr: 0.5" in cfg.to_yaml() and load_config(None, []).to_yaml() == first
+
+
+@pytest.mark.parametrize(
+    "text,sets,message",
+    [
+        (
+            "trainer:\n  total_steps: 3\nseed: 1\ntrainer:\n  total_steps: 9\n",
+            [],
+            "run.yaml: 'trainer' is given twice: line 1 and line 4; a key is written once in a mapping: keep one",
+        ),
+        (
+            "actor:\n  lr: 1.0e-3\n  betas: [0.9, 0.95]\n  lr: 5.0\n",
+            [],
+            "run.yaml: 'actor.lr' is given twice: line 2 and line 4; a key is written once in a mapping: keep one",
+        ),
+        (
+            "seed: 1\n",
+            ["actor={lr: 0.1, lr: 0.2}"],
+            "--set actor={lr: 0.1, lr: 0.2}: 'actor.lr' is given twice; a key is written once in a mapping: keep one",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_a_mistake_found_before_any_work(tmp_path, capsys, text, sets, message):
+    """Not the last word (PyYAML kept the last lr, trained with it and exited 0): exit 3, nothing written."""
+    p = write(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_:
+        main(["start", str(p), "--run-dir", str(tmp_path / "run"), *[f"--set={s}" for s in sets]])
+    assert exit_.value.code == ExitCode.CONFIG
+    assert capsys.readouterr() == ("", f"Error: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_key_given_twice_on_the_command_line_is_the_last_word(tmp_path):
+    cfg = load_config(write(tmp_path, "actor:\n  lr: 0.1\n"), ["actor.lr=0.2", "actor.lr=0.3"])
+    assert cfg.actor.lr == 0.3 and cfg.provenance.origins[("actor", "lr")] == "--set actor.lr=0.3"
+
+
+def test_yaml_1_2_words_are_strings_and_a_boolean_where_a_string_belongs_says_so(tmp_path):
+    p = write(tmp_path, "rollout:\n  stop: [no, off]\nactor:\n  lr: 1e-3\n")
+    cfg = load_config(p, ["data.system_prompt=yes"])
+    assert cfg.rollout.stop == ["no", "off"] and cfg.actor.lr == 0.001 and cfg.data.system_prompt == "yes"
+    assert load_config(p, ["rollout.stop=[no]"]).rollout.stop == ["no"]  # (YAML 1.1 made it False: refused)
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "rollout:\n  stop: ['###', True]\n", "bool.yaml"))
+    assert err.value.message == (
+        "invalid config: 'rollout.stop.1' (bool.yaml line 2): a string is expected, but `True` was read as the "
+        "boolean true; quote it ('True')."
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(p, ["data.system_prompt=false"])
+    assert err.value.message == (
+        "invalid config: 'data.system_prompt' (--set data.system_prompt=false): a string is expected, but "
+        "`false` was read as the boolean false; quote it ('false')."
+    )
+
+
+def test_set_into_a_list_sets_that_item_or_is_a_sentence(tmp_path):
+    p = write(
+        tmp_path, "rollout:\n  stop: ['###', '\\n\\n']\n  multi_turn:\n    tools: [{function: 'toolbox:lookup'}]\n"
+    )
+    base = ["data.apply_chat_template=true"]
+    cfg = load_config(p, [*base, "rollout.stop.1=END", "rollout.multi_turn.tools.0.name=find"])
+    assert cfg.rollout.stop == ["###", "END"]  # still a list: the item replaced
+    assert [(t.function, t.label) for t in cfg.rollout.multi_turn.tools] == [("toolbox:lookup", "find")]
+    with pytest.raises(ConfigError) as err:
+        load_config(p, [*base, "rollout.stop.2=END"])
+    assert err.value.message == (
+        "--set rollout.stop.2=END: 'rollout.stop' is a list of 2 item(s), and '2' is none of its indices (0 to 1); "
+        "set an item by its index, or the whole list (--set 'rollout.stop=[...]')"
+    )
+    with pytest.raises(ConfigError, match="'rollout.stop' is a list of 2 item.*'first' is none of its indices"):
+        load_config(p, [*base, "rollout.stop.first=END"])
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "seed: 1\n"), ["rollout.stop.0.x=1"])
+    assert err.value.message == (
+        "--set rollout.stop.0.x=1: the config gives no list at 'rollout.stop' to take item 0 of; set the whole "
+        "list (--set 'rollout.stop=[...]')"
+    )

@@ -310,6 +310,11 @@ BAD_FILES = [
         "rules:\n  - just a string\n",
         "'rules.0' (bad.yaml line 2): input should be a valid dictionary or instance of Rule",
     ),
+    (
+        "two when lines",  # (PyYAML kept the second: a rule that fired at 5, "valid, 1 rule")
+        RULE + "    when: actor/ppo_kl > 0.1\n    actions: [{type: warn}]\n    when: actor/ppo_kl > 5\n",
+        "bad.yaml: 'rules.0.when' is given twice: line 3 and line 5; a key is written once in a mapping: keep one",
+    ),
     ("file that is not a mapping", "- name: r\n", "bad.yaml must be a mapping of keys to values, got list"),
     ("invalid YAML syntax", RULE + "    actions: [{type: warn\n", "bad.yaml line 4 is not valid YAML"),
 ]
@@ -352,6 +357,22 @@ def test_a_policy_file_that_is_not_utf8_names_the_byte(tmp_path):
         load_config(cfg)
     result = CliRunner().invoke(policy, ["check", str(p)])
     assert type(result.exception) is ConfigError and result.exception.message == message
+
+
+def test_policy_check_refuses_a_key_given_twice_with_exit_3(tmp_path):
+    p = write(
+        tmp_path, RULE + "    when: actor/ppo_kl > 0.1\n    when: actor/ppo_kl > 5\n    actions: [{type: warn}]\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "rlctl", "policy", "check", str(p)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 3 and result.stdout == ""
+    assert result.stderr == (
+        "Error: bad.yaml: 'rules.0.when' is given twice: line 3 and line 4; a key is written once in a mapping: "
+        "keep one\n"
+    )
 
 
 def test_missing_policy_file(tmp_path):

@@ -51,6 +51,13 @@ def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):
     write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n  - {function: toolbox:add, name: plus}\n")
     tools = load_config(cfg).rollout.multi_turn.tools  # well formed: inlined, in order
     assert [(t.function, t.label) for t in tools] == [("toolbox:lookup", "lookup"), ("toolbox:add", "plus")]
+    write(tmp_path / "tools.yaml", "tools:\n  - function: toolbox:lookup\n    name: find\n    name: look\n")
+    with pytest.raises(ConfigError) as err:  # a key given twice: never the last word
+        load_config(cfg)
+    assert err.value.message == (
+        "'rollout.multi_turn.tools_file' (run.yaml line 4): tools.yaml: 'tools.0.name' is given twice: line 3 "
+        "and line 4; a key is written once in a mapping: keep one"
+    )
     write(tmp_path / "tools.yaml", "- function: toolbox:lookup\n")
     with pytest.raises(ConfigError, match="tools_file' \\(run.yaml line 4\\): tools.yaml must be a mapping"):
         load_config(cfg)

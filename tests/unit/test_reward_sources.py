@@ -89,6 +89,26 @@ def test_scores_returned_and_the_body_holds_columns_and_kwargs(serve):
     }
 
 
+def test_a_nan_in_a_column_is_a_located_error_before_any_request(serve):
+    """The body is strict JSON: json.dumps would have sent a bare NaN, which a strict server refuses."""
+    import numpy as np
+
+    s = serve()
+    with pytest.raises(InputError) as err:
+        RemoteReward(s.url)(PROMPTS, COMPLETIONS, target=["ab", "cd"], weight=[0.5, math.nan])
+    assert err.value.message == (
+        f"reward URL {s.url}: column 'weight' row 1 (nan) is not a finite number, and strict JSON has no NaN or "
+        "Infinity; clean that column of the dataset (or drop it) before training"
+    )
+    with pytest.raises(InputError, match=r"column 'meta' row 0\['scores'\]\[1\] \(inf\) is not a finite number"):
+        RemoteReward(s.url)(PROMPTS, COMPLETIONS, meta=[{"scores": np.array([1.0, np.inf])}, {}])
+    with pytest.raises(InputError, match=r"kwargs\['floor'\] \(-inf\) is not a finite number"):
+        RemoteReward(s.url, kwargs={"floor": -math.inf})(PROMPTS, COMPLETIONS)
+    assert s.requests == []  # nothing was sent
+    RemoteReward(s.url)(PROMPTS, COMPLETIONS, weight=np.array([0.5, 1.0]))  # finite numpy columns still go
+    assert s.requests[-1]["weight"] == [0.5, 1.0]
+
+
 def test_retries_then_succeeds(serve):
     s = serve((503, {}, "busy"), (503, {}, "busy"), (200, {}, None))
     assert RemoteReward(s.url, retries=2, backoff=0.01)(PROMPTS, COMPLETIONS) == echo_reward(PROMPTS, COMPLETIONS)
