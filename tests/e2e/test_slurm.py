@@ -6,8 +6,17 @@ commits a snapshot and exits 75, the script requeues the job, and the requeued j
 end: every step trained once, one preemption, exit 0. The scripts ask for GPUs (`--gres`), which the test
 lifts (`--gres=none`). Slurm holds a requeued job until its old job credential has expired (AuthInfo's
 cred_expire + 1 s: 121 s by default, 11 s in this cluster's slurm.conf); started sooner, the node refuses
-it ("Job credential revoked")."""
+it ("Job credential revoked").
 
+A node that dies: on a cluster of two nodes (``SlurmCluster(nodes=...)``: two slurmds under other
+NodeNames, each in a UTS namespace of its own, so each node's jobs see its name as their hostname), the job
+runs on node-a; once it has committed step 2's snapshot, every process of node-a is SIGKILLed (slurmd, the
+batch script, rlctl, the Ray head) and node-a is set DOWN, which is how Slurm learns of a dead node and
+what makes it requeue the job. The requeued job runs on node-b, finds node-a's lease with a recent
+heartbeat, takes it over as the job's earlier run's (no --force, no person) and completes every step
+once."""
+
+import calendar
 import json
 import sys
 import time
@@ -17,7 +26,7 @@ import pytest
 from ray_nodes import SYSTEM_CONFIG, free_port
 from slurm_cluster import SlurmCluster
 
-from helpers import REPO, events_of, has_step, metrics_of
+from helpers import REPO, events_of, has_step, metrics_of, settled_before
 
 STEPS = 4
 CONFIG = {
@@ -58,14 +67,45 @@ def submit(slurm, tmp_path: Path, script: str, env: dict[str, str], *opts: str) 
     return done.stdout.strip().split(";")[0], run
 
 
+@pytest.fixture
+def two_nodes():
+    reason = SlurmCluster.skip_reason() or SlurmCluster.nodes_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(cpus=2, nodes=("node-a", "node-b"))
+    cluster.set_node("node-b", "DRAIN")  # the job starts on node-a
+    yield cluster
+    cluster.stop()
+
+
 def preempt_and_finish(slurm, job: str, run: Path) -> str:
     """Once the run has trained step 2, SIGUSR1 to the job's batch shell; the job's log once it has left
     the queue, requeued and run again."""
     deadline = time.time() + JOB_TIMEOUT_S
-    while not has_step(run, 2)():
-        assert slurm.job_state(job) and time.time() < deadline, _log(run, "the job did not reach step 2")
-        time.sleep(0.5)
+    _until(slurm, job, run, deadline, has_step(run, 2), "the job did not reach step 2")
     slurm.run("scancel", "--signal=USR1", "--batch", job)
+    return _finished(slurm, job, run, deadline)
+
+
+def kill_the_node_and_finish(cluster, job: str, run: Path) -> str:
+    """Once the run on node-a has committed step 2's snapshot (it is held after step 2), node-a dies and
+    node-b takes jobs; the job's log once Slurm has requeued it onto node-b and it has left the queue."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    committed = (run / "checkpoints" / "step-000002" / "manifest.json").exists
+    _until(cluster, job, run, deadline, lambda: committed() and settled_before(run, 3), "no snapshot of step 2")
+    assert json.loads((run / "lease.json").read_text())["host"] == "node-a"
+    cluster.set_node("node-b", "RESUME")
+    assert cluster.kill_node("node-a")
+    return _finished(cluster, job, run, deadline)
+
+
+def _until(slurm, job: str, run: Path, deadline: float, ready, why: str) -> None:
+    while not ready():
+        assert slurm.job_state(job) and time.time() < deadline, _log(run, why)
+        time.sleep(0.5)
+
+
+def _finished(slurm, job: str, run: Path, deadline: float) -> str:
     # until the job has left the queue with the requeued run's last word in its log (between its runs, a
     # requeued job may be missing from squeue for a moment)
     while (state := slurm.job_state(job)) or not any(end in _log(run, "") for end in ENDS):
@@ -114,3 +154,29 @@ def test_the_multi_node_ray_script_on_one_node_is_preempted_requeued_and_resumed
     assert_requeued_and_complete(slurm, job, run, log)
     (resume,) = [e for e in events_of(run) if e["event"] == "resume"]
     assert resume["step"] == 2 and resume["replays_exactly"], resume  # the same head address: no change
+
+
+def assert_taken_over_from_the_dead_node_and_complete(cluster, job: str, run: Path, log: str) -> None:
+    """The requeued job ran on node-b, took node-a's lease over as the job's earlier run's while its
+    heartbeat was still recent, resumed from step 2 and trained every step once, with no --force."""
+    assert log.rstrip().endswith("run complete"), log
+    assert "took over the lease of node-a pid " in log and f"of Slurm job {job} (run 1)" in log, log
+    assert f"it was taken by an earlier run of Slurm job {job} (run 1), which Slurm requeued" in log, log
+    (taken,) = events_of(run, "lease_taken_over")
+    previous = taken["previous"]
+    assert previous["host"] == "node-a" and previous["job"]["id"] == job and previous["job"]["restart"] == 0
+    taken_at = calendar.timegm(time.strptime(taken["time"], "%Y-%m-%dT%H:%M:%SZ"))
+    assert taken_at - previous["heartbeat"] < 120, taken  # live still: the job, not staleness, took it over
+    (resume,) = events_of(run, "resume")
+    assert resume["step"] == 2, resume
+    assert [row["step"] for row in metrics_of(run)] == list(range(1, STEPS + 1)), log  # every step once
+    assert not (run / "lease.json").exists()  # released at the end by node-b's writer
+    restarts = cluster.run("scontrol", "show", "job", job, check=False).stdout
+    assert ("Restarts=1" in restarts and "NodeList=node-b" in restarts) or not restarts, restarts
+
+
+def test_a_job_whose_node_dies_is_requeued_by_slurm_and_resumed_on_another_node(two_nodes, tmp_path):
+    assert "--force" not in (REPO / "examples" / "slurm-requeue.sbatch").read_text().split("#SBATCH")[-1]
+    job, run = submit(two_nodes, tmp_path, "slurm-requeue.sbatch", {})
+    log = kill_the_node_and_finish(two_nodes, job, run)
+    assert_taken_over_from_the_dead_node_and_complete(two_nodes, job, run, log)
