@@ -30,9 +30,9 @@ _removal_scheduled: set[str] = set()
 
 def run_key(url: str) -> str:
     """The run's folder name under the machine's temp directory: ``rlctl-<name>-<hash of the URL>``."""
-    url = url.removeprefix("file://")
+    url = url.removeprefix("file://").rstrip("/")
     url = url if "://" in url else os.path.abspath(url)
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in url.rstrip("/").rsplit("/", 1)[-1])[:40]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in url.rsplit("/", 1)[-1])[:40]
     return f"{PREFIX}{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
 
@@ -90,11 +90,11 @@ def run_tempdir(url: str, *, remove_at_end: bool = False) -> Iterator[str]:
     run's gone processes' folders removed first, then ``tempfile.tempdir`` and TMPDIR set to it; both
     restored after. The folder is removed as the process exits normally, or at the block's end with
     ``remove_at_end`` (a process that is killed right after: a Ray rank's actor)."""
+    before = tempfile.tempdir, os.environ.get("TMPDIR")
     root = os.path.join(_machine_tempdir(), run_key(url))
     remove_gone(root)
     own = os.path.join(root, process_name(os.getpid()))
     os.makedirs(own, exist_ok=True)
-    before = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir, os.environ["TMPDIR"] = own, own
     try:
         yield own
