@@ -19,6 +19,7 @@ from gpucheck.report import Fail, Skip, log
 from gpucheck.runs import Run, Watcher, run_phase
 
 REPO = Path(__file__).resolve().parents[2]
+PROGRESS = ("step", "timing_s/", "perf/", "prompt_length/", "response_length/", "actor/loss_scale")  # row keys kept
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RLCTL_FAULTS")
 
 
@@ -65,7 +66,7 @@ class Plan:
         try:
             runs = [self._make(n) for n in names]
             self.runs.update({r.name: r for r in runs})
-            run_phase(runs, min(budget, max(self.ctx.report.left(), 1.0)), self.watcher, self.ctx.report.write)
+            run_phase(runs, min(budget, max(self.ctx.report.left(), 1.0)), self.watcher, lambda: self.progress(runs))
         except Exception as exc:  # the runs' checks fail with it; the phases after still run
             self.broken[index] = f"{type(exc).__name__}: {exc}"
             for run in runs:
@@ -73,6 +74,16 @@ class Plan:
                 run.error = f"its phase broke off: {self.broken[index]}"
             log(f"  phase {', '.join(names)} broke off: {self.broken[index]}")
         self.free_disk(runs)
+
+    def progress(self, runs: list[Run]) -> None:
+        """The runs' state so far into the report (``runs_so_far``), written: a kill of this process from
+        outside during a phase leaves the last rows the runs wrote there, if not in their check's figures."""
+        so_far = self.ctx.report.meta.setdefault("runs_so_far", {})
+        for run in runs:
+            rows = run.rows()
+            last = {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith(PROGRESS)}
+            so_far[run.name] = {**run.facts(), "last_row": last}
+        self.ctx.report.write()
 
     def _make(self, name: str) -> Run:
         ctx = self.ctx

@@ -70,6 +70,9 @@ def test_the_gpu_check_runs_whole_on_the_cpu(tmp_path):
     assert throughput["tokens_per_s"] > 0 and throughput["update_tflops"] > 0 and throughput["update_mfu"] > 0
     assert 0 < throughput["gen_share_of_step"] < 1 and throughput["jit_builds"] == []
     assert set(throughput["phases_s"]) == {"gen", "old_log_prob", "ref", "update_actor", "step"}
+    so_far = report["runs_so_far"]  # what a kill of the check itself during a phase would have left
+    assert set(so_far) == {"T", "R", "K", "K+", "L", "S"} and so_far["T"]["last_row"]["step"] == 2
+    assert so_far["T"]["last_row"]["timing_s/gen"] > 0 and so_far["K+"]["steps"] == 4
 
     resume = checks["6"]["figures"]
     assert resume["killed"]["rc"] == -9 and resume["resumed_from_step"] == 2  # SIGKILL after step 3; snapshot 2
