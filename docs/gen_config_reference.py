@@ -56,7 +56,9 @@ file, line and dotted key without parsing of rlctl's own.
 - **A run's `config.yaml`** is written by rlctl (PyYAML's emitter, which quotes by YAML 1.1's rules)
   and read back as that same YAML 1.1, plain scalars resolved by PyYAML's own table, so a run written by
   an older rlctl loads exactly as it did (a stop string `1e5` or `0o17`, which PyYAML leaves unquoted,
-  stays a string). It is read as strictly: a key given twice there is an error naming the file.
+  stays a string). It is read as strictly: a key given twice there is an error naming the file. rlctl
+  now also quotes the strings YAML 1.2 would read as numbers (`'1e5'`), so a saved `config.yaml` reads
+  the same as a CONFIG file of a new run.
 """
 
 Row = tuple[str, str, str, str]

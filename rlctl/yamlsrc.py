@@ -13,16 +13,17 @@ an unknown key, an unknown ``kind`` / ``type`` of a discriminated union, or a mi
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import yaml
 from pydantic import BaseModel, ValidationError
 from ruamel.yaml import YAML, YAMLError
 from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.resolver import VersionedResolver
-from yaml import resolver as pyyaml_resolver
 
 from rlctl.errors import ConfigError
 
@@ -53,7 +54,7 @@ class _WrittenByRlctl(VersionedResolver):
     """YAML 1.1 exactly as PyYAML reads it (PyYAML's own table of plain scalars: ``1e-3`` a string,
     ``yes`` a boolean), for the files rlctl wrote with PyYAML's emitter, which quotes by that table."""
 
-    _TABLE = {first: list(rules) for first, rules in pyyaml_resolver.Resolver.yaml_implicit_resolvers.items()}
+    _TABLE = {first: list(rules) for first, rules in yaml.resolver.Resolver.yaml_implicit_resolvers.items()}
 
     @property
     def versioned_resolver(self) -> Any:
@@ -62,6 +63,26 @@ class _WrittenByRlctl(VersionedResolver):
     @property
     def processing_version(self) -> Any:
         return (1, 1)
+
+
+class _SavedDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # (libyaml's emitter where PyYAML has it)
+    """PyYAML's emitter, quoting also the strings that YAML 1.2 would read as numbers (``1e5``, ``0o17``),
+    so that a saved config.yaml reads the same as YAML 1.1 (rlctl) and as YAML 1.2 (a CONFIG file)."""
+
+
+_SavedDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9_]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?$"),
+    list("-+0123456789."),
+)
+_SavedDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?0(?:o[0-7_]+|x[0-9a-fA-F_]+)$"), list("-+0")
+)
+
+
+def dump_saved(data: Any) -> str:
+    """``data`` (plain Python) as the YAML rlctl saves (a run's config.yaml): keys in their order."""
+    return yaml.dump(data, Dumper=_SavedDumper, sort_keys=False)
 
 
 def _reader(dialect: str) -> YAML:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from rlctl.config.algorithm import ActorConfig, AlgorithmConfig, CriticConfig
@@ -25,6 +24,7 @@ from rlctl.config.strict import Strict
 from rlctl.errors import ConfigError
 from rlctl.faults import parse as parse_faults
 from rlctl.policies.schema import PolicySpec
+from rlctl.yamlsrc import dump_saved
 
 _RENDERED: tuple[str, str] = ("", "")  # the last config rendered as YAML: (the repr of its values, its YAML)
 
@@ -226,8 +226,6 @@ class RunConfig(Strict):
         key, (last_key, last_text) = repr(self.model_dump()), _RENDERED
         if key == last_key:
             return last_text
-        # libyaml's emitter where PyYAML has it: the same text, 4x faster
-        dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-        text = yaml.dump(self.model_dump(mode="json"), Dumper=dumper, sort_keys=False)
+        text = dump_saved(self.model_dump(mode="json"))  # (read back by yamlsrc.load_yaml as SAVED)
         _RENDERED = (key, text)
         return text

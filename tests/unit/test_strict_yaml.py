@@ -53,13 +53,13 @@ def test_an_older_runs_config_yaml_reads_as_it_did(tmp_path):
     """A config.yaml written by an older rlctl (the same PyYAML emitter, no rollout.sampler): strings
     that YAML 1.2 would read as numbers or booleans come back as the strings they were."""
     cfg = RunConfig.model_validate({"name": "0o17", "rollout": {"stop": AMBIGUOUS}})
-    text = cfg.to_yaml()
-    assert "- 1e5\n" in text and "- 0o17\n" in text  # (PyYAML leaves these plain: YAML 1.1 strings)
-    older = yaml.safe_load(text)
+    older = yaml.safe_load(cfg.to_yaml())
     del older["rollout"]["sampler"]
+    older_text = yaml.safe_dump(older, sort_keys=False)  # PyYAML's emitter, as an older rlctl used it
+    assert "- 1e5\n" in older_text and "- 0o17\n" in older_text  # (plain: strings in YAML 1.1, not in 1.2)
     run = Storage(str(tmp_path / "r"))
     run.makedirs()
-    run.write_bytes("config.yaml", yaml.safe_dump(older, sort_keys=False).encode())
+    run.write_bytes("config.yaml", older_text.encode())
     loaded = load_run_config(run)
     assert loaded.rollout.stop == AMBIGUOUS and loaded.name == "0o17"
     assert loaded.rollout.sampler == "generator"  # (an older run resumes with the sampler it started with)
@@ -76,3 +76,11 @@ def test_a_config_yaml_with_a_key_given_twice_is_refused(tmp_path):
         f"{run.url_of('config.yaml')}: 'actor.lr' is given twice: line 3 and line 4; a key is written once "
         "in a mapping: keep one; was it edited by hand?"
     )
+
+
+def test_a_saved_config_reads_the_same_as_yaml_1_1_and_as_yaml_1_2():
+    """rlctl's config.yaml also quotes what YAML 1.2 reads as a number, so it can be a CONFIG file too."""
+    cfg = RunConfig.model_validate({"name": "0o17", "rollout": {"stop": AMBIGUOUS}, "actor": {"lr": 1e-5}})
+    text = cfg.to_yaml()
+    assert "- '1e5'\n" in text and "name: '0o17'\n" in text and "lr: 1.0e-05\n" in text
+    assert load_yaml(text, "config.yaml", PEOPLE)[0] == load_yaml(text, "config.yaml", SAVED)[0] == yaml.safe_load(text)
