@@ -159,14 +159,17 @@ def check_probe(ctx: Ctx, fig: dict, clock: Clock) -> None:
 
 
 def warmup(ctx: Ctx, methods: Methods, found: dict, clock: Clock, new: int) -> None:
-    """One short call of each (kernels chosen, caches made); generate_batch's only while 40% of the budget
-    is left (it may capture CUDA graphs first). Its time estimates a full round's."""
+    """Two short calls of each: the first chooses kernels, compiles (rlctl's sampler under torch.compile on
+    CUDA) and makes caches (``first_call_s``), the second's time estimates a full round's; generate_batch's
+    only while 40% of the budget is left (it may capture CUDA graphs first)."""
     for name in found:
         if name == "generate_batch" and clock.left() < 0.4 * clock.seconds:
             found[name]["error"] = "not warmed up: less than 40% of the budget left"
             continue
         try:
+            first = timed(ctx, getattr(methods, name), new)["seconds"]
             found[name]["warmup"] = {**timed(ctx, getattr(methods, name), new), "new_tokens": new}
+            found[name]["warmup"]["first_call_s"] = first
         except Exception as exc:  # one method's failure is its figure; the others still run
             found[name]["error"] = f"{type(exc).__name__}: {exc}"
 
