@@ -123,7 +123,9 @@ def test_wait_for_lease_waits_for_a_live_lease_to_go_stale_then_takes_it_over(tm
         waited = time.monotonic() - began
         assert lease.taken_over["job"] == job("999", 0)
     assert 1.4 <= waited < 10, waited  # until its heartbeat was older than the timeout, not at once
-    assert len(said) == 1 and said[0].startswith(f"run {run.url} is being written by dead-node pid 4242 of Slurm job 999")
+    assert len(said) == 1 and said[0].startswith(
+        f"run {run.url} is being written by dead-node pid 4242 of Slurm job 999"
+    )
     assert said[0].endswith("waiting up to 1.5 s (trainer.lease_timeout) for its lease to go stale (--wait-for-lease)")
 
 
