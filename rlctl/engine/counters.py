@@ -17,12 +17,12 @@ class TrainerState:
 
     VERSION = 3
 
-    def __init__(self) -> None:
+    def __init__(self, token_budget: int | None = None) -> None:
         self.step = 0
         self.tokens_seen = 0
         self.prompts_seen = 0
         self.last_val: dict[str, Any] | None = None  # {"step": N, "metrics": {"val/score/mean": ...}}
-        self.token_budget: int | None = None
+        self.token_budget = token_budget
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -117,8 +117,7 @@ class Trainer:
         self.recovery = Recovery(self)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
-        self.state = TrainerState()
-        self.state.token_budget = self.actor.token_budget
+        self.state = TrainerState(token_budget=self.actor.token_budget)
         self.rng = RNGState()
         batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
         # One epoch over one mini-batch is exactly on-policy: old log-probs come from the update's forward.
