@@ -243,8 +243,8 @@ class Lease:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LeaseError(
-                    f"run {self.storage.url} is still being written by {describe_lease(held, self.storage)} after "
-                    f"waiting {self.timeout:g} s (--wait-for-lease); one writer per run"
+                    f"run {self.storage.url} is still being written after waiting {self.timeout:g} s "
+                    f"(--wait-for-lease), by {describe_lease(held, self.storage)}; one writer per run"
                 )
             time.sleep(min(poll, left))
             held = read_lease(self.storage)

@@ -159,8 +159,9 @@ def test_wait_for_lease_gives_up_after_the_lease_timeout_with_exit_10(tmp_path, 
     waited = time.monotonic() - began
     assert 1.0 <= waited < 10, waited
     assert refused.value.exit_code == ExitCode.LEASE_HELD and len(said) == 1
-    assert refused.value.message.startswith(f"run {run.url} is still being written by dead-node pid 4242")
-    assert refused.value.message.endswith("after waiting 1 s (--wait-for-lease); one writer per run")
+    message = refused.value.message
+    assert message.startswith(f"run {run.url} is still being written after waiting 1 s (--wait-for-lease), by ")
+    assert message.endswith("by dead-node pid 4242, heartbeat 0s ago; one writer per run"), message
     assert read_lease(run)["owner"] == "ab12"  # left as it was
 
 
@@ -171,3 +172,33 @@ def test_wait_for_lease_takes_an_already_stale_lease_without_waiting(tmp_path, i
     with Lease(run, timeout=120, heartbeat=60).acquire(wait=True, say=said.append) as lease:
         assert lease.taken_over["host"] == "dead-node"
     assert said == []
+
+
+def test_resume_wait_for_lease_says_it_waits_once_and_exits_10_while_the_writer_lives(tmp_path):
+    """`rlctl resume --wait-for-lease` end to end on a complete run held by another host's live writer:
+    one line says it waits, and after trainer.lease_timeout (set to 1 s) it exits 10 with one sentence."""
+    from rlctl.config import RunConfig
+
+    from helpers import invoke
+
+    run = Storage(str(tmp_path / "run"))
+    run.write_bytes("config.yaml", RunConfig.model_validate({"trainer": {"total_steps": 1}}).to_yaml().encode())
+    run.write_bytes("events.jsonl", orjson.dumps({"event": "completed", "step": 1}) + b"\n")
+    held_by(run, job_field=None, age=0.0)
+    stop = threading.Event()
+    beating = threading.Thread(target=_beat_until, args=(run, stop))
+    beating.start()
+    try:
+        done = invoke("resume", run.url, "--wait-for-lease", "--set", "trainer.lease_timeout=1")
+    finally:
+        stop.set()
+        beating.join()
+    assert done.returncode == ExitCode.LEASE_HELD, done.stderr
+    assert done.stderr.count("waiting up to 1 s (trainer.lease_timeout) for its lease to go stale") == 1
+    assert "is still being written after waiting 1 s (--wait-for-lease), by dead-node pid 4242" in done.stderr
+
+
+def _beat_until(run: Storage, stop: threading.Event) -> None:
+    """The other host's writer is alive: its heartbeat file keeps moving until ``stop``."""
+    while not stop.wait(0.1):
+        run.write_bytes(beat_file("ab12"), orjson.dumps({"heartbeat": time.time()}))
