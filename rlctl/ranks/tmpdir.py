@@ -6,7 +6,9 @@ one or more per kill, in the machine's ``/tmp``. A run's process therefore works
 
     $TMPDIR/rlctl-<run>/<pid>-<start time>/
 
-(``<run>``: the run directory's name and a hash of its URL), set as ``tempfile.tempdir`` and as TMPDIR
+(``<run>``: a hash of the run directory's URL; short, as multiprocessing's Unix sockets live under it
+and a socket's path has at most 107 bytes: where TMPDIR is too long for that, the process stays in
+TMPDIR as it is), set as ``tempfile.tempdir`` and as TMPDIR
 for its children (local ranks, the ranks' starter, the snapshot writer) while the run trains here. As a
 process of the run enters it, the folders of that run's processes that are gone (no process with that
 id and start time) are removed: what a kill left is gone at the next start or resume. A live process's
@@ -28,12 +30,16 @@ PREFIX = "rlctl-"
 _removal_scheduled: set[str] = set()
 
 
+# what multiprocessing adds to the temp directory for a socket: /pymp-XXXXXXXX/listener-XXXXXXXX
+SOCKET_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+SOCKET_PATH_MAX = 107  # a Unix socket's path, in bytes (sun_path less its NUL)
+
+
 def run_key(url: str) -> str:
-    """The run's folder name under the machine's temp directory: ``rlctl-<name>-<hash of the URL>``."""
+    """The run's folder name under the machine's temp directory: ``rlctl-<hash of the URL>``."""
     url = url.removeprefix("file://").rstrip("/")
     url = url if "://" in url else os.path.abspath(url)
-    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in url.rsplit("/", 1)[-1])[:40]
-    return f"{PREFIX}{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    return f"{PREFIX}{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
 
 def _start_time(pid: int) -> str:
@@ -94,6 +100,9 @@ def run_tempdir(url: str, *, remove_at_end: bool = False) -> Iterator[str]:
     root = os.path.join(_machine_tempdir(), run_key(url))
     remove_gone(root)
     own = os.path.join(root, process_name(os.getpid()))
+    if len(os.fsencode(own)) + SOCKET_TAIL > SOCKET_PATH_MAX:  # (multiprocessing's sockets would not fit)
+        yield tempfile.gettempdir()
+        return
     os.makedirs(own, exist_ok=True)
     tempfile.tempdir, os.environ["TMPDIR"] = own, own
     try:

@@ -2,9 +2,13 @@
 gone processes are removed as another enters, a live process's never."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+import pytest
 
 from rlctl.ranks.tmpdir import process_name, remove_gone, run_key, run_tempdir
 
@@ -25,7 +29,8 @@ def test_a_gone_processs_folder_is_removed_and_a_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, odd.name])
 
 
-def test_the_run_folder_is_set_for_the_block_and_restored(tmp_path, monkeypatch):
+def test_the_run_folder_is_set_for_the_block_and_restored(short_tmp, monkeypatch):
+    tmp_path = short_tmp
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)
     run = tmp_path / "runs" / "a"
@@ -40,8 +45,28 @@ def test_the_run_folder_is_set_for_the_block_and_restored(tmp_path, monkeypatch)
     assert not (tmp_path / run_key(str(run))).exists()  # its own folder gone, and the run's with it
 
 
-def test_a_runs_key_names_it_and_tells_runs_apart(tmp_path):
+def test_a_temp_directory_too_long_for_a_unix_socket_below_it_is_kept(tmp_path, monkeypatch):
+    """multiprocessing's sockets live in the temp directory, and a socket's path has at most 107 bytes:
+    where the run's folder would push them past that, the process keeps TMPDIR as it is."""
+    deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - 40))
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with run_tempdir(str(tmp_path / "run")) as own:
+        assert own == str(deep) and tempfile.gettempdir() == str(deep)
+    assert list(deep.iterdir()) == []
+
+
+@pytest.fixture
+def short_tmp():
+    """A folder directly under /tmp: short enough for multiprocessing's sockets below a run's folder."""
+    path = Path(tempfile.mkdtemp(prefix="rlctl-t-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_runs_key_tells_runs_apart_in_few_bytes(tmp_path):
     a, b = run_key(str(tmp_path / "x" / "run")), run_key(str(tmp_path / "y" / "run"))
-    assert a.startswith("rlctl-run-") and b.startswith("rlctl-run-") and a != b
+    assert a.startswith("rlctl-") and len(a) == len(b) == 18 and a != b
     assert run_key("file://" + str(tmp_path / "x" / "run")) == a
     assert run_key("s3://bucket/runs/r1/") == run_key("s3://bucket/runs/r1")
