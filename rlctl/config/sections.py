@@ -212,6 +212,12 @@ class RolloutConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="vllm: tensor-parallel ranks of each engine.")
     max_num_seqs: int = Field(256, ge=1, description="vllm: sequences batched together at most.")
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs (always eager on CPU).")
+    cuda_graphs: bool = Field(
+        False,
+        description="hf backend, counter sampler, on CUDA: replay each decode step as a CUDA graph, captured once "
+        "per batch-size bucket of the static KV cache (tokens and log-probs bit-identical to the eager step). "
+        "Ignored on the CPU and with the generator sampler, whose decode is always eager.",
+    )
     max_new_tokens: int = Field(256, ge=1, description="Longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     sampler: Literal["counter", "generator"] = Field(

@@ -16,6 +16,8 @@ the parameters are gathered for the whole generate).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import LogitsProcessor
 
@@ -23,7 +25,7 @@ from rlctl.config import RolloutConfig, RunConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.batch import Sequences
 from rlctl.engine.data import prompt_texts
-from rlctl.engine.model import logits_to_keep
+from rlctl.engine.rollout.kv_cache import DynamicKV, decode_kv, prefill, static_fits
 from rlctl.engine.rollout.noise import CounterSampler
 from rlctl.engine.rollout.sampling import StopStrings, truncate
 from rlctl.engine.rollout.seeds import sample_seed
@@ -107,6 +109,9 @@ def decode(
     sampler: Sampler,
     stops: StopStrings | None = None,
     check_every: int | None = None,
+    *,
+    static: bool | None = None,
+    cuda_graphs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Batched sampling with a KV cache: (B, P) left-padded prompts -> (B, R) response ids, R <= max,
     pad after each sequence's eos or stop string, the (B, R) fp32 log-probs of the sampled tokens (of
@@ -115,45 +120,33 @@ def decode(
     Position ids count real tokens only, as the actor's forward does. A lean loop: one forward per
     token, no generation-config machinery. The host looks at the batch every ``check_every`` tokens
     only (``Decoding.check``; the sampler's ``check_every`` by default): whether all rows are done, stop
-    strings, and compaction (finished rows leave the batch once an eighth of it is done, so a batch of
-    mixed lengths costs its real tokens). The tokens are the same for every ``check_every`` (tokens after
-    a row's end are padding either way); the log-probs too within rounding (the forward's batch differs)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **logits_to_keep(model, 1),
-    )
+    strings, and compaction (finished rows leave the batch, so a batch of mixed lengths costs its real
+    tokens). The tokens are the same for every ``check_every`` (tokens after a row's end are padding
+    either way); the log-probs too within rounding (the forward's batch differs).
+    The KV cache (``kv_cache``): the generator sampler's decode is today's, a dynamic cache; the counter
+    sampler's is static in batch-size buckets where ``static`` (None: on CUDA, for a model it serves),
+    its steps replayed as CUDA graphs where ``cuda_graphs`` (ignored on the CPU and with a dynamic cache),
+    else dynamic, its steps attending over grouped KV heads without repeating them."""
+    if isinstance(sampler, SeededGumbelSampler):
+        cache, logits, position = prefill(model, input_ids, attention_mask)
+        kv = DynamicKV(model, cache, attention_mask, position)
+    else:
+        static = input_ids.is_cuda and static_fits(model) if static is None else static
+        kv, logits = decode_kv(model, input_ids, attention_mask, max_new_tokens, static=static, graphs=cuda_graphs)
     state = Decoding(input_ids.shape[0], max_new_tokens, eos_ids, pad_id, input_ids.device)
-    position = positions[:, -1:]
     check_every = check_every or sampler.check_every
     for step in range(max_new_tokens):
-        state.sample(out.logits[:, -1, :], sampler)
+        state.sample(logits, sampler)
         if (step + 1) % check_every == 0 or step + 1 == max_new_tokens:
             if state.check(stops):
                 break
-            keep = state.compact()
+            keep = state.compact(kv.worth)
             if keep is not None:
-                cache.batch_select_indices(keep)
+                kv.keep(keep)
                 sampler.keep(keep)
-                attention_mask, position = attention_mask[keep], position[keep]
         if step + 1 == max_new_tokens:
             break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        position = position + 1
-        out = model(
-            input_ids=state.last[:, None],
-            attention_mask=attention_mask,
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        logits = kv.forward(state.last)
     return state.result()
 
 
@@ -196,12 +189,12 @@ class Decoding:
                 self.kept[row], self.done[row] = kept, True
         return bool(self.done.all())
 
-    def compact(self) -> torch.Tensor | None:
-        """The positions (in the current rows) of the rows still running, when at least an eighth of the
-        current rows are done (the cache is copied to drop them); else None and the rows stay."""
+    def compact(self, worth: Callable[[int, int], bool]) -> torch.Tensor | None:
+        """The positions (in the current rows) of the rows still running, when ``worth(running, rows)`` says
+        the cache is worth copying to drop the others (the dynamic cache: an eighth of the rows are done;
+        the static one: the running rows fit a smaller bucket); else None and the rows stay."""
         running = ~self.done[self.rows]
-        gone = len(self.rows) - int(running.sum())
-        if gone == 0 or gone * 8 < len(self.rows):
+        if not worth(int(running.sum()), len(self.rows)):
             return None
         keep = running.nonzero()[:, 0]
         self.rows, self.last = self.rows[keep], self.last[keep]
@@ -342,6 +335,7 @@ class HFRollout:
                     self.tokenizer.pad_token_id,
                     sampler,
                     self.stops,
+                    cuda_graphs=r.cuda_graphs,
                 )
         finally:
             module.train(was_training)
