@@ -31,7 +31,9 @@ class TrainerConfig(Strict):
     lease_timeout: float = Field(
         120.0,
         gt=0,
-        description="Seconds without a heartbeat after which another host may take the run over with --force.",
+        description="Seconds without a heartbeat after which another host may take the run over with --force, "
+        "or a resume with --wait-for-lease once it has waited that long (a later run of the same Slurm job takes "
+        "it over at once).",
     )
     lease_heartbeat: float = Field(15.0, gt=0, description="Seconds between lease heartbeats.")
     nproc: int = Field(
