@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlctl.config.sandbox import SandboxConfig
 from rlctl.config.strict import Strict, check_import_path
 from rlctl.tools.formats import FORMATS
 
@@ -143,6 +144,10 @@ class MultiTurnConfig(Strict):
         description="A YAML file holding a list of tools (as in `tools`), read and inlined into `tools` when the "
         "config is loaded.",
     )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="Where the built-in python tool (rlctl.tools.python) runs the model's code, and its limits.",
+    )
     environment: str | None = Field(
         None,
         description="An environment as `module:Class` answering each of the model's turns instead of tools: "
@@ -175,6 +180,11 @@ class MultiTurnConfig(Strict):
             raise ValueError(f"the environment ({self.environment}) answers every turn: declare it or tools, not both")
         if not self.tools and self.environment is None:
             raise ValueError("declare at least one tool ('tools' or 'tools_file') or an 'environment'")
+        if self.sandbox.wall_time_s >= self.tool_timeout_s:
+            raise ValueError(
+                f"sandbox.wall_time_s ({self.sandbox.wall_time_s:g}) must be under tool_timeout_s "
+                f"({self.tool_timeout_s:g}): code that runs too long is the model's error, a tool timeout is not"
+            )
         if self.format not in FORMATS:  # the Literal above and the registry drifted apart
             raise ValueError(f"unknown tool-call format '{self.format}'; valid: {', '.join(FORMATS.names)}")
         return self

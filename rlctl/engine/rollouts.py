@@ -32,7 +32,7 @@ class Rollouts:
     def new_pool(self) -> ToolPool | None:
         """A pool of tool workers of its own (None without multi_turn)."""
         mt = self.cfg.rollout.multi_turn
-        return ToolPool(mt.tool_workers, mt.tool_timeout_s) if mt is not None else None
+        return ToolPool(mt.tool_workers, mt.tool_timeout_s, mt.sandbox.limits()) if mt is not None else None
 
     def make(self, name: str, actor, tokenizer, pool: ToolPool | None, emit, engine=None):
         """A rollout backend over ``actor`` (the actor, or a copy generating beside it); with a ``pool`` of

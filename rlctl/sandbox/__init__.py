@@ -6,4 +6,18 @@ config's section (``rlctl.config.sandbox``) all stand on it."""
 from rlctl.sandbox.jail import JAIL, UNSAFE, Limits, SandboxUnavailable, check, version
 from rlctl.sandbox.run import Result, execute, limit_sentence
 
-__all__ = ["JAIL", "UNSAFE", "Limits", "Result", "SandboxUnavailable", "check", "execute", "limit_sentence", "version"]
+_limits = Limits()
+
+
+def configure(limits: Limits) -> None:
+    """Set this process's limits (a tool worker's, from the run's ``rollout.multi_turn.sandbox``)."""
+    global _limits
+    _limits = limits
+
+
+def current() -> Limits:
+    """This process's limits (the defaults until ``configure``)."""
+    return _limits
+
+
+__all__ = ["configure", "current", "JAIL", "UNSAFE", "Limits", "Result", "SandboxUnavailable", "check", "execute", "limit_sentence", "version"]

@@ -1,6 +1,7 @@
 """The tools of ``rollout.multi_turn``: each function or stateful class imported (in the trainer's process,
 once) for its JSON schema, and the environment's class checked; a name that does not import is a
-ConfigError naming the key, before any work (the preflight)."""
+ConfigError naming the key, before any work (the preflight). With the built-in python tool, the sandbox
+is started once: a jail that cannot start on this machine is a ConfigError too, naming the fix."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from typing import Any
 from rlctl.config.multi_turn import MultiTurnConfig, ToolConfig
 from rlctl.engine.reward import _import, call_user_code
 from rlctl.errors import ConfigError
+from rlctl.sandbox import SandboxUnavailable, check
 from rlctl.tools.schema import function_schema
+
+SANDBOXED = "rlctl.tools.python"  # the tools that run the model's code in the sandbox
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,11 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
                 f"'rollout.multi_turn.environment': {mt.environment} is no class with a step(action) method"
             )
         environment = mt.environment
+    if any(t.spec.partition(":")[0] == SANDBOXED for t in mt.tools):
+        try:
+            check(mt.sandbox.limits(), "rollout.multi_turn.sandbox")
+        except SandboxUnavailable as exc:
+            raise ConfigError(str(exc)) from None
     stateful = frozenset(t.label for t in mt.tools if t.stateful is not None)
     return Tools(schemas, functions, {t.label: tuple(t.hidden) for t in mt.tools if t.hidden}, stateful, environment)
 

@@ -35,9 +35,9 @@ class CallResult:
 
 
 class _Worker:
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, sandbox=None) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=main, args=(child,), daemon=True, name="rlctl-tool-worker")
+        self.process = ctx.Process(target=main, args=(child, sandbox), daemon=True, name="rlctl-tool-worker")
         self.process.start()
         child.close()
         try:
@@ -63,10 +63,11 @@ class _Worker:
 
 
 class ToolPool:
-    """``workers`` processes running calls concurrently, each call given ``timeout_s`` seconds."""
+    """``workers`` processes running calls concurrently, each call given ``timeout_s`` seconds; ``sandbox``:
+    the limits (``rlctl.sandbox.Limits``) the workers run the python tool's code under."""
 
-    def __init__(self, workers: int, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, workers: int, timeout_s: float, sandbox=None):
+        self.timeout_s, self.sandbox = timeout_s, sandbox
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * workers
 
@@ -111,7 +112,7 @@ class ToolPool:
             if worker is not None:
                 worker.stop(kill=True)
             try:
-                worker = self._workers[slot] = _Worker(self._ctx)
+                worker = self._workers[slot] = _Worker(self._ctx, self.sandbox)
             except (EOFError, OSError) as exc:
                 index, _ = running.pop(slot)
                 results[index] = CallResult(UNAVAILABLE, f"the tool's worker process failed to start: {exc}", 0.0)

@@ -75,7 +75,7 @@ def run_call(functions: dict[str, Any], spec: str | Session, arguments: Any, hel
     """(outcome, text) of one call: (ok, str(result)); (error, "TypeName: message") when the tool raised;
     (unavailable, message) when it raised ``ToolUnavailable`` (its infrastructure failed). An
     environment's step answers its (observation, reward, done) as JSON."""
-    from rlctl.tools import ToolUnavailable
+    from rlctl.tools import ToolError, ToolUnavailable
 
     try:
         if isinstance(spec, Session):
@@ -88,6 +88,8 @@ def run_call(functions: dict[str, Any], spec: str | Session, arguments: Any, hel
             result = functions[spec](**arguments)
     except ToolUnavailable as exc:
         return UNAVAILABLE, str(exc) or "the tool is unavailable"
+    except ToolError as exc:  # told in the tool's own words
+        return ERROR, str(exc)
     except Exception as exc:  # the tool's own mistake (or the model's arguments): told to the model
         last = traceback.extract_tb(exc.__traceback__)[-1:]
         where = f" (at {os.path.basename(last[0].filename)} line {last[0].lineno})" if last else ""
@@ -138,11 +140,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def main(conn) -> None:
+def main(conn, sandbox=None) -> None:
     """Answer calls ``(spec or Session, arguments)`` until the pipe closes or None arrives; ``RELEASE``
     releases the objects held. The worker dies with its rank (PR_SET_PDEATHSIG): a call still running when
-    the rank is killed stops there."""
+    the rank is killed stops there. ``sandbox``: the limits the built-in python tool runs code under
+    (``rlctl.sandbox.Limits``), the run's ``rollout.multi_turn.sandbox``."""
     _die_with_parent()
+    if sandbox is not None:
+        from rlctl.sandbox import configure
+
+        configure(sandbox)
     functions: dict[str, Any] = {}
     held: dict[str, list] = {}
     conn.send(("ready", ""))  # started: the pool's clock for the first call starts now
