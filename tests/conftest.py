@@ -101,13 +101,12 @@ def _server(argv: list[str], name: str, env: dict | None = None):
     http://127.0.0.1:PORT URL) once that process listens there. A port is free only when it is probed:
     where another process takes it first (the suite's workers start servers and rendezvous on probed
     ports all the time), the server cannot bind, and a mere connection would reach the other process.
-    So the listener must be the server's own; if the server exits instead, another port is tried."""
-    import socket
+    So the listener must be the server's own; if the server exits instead, another port is tried. Ports are
+    chosen outside the kernel's ephemeral range (``ports.server_port``), where no port-0 bind lands."""
+    from ports import server_port
 
     for _ in range(5):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = server_port()
         proc = _start([a.format(port=port) for a in argv], env)
         if _listens(proc, port):
             return proc, f"http://127.0.0.1:{port}"

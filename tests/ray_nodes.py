@@ -5,20 +5,22 @@ that the cluster's processes, and only those, are killed at the end.
 
 The cluster keeps to itself: its temporary directory is its own (`ray start` writes the address a bare
 `ray.init()` would join there, not in /tmp/ray, so another test's `--ray-address local` still starts its
-own Ray), its fixed ports (dashboard, client server, dashboard agent) are free ones, and token
-authentication is off (a token in ~/.ray would otherwise turn it on for the head only)."""
+own Ray), its fixed ports (GCS, dashboard, client server, dashboard agent) are free ones outside the
+kernel's ephemeral range (``ports.server_port``; a head whose GCS cannot bind its port is started again
+on fresh ones), and token authentication is off (a token in ~/.ray would otherwise turn it on for the head only)."""
 
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ports import server_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 # what the processes of the cluster and its clients (rlctl, the state query) need in their environment
@@ -26,6 +28,7 @@ ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 # as rlctl's own local Ray: no idle workers started ahead of the actors
 SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 START_TIMEOUT_S = 90.0
+HEAD_TRIES = 3  # starts of the head, each on fresh ports (a port may be taken before Ray's GCS binds it)
 
 # the cluster's alive nodes and all its actors, read by a client of its GCS (no dashboard needed), as JSON
 _ACTORS = """
@@ -40,9 +43,8 @@ print(json.dumps({"nodes": nodes, "head": head[0] if head else None, "actors": [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A port for a server Ray starts (it binds the port itself, later): see ``ports.server_port``."""
+    return server_port()
 
 
 class RayNodes:
@@ -54,16 +56,33 @@ class RayNodes:
         self.tmp = tempfile.mkdtemp(prefix="rlctl-ray-", dir="/tmp")  # short: Ray's sockets live under it
         self.procs: list[subprocess.Popen] = []
         self.killed: set[int] = set()
-        self.address = f"127.0.0.1:{free_port()}"
         try:
-            config = json.dumps(SYSTEM_CONFIG)
-            self._start("--head", "--port", self.address.split(":")[1], "--system-config", config, cpus=cpus)
+            self.address = self._start_head(cpus)
             for _ in range(n - 1):
                 self._start("--address", self.address, cpus=cpus)
-            self._until(lambda: self._started()[0], "the Ray head")
         except BaseException:
             self.stop()
             raise
+
+    def _start_head(self, cpus: float) -> str:
+        """Start the head and wait until it is up; its address. Its GCS binds a port probed free before,
+        which another process may take first: `ray start` then exits, and the head is started again on
+        fresh ports, ``HEAD_TRIES`` times at most."""
+        config = json.dumps(SYSTEM_CONFIG)
+        for attempt in range(HEAD_TRIES):
+            address = f"127.0.0.1:{free_port()}"
+            self._start("--head", "--port", address.split(":")[1], "--system-config", config, cpus=cpus)
+            head, deadline = self.procs[0], time.time() + START_TIMEOUT_S
+            while not self._started()[0] and head.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+            if self._started()[0]:
+                return address
+            if head.poll() is None or attempt == HEAD_TRIES - 1:  # (still starting: not a port taken)
+                self._until(lambda: self._started()[0], "the Ray head")  # raises, with the logs, unless it is up
+                return address
+            self.stop(keep_tmp=True)  # what is left of its processes; its log is written anew by the next
+            self.procs.clear()
+        raise RuntimeError("the Ray head did not start")  # (HEAD_TRIES is at least 1: not reached)
 
     def _start(self, *args: str, cpus: float) -> None:
         ports = ["--dashboard-agent-listen-port", str(free_port())]  # (by default, ports one per machine)
@@ -128,11 +147,12 @@ class RayNodes:
             raise RuntimeError(f"cannot read the Ray cluster's state: {done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    def stop(self) -> None:
+    def stop(self, keep_tmp: bool = False) -> None:
         """Kill every node's process group (a raylet, its workers and agents; the head's GCS too)."""
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait(timeout=30)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if not keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ports import server_port
+
 from helpers import DIST_VARS  # a test process's own process group: not for a job's ranks
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "unshare")
@@ -39,9 +41,8 @@ def _which(name: str) -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A port for slurmctld or slurmd, which bind it themselves later: see ``ports.server_port``."""
+    return server_port()
 
 
 CONF = """\
