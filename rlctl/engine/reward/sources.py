@@ -138,7 +138,10 @@ def load_reward(cfg: RewardConfig, device: torch.device | str = "cpu") -> Reward
 def _load_source(s: RewardSourceConfig, key: str, device: torch.device | str) -> Source:
     """One source; ``key`` names a reward model's directory in its errors."""
     if s.function is not None:
-        return Source(s.label, s.weight, load_reward_fn(s.function), s.function, s.kwargs)
+        fn = load_reward_fn(s.function)
+        if callable(hook := getattr(fn, "check_kwargs", None)):  # e.g. the code rewards' sandbox, started once
+            hook(s.kwargs, key.removesuffix(".model.path") + ".kwargs")
+        return Source(s.label, s.weight, fn, s.function, s.kwargs)
     if s.model is not None:
         return Source(s.label, s.weight, ModelReward(s.model, key, device), s.model.path, what="reward model")
     fn = RemoteReward(s.url, s.timeout, s.retries, s.kwargs)
