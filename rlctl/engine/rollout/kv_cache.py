@@ -250,9 +250,11 @@ def on_side_stream(step):
 
 
 def captured(step) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """``step`` captured as a CUDA graph (not run: ``replay`` runs it) and its output buffer."""
+    """``step`` captured as a CUDA graph (not run: ``replay`` runs it) and its output buffer. Only this
+    thread's calls may not disturb the capture (``thread_local``): a rollout generating ahead captures while
+    the training thread goes on with its own work on its own streams."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = step()
     return graph, out
 
