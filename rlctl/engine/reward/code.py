@@ -7,7 +7,7 @@ reward:
   kwargs: {all_or_nothing: false, workers: 2, sandbox: {wall_time_s: 5}}
 ```
 
-A row's ``tests`` column (``column`` renames it) holds ``{"cases": [{"input": STDIN, "output": STDOUT},
+A row's ``tests`` column holds ``{"cases": [{"input": STDIN, "output": STDOUT},
 ...], "asserts": ["assert f(2) == 4", ...]}``, either list optional. A case passes when the program,
 given its input, prints its output (lines compared with their trailing spaces and the last newlines
 dropped); an assert passes when the completion's code and then the assert run without raising. The code
