@@ -20,7 +20,6 @@ import shutil
 import string
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.engine.dist import Dist
 from rlctl.errors import InputError
-from rlctl.rundir.layout import MODEL
+from rlctl.rundir.layout import MODEL, MODEL_COMPLETE, MODEL_TEMPORARY, set_aside
 from rlctl.storage import Storage, fsync_path
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -39,7 +38,6 @@ HEAD_DIM = 32
 # Positions the built-in model takes (its tokenizer's model_max_length too). RoPE has no weights, so
 # the number changes no parameter: a model an earlier rlctl saved with 256 has the same weights.
 BUILTIN_CONTEXT = 1024
-COMPLETE = ".rlctl-complete"  # written last into the built-in model's directory
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -167,19 +165,19 @@ def prepare_model_dir(cfg: RunConfig, run: Storage) -> Path:
 def _builtin_local(cfg: RunConfig, run: Storage, out: Path) -> Path:
     """RUN_DIR/model, written whole into a temporary sibling and renamed into place (one atomic step):
     it exists complete or not at all. Temporaries of a writer that was killed are removed."""
-    if (out / COMPLETE).exists():
+    if (out / MODEL_COMPLETE).exists():
         return out
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+    for stale in out.parent.glob(f"{MODEL_TEMPORARY}*"):
         shutil.rmtree(stale, ignore_errors=True)
     if out.exists():
         if _adopted(run, out):
             return out
         _quarantine(run, out.name)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = out.parent / f"{MODEL_TEMPORARY}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)  # with the umask's permissions, as the directory it becomes
     try:
         _save_builtin(cfg, tmp)
-        _write_durably(tmp / COMPLETE, b"")
+        _write_durably(tmp / MODEL_COMPLETE, b"")
         for f in tmp.iterdir():
             fsync_path(f)
         os.rename(tmp, out)
@@ -193,7 +191,7 @@ def _builtin_local(cfg: RunConfig, run: Storage, out: Path) -> Path:
 def _builtin_remote(cfg: RunConfig, run: Storage, out: Path) -> Path:
     """The built-in model in ``out``, fetched from RUN_DIR/model when its completion marker (written
     last) is there, else built and uploaded, the marker last: object stores have no atomic rename."""
-    if run.exists(MODEL, COMPLETE):
+    if run.exists(MODEL, MODEL_COMPLETE):
         run.get_dir(str(out), MODEL)
         return out
     if run.listdir(MODEL):
@@ -205,7 +203,7 @@ def _builtin_remote(cfg: RunConfig, run: Storage, out: Path) -> Path:
         out.mkdir()
     _save_builtin(cfg, out)
     run.put_dir(str(out), MODEL)
-    run.write_bytes(f"{MODEL}/{COMPLETE}", b"")
+    run.write_bytes(f"{MODEL}/{MODEL_COMPLETE}", b"")
     return out
 
 
@@ -217,9 +215,9 @@ def _adopted(run: Storage, local: Path) -> bool:
         print(f"warning: {run.url_of(MODEL)} is incomplete ({problem}); building the model again", file=sys.stderr)
         return False
     if run.is_local:
-        _write_durably(local / COMPLETE, b"")
+        _write_durably(local / MODEL_COMPLETE, b"")
     else:
-        run.write_bytes(f"{MODEL}/{COMPLETE}", b"")
+        run.write_bytes(f"{MODEL}/{MODEL_COMPLETE}", b"")
     return True
 
 
@@ -243,7 +241,7 @@ def builtin_problem(model_dir: Path) -> str | None:
 
 def _quarantine(run: Storage, name: str) -> None:
     """Move an unreadable RUN_DIR/<name> aside (nothing is deleted) and say where."""
-    aside = f"{name}.incomplete-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    aside = set_aside(name)
     run.move_dir(name, aside)
     print(f"warning: moved it aside to {run.url_of(aside)}", file=sys.stderr)
 

@@ -240,7 +240,7 @@ class Trainer:
             self.stateful(),
             self.dir_stateful(),
             good=good,
-            extra_files={"config.yaml": self.cfg.to_yaml().encode(), **self._hf_files},
+            extra_files={CONFIG: self.cfg.to_yaml().encode(), **self._hf_files},
             meta={
                 "metrics_offset": self.metrics.tell(),
                 "tokens_seen": self.state.tokens_seen,

@@ -42,11 +42,10 @@ import orjson
 
 from rlctl.errors import LeaseError, StorageError
 from rlctl.numbers import is_number
+from rlctl.rundir.layout import BEAT_DIR, LEASE_FILE, beat_file, takeover_file  # noqa: F401 (BEAT_DIR: test_storage's)
 from rlctl.storage import Storage, describe
 from rlctl.storage.failures import OUTAGES
 
-LEASE_FILE = "lease.json"
-BEAT_DIR = ".lease"
 FIELDS = {"owner": str, "host": str, "pid": int, "heartbeat": float}
 JOB_FIELDS = {"scheduler": str, "cluster": str, "id": str, "restart": int}  # lease.json's optional "job"
 
@@ -121,10 +120,6 @@ def _is_job(job: Any) -> bool:
         return False
     typed = all(isinstance(job[k], kind) and not isinstance(job[k], bool) for k, kind in JOB_FIELDS.items())
     return typed and bool(job["id"]) and job["restart"] >= 0
-
-
-def beat_file(owner: str) -> str:
-    return f"{BEAT_DIR}/beat-{owner}"
 
 
 def _last_beat(storage: Storage, owner: str) -> float | None:
@@ -265,7 +260,7 @@ class Lease:
         # bytes replaces it; a second taker fails here instead of deleting the winner's fresh lease.
         # Markers are a few bytes each and are kept.
         try:
-            self.storage.write_bytes(f".lease/takeover-{held['_digest']}", self._record(), exclusive=True)
+            self.storage.write_bytes(takeover_file(held["_digest"]), self._record(), exclusive=True)
         except FileExistsError:
             raise LeaseError(f"another process is taking over the stale lease of {self.storage.url}") from None
         self.taken_over = {k: v for k, v in held.items() if k != "_digest"}

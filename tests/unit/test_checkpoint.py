@@ -18,7 +18,8 @@ from rlctl.checkpoint.layout import MANIFEST, step_name
 from rlctl.checkpoint.retention import Retention
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.errors import LeaseError, SnapshotError, StorageError
-from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
+from rlctl.rundir.layout import LEASE_FILE
+from rlctl.rundir.lease import Lease, read_lease
 from rlctl.rundir.snapshots import zero_topology
 from rlctl.storage import Storage
 

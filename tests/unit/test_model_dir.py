@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from rlctl.config import RunConfig
-from rlctl.engine.model import COMPLETE, load_causal_lm, load_tokenizer, prepare_model_dir
+from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.errors import InputError
+from rlctl.rundir.layout import MODEL_COMPLETE
 from rlctl.storage import Storage
 
 
@@ -29,7 +30,7 @@ def reference(tmp_path_factory):
 def test_a_fresh_build_is_published_whole_with_its_marker(tmp_path, reference):
     run = tmp_path / "run"
     out = prepare_model_dir(RunConfig(), Storage(str(run)))
-    assert out == run / "model" and (out / COMPLETE).exists()
+    assert out == run / "model" and (out / MODEL_COMPLETE).exists()
     assert digest(out) == digest(reference)  # deterministic from the seed
     assert sorted(p.name for p in run.iterdir()) == ["model"]  # no temporary left beside it
     load_causal_lm(out, dtype=torch.float32)
@@ -42,7 +43,7 @@ def test_a_half_written_model_dir_is_moved_aside_and_rebuilt(tmp_path, reference
     model.mkdir(parents=True)
     (model / "config.json").write_bytes((reference / "config.json").read_bytes())
     out = prepare_model_dir(RunConfig(), Storage(str(tmp_path / "run")))
-    assert (out / COMPLETE).exists() and digest(out) == digest(reference)
+    assert (out / MODEL_COMPLETE).exists() and digest(out) == digest(reference)
     [aside] = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("model.incomplete-")]
     assert [p.name for p in aside.iterdir()] == ["config.json"]  # kept, not deleted
     err = capsys.readouterr().err
@@ -53,7 +54,7 @@ def test_truncated_weights_are_not_taken_for_whole(tmp_path, reference):
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)
     for f in reference.iterdir():
-        if f.name != COMPLETE:
+        if f.name != MODEL_COMPLETE:
             (model / f.name).write_bytes(f.read_bytes())
     data = (reference / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -65,11 +66,13 @@ def test_a_whole_dir_without_marker_from_an_older_rlctl_is_kept(tmp_path, refere
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)
     for f in reference.iterdir():
-        if f.name != COMPLETE:
+        if f.name != MODEL_COMPLETE:
             (model / f.name).write_bytes(f.read_bytes())
     inode = (model / "model.safetensors").stat().st_ino
     out = prepare_model_dir(RunConfig(), Storage(str(tmp_path / "run")))
-    assert (out / COMPLETE).exists() and (out / "model.safetensors").stat().st_ino == inode  # adopted, not rebuilt
+    assert (out / MODEL_COMPLETE).exists() and (
+        out / "model.safetensors"
+    ).stat().st_ino == inode  # adopted, not rebuilt
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]
 
 
@@ -101,7 +104,7 @@ def test_object_storage_uses_a_marker_written_last(tmp_path, reference):
     run.write_bytes("model/config.json", (reference / "config.json").read_bytes())  # half an upload
     out = prepare_model_dir(RunConfig(), run)
     assert digest(out) == digest(reference)
-    assert run.exists("model", COMPLETE) and run.exists("model", "model.safetensors")
+    assert run.exists("model", MODEL_COMPLETE) and run.exists("model", "model.safetensors")
     assert any(name.startswith("model.incomplete-") for name in run.listdir())
     again = prepare_model_dir(RunConfig(), run)  # complete: fetched as it is
     assert again != out and digest(again) == digest(reference)

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from rlctl.errors import ExitCode, LeaseError
-from rlctl.rundir.lease import LEASE_FILE, Lease, beat_file, read_lease, scheduler_job
+from rlctl.rundir.layout import LEASE_FILE, beat_file
+from rlctl.rundir.lease import Lease, read_lease, scheduler_job
 from rlctl.storage import Storage
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME")

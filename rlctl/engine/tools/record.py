@@ -25,10 +25,8 @@ from typing import Any
 
 import orjson
 
-from rlctl.rundir.layout import TOOL_CALLS, step_rank_file
+from rlctl.rundir.layout import TOOL_CALLS, TOOL_RESULTS, step_rank_file
 from rlctl.storage import Storage
-
-RESULTS = "results"
 
 
 def call_key(step: int, prompt: str, seed: tuple[int, int], turn: int, position: int, name: str, args: Any) -> str:
@@ -74,7 +72,7 @@ class ToolRecord:
         """The calls added since the last flush on storage: their texts, then their lines."""
         for sha, text in self._texts.items():
             with contextlib.suppress(FileExistsError):  # (the same answer, given before)
-                self.run.write_bytes(f"{TOOL_CALLS}/{RESULTS}/{sha}", text.encode(), exclusive=True)
+                self.run.write_bytes(f"{TOOL_RESULTS}/{sha}", text.encode(), exclusive=True)
         if self._lines:
             self.run.append_bytes(step_rank_file(TOOL_CALLS, self.step, self.rank), b"".join(self._lines))
         self._texts, self._lines = {}, []
@@ -97,7 +95,7 @@ class ToolRecord:
 
     def _text(self, sha: str) -> str | None:
         try:
-            data = self.run.read_bytes(TOOL_CALLS, RESULTS, sha)
+            data = self.run.read_bytes(TOOL_RESULTS, sha)
         except FileNotFoundError:
             return None
         return data.decode() if hashlib.sha256(data).hexdigest() == sha else None
