@@ -1,7 +1,8 @@
 """Every name of a run directory, in one place, and the error of a directory that holds no run.
 
-See rlctl/rundir/__init__.py for what each holds. A module that trains or reads a run asks
-for these names; it never spells one. Inside a snapshot, rlctl/checkpoint/layout.py names the files."""
+``TREE`` says what each holds and ``tree()`` draws it: docs/concepts.md shows that drawing, written
+by docs/gen_run_dir.py and checked for drift by a test. A module that trains or reads a run asks for
+these names; it never spells one. Inside a snapshot, rlctl/checkpoint/layout.py names the files."""
 
 import os
 import re
@@ -25,6 +26,38 @@ TOOL_RESULTS = f"{TOOL_CALLS}/results"
 TRAJECTORIES = "trajectories"
 # a file of one step and rank under TOOL_CALLS or TRAJECTORIES: step-000012.rank-0.jsonl
 STEP_RANK_FILE = re.compile(r"step-(\d{6})\.rank-(\d+)\.jsonl")
+
+
+# What each name holds, in the order a person reads them; a description may go on over rows of its own.
+# The trackers' files are named by rlctl/trackers, which the floors keep below this module.
+TREE = [
+    (CONFIG, "the resolved config: every key, defaults included (updated by `resume --set`)"),
+    (f"{MODEL}/", "the built-in model and tokenizer (save_pretrained; reload with any HF tool) when"),
+    ("", f"model.path is empty; {MODEL_COMPLETE} in it is written last (a local run writes it"),
+    ("", f"into {MODEL_TEMPORARY}*, renamed into place when whole)"),
+    (METRICS, "one orjson line per step, each step exactly once"),
+    (ABANDONED, "rows of steps a resume turned away from, tagged with that resume"),
+    (EVENTS, "start, prompts filtered (data.filter_overlong_prompts), snapshot commits and"),
+    ("", "failures, resumes (and their source), policy firings, rollbacks, adjustments, skips,"),
+    ("", "halts, preemption, completion (with a sha256 of the final weights)"),
+    (LEASE_FILE, "the live writer: host, pid, when it took the run (absent when nobody writes)"),
+    (f"{BEAT_DIR}/", "the writer's heartbeat (beat-OWNER) and takeover markers"),
+    (POLICY_STATE, "the rollback policies' state at the last rollback or halt, with its step"),
+    (f"{CHECKPOINTS}/step-000500/", "a snapshot (or under checkpoint.dir)"),
+    (f"{CHECKPOINTS}/quarantine/", "snapshots whose manifest could not be read, moved aside (never deleted)"),
+    (f"{TOOL_CALLS}/", "a multi-turn run's tool calls by step and rank (step-000012.rank-0.jsonl), and"),
+    ("", f"their answers by sha256 ({TOOL_RESULTS}/): replayed when a step runs again"),
+    (f"{TRAJECTORIES}/", "a multi-turn run's conversations by step and rank (`rlctl trajectories`)"),
+    ("tensorboard/ wandb/", "trackers' files (trainer.loggers); mlflow.db and mlartifacts/ for MLflow"),
+    ("trackers.json", "the W&B and MLflow runs a resume continues"),
+]
+
+
+def tree() -> str:
+    """The run directory drawn as text: a name and what it holds on each line."""
+    width = max(len(name) for name, _ in TREE) + 2
+    lines = [f"  {name:<{width}}{what}" for name, what in TREE]
+    return "\n".join(["RUN_DIR/", *lines]) + "\n"
 
 
 def step_rank_file(folder: str, step: int, rank: int) -> str:

@@ -1,5 +1,5 @@
 """The README is a short front door and docs/ holds the manual: the config reference is generated from
-the schema and never drifts from it, every relative link leads somewhere, and the README's exit-code
+the schema and the run directory's tree from its layout, and neither drifts from its source, every relative link leads somewhere, and the README's exit-code
 table is the codes rlctl exits with."""
 
 import importlib.util
@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
+from rlctl.rundir import layout
 
 from helpers import REPO
 
@@ -18,8 +19,8 @@ DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 
-def generator():
-    spec = importlib.util.spec_from_file_location("gen_config_reference", DOCS / "gen_config_reference.py")
+def generator(name: str = "gen_config_reference"):
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -38,6 +39,32 @@ def test_the_generator_check_fails_on_drift(tmp_path, monkeypatch, capsys):
     page.write_text(page.read_text().replace("Number of RL steps", "Number of steps"))
     assert gen.main(["--check"]) == 1
     assert "-| `trainer.total_steps` | int, >= 1 | `200` | Number of steps" in capsys.readouterr().err
+
+
+def test_the_run_directory_in_concepts_is_what_the_layout_draws():
+    committed = (DOCS / "concepts.md").read_text()
+    assert generator("gen_run_dir").render(committed) == committed, "run .venv/bin/python docs/gen_run_dir.py"
+    assert f"```\n{layout.tree()}```" in committed
+
+
+def test_the_run_dir_check_fails_on_drift(tmp_path, monkeypatch, capsys):
+    gen = generator("gen_run_dir")
+    page = tmp_path / "concepts.md"
+    page.write_text(f"# Concepts\n\n{gen.BEGIN}\n{gen.END}\n\nmore\n")
+    monkeypatch.setattr(gen, "PAGE", page)
+    assert gen.main(["--check"]) == 1 and gen.main([]) == 0 and gen.main(["--check"]) == 0
+    assert page.read_text().endswith(f"{layout.tree()}```\n{gen.END}\n\nmore\n")
+    page.write_text(page.read_text().replace("  trackers.json", "  trackers.yaml"))
+    assert gen.main(["--check"]) == 1
+    assert "-  trackers.yaml" in capsys.readouterr().err
+
+
+def test_every_name_of_the_layout_is_in_its_tree():
+    """A file named in the layout but left out of the drawing would be missing from the docs."""
+    names = {k: v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str)}
+    drawn = layout.tree()
+    assert {k: v for k, v in names.items() if v not in drawn} == {}
+    assert {"LEASE_FILE", "MODEL_COMPLETE", "TOOL_RESULTS", "TRAJECTORIES", "POLICY_STATE"} <= set(names)
 
 
 def test_every_config_key_is_in_the_reference():
