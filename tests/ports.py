@@ -2,13 +2,15 @@
 that are given a port number and bind it themselves, later: the port is probed free now, and another
 process may take it in between. It is therefore chosen outside the kernel's ephemeral range, where no
 process's port-0 bind (the rendezvous of rlctl's ranks, every outgoing connection) can land on it, and at
-random, so that two test workers choosing at once rarely choose the same one; a start that still fails
+random, so that two test workers choosing at once rarely choose the same one (above Ray's worker ports); a start that still fails
 on its port is retried by its caller (``RayNodes``' head, ``conftest._server``)."""
 
 import random
 import socket
 
 _RANDOM = random.SystemRandom()  # (tests seed the random module)
+# Ray's workers take ports 10002-19999 by default, and Ray refuses a fixed port of its own in that range
+RAY_WORKER_PORTS_END = 19999
 
 
 def _ephemeral() -> tuple[int, int]:
@@ -23,7 +25,7 @@ def _ephemeral() -> tuple[int, int]:
 def server_port() -> int:
     """A TCP port free now (on every interface), outside the ephemeral range (module docstring)."""
     low, high = _ephemeral()
-    span = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    span = (RAY_WORKER_PORTS_END + 1, low - 1) if low > RAY_WORKER_PORTS_END + 2000 else (high + 1, 65535)
     for _ in range(200):
         port = _RANDOM.randint(*span)
         with socket.socket() as sock:
