@@ -22,7 +22,7 @@ FLOORS = [
     ("rlctl.config",),
     ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
     ("rlctl.algos", "rlctl.tools"),
-    ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful"),
+    ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful", "rlctl.usercode"),
     ("rlctl.errors", "rlctl.events", "rlctl.numbers", "rlctl"),
 ]
 MAX_FUNCTION_LINES = 60

@@ -22,9 +22,10 @@ import torch
 
 from rlctl.config.reward import RewardConfig, RewardSourceConfig
 from rlctl.engine.dist import MEAN
-from rlctl.engine.reward import check_scores, load_reward_fn, score_completions
+from rlctl.engine.reward.loader import load_reward_fn
 from rlctl.engine.reward.model import ModelReward
 from rlctl.engine.reward.remote import RemoteReward
+from rlctl.engine.reward.scores import check_scores, score_completions
 
 
 @dataclass

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlctl.config.multi_turn import MultiTurnConfig, ToolConfig
-from rlctl.engine.reward import _import, call_user_code
 from rlctl.errors import ConfigError
 from rlctl.sandbox import SandboxUnavailable, check
 from rlctl.tools.schema import function_schema
+from rlctl.usercode import call_user_code, import_or_none
 
 SANDBOXED = "rlctl.tools.python"  # the tools that run the model's code in the sandbox
 
@@ -66,7 +66,7 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
 def _attribute(spec: str, key: str, noun: str) -> Any:
     """What ``module:attribute`` names, imported; a ConfigError naming ``key`` when it is not there."""
     module_name, _, name = spec.partition(":")
-    module = call_user_code(f"tool '{spec}': importing module '{module_name}'", _import, module_name)
+    module = call_user_code(f"tool '{spec}': importing module '{module_name}'", import_or_none, module_name)
     if module is None:
         raise ConfigError(f"{key}: cannot import module '{module_name}' (No module named '{module_name}')")
     found = getattr(module, name, None)
