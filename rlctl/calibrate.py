@@ -369,10 +369,11 @@ def summary_lines(cal: Calibration) -> list[str]:
     return lines
 
 
-def run_rows(url: str, until: int | None, warn=None) -> list[dict[str, Any]]:
+def run_rows(url: str, until: int | None, warn=None, timeout: float | None = None) -> list[dict[str, Any]]:
     """The rows of the run's metrics.jsonl (the history it kept; rows it turned away from are left
-    out), up to step ``until``; a line that cannot be read is skipped and said through ``warn``."""
-    record = read_run(url)
+    out), up to step ``until``; a line that cannot be read is skipped and said through ``warn``.
+    ``timeout``: as ``read_run``'s."""
+    record = read_run(url, timeout)
     rows = [r for r in record.rows if until is None or r["step"] <= until]
     for text in record.warnings() if warn is not None else ():
         warn(text)

@@ -18,7 +18,8 @@ class ExitCode(IntEnum):
     INPUT = 4  # a model, dataset or reward function named by the config cannot be loaded
     LEASE_HELD = 10  # another live process is writing this run
     SNAPSHOT = 11  # no usable snapshot: not found, corrupt, incomplete, or from another topology
-    STORAGE = 12  # the run directory or snapshot storage failed (unreachable, permission denied, full)
+    STORAGE = 12  # the run directory or snapshot storage failed in a way that may pass (unreachable, 5xx, full)
+    STORAGE_REFUSED = 13  # the store refused: no such bucket, access denied, bad credentials (no requeue mends it)
     HALTED = 20  # a rollback policy halted the run; the last good snapshot is there to resume from
     PREEMPTED = 75  # SIGTERM/SIGUSR1 at any moment, or tools down past tool_retry_budget: resume me (EX_TEMPFAIL)
     NODE_LOST = 76  # a Ray node that held ranks was lost: the others were stopped; resume me on healthy nodes
@@ -56,6 +57,14 @@ class StorageError(RlctlError):
     naming the URL and the cause."""
 
     exit_code = ExitCode.STORAGE
+
+
+class StorageRefused(StorageError):
+    """The store answered and refused (its bucket does not exist, access is denied, the credentials are
+    bad): not an outage, so no retry or requeue mends it; a person must. A StorageError, so that every
+    writer that stops on storage failures stops on it too."""
+
+    exit_code = ExitCode.STORAGE_REFUSED
 
 
 class Preempted(RlctlError):

@@ -32,15 +32,17 @@ def export_snapshot(
     out_dir: str,
     note: Callable[[str], None] | None = None,
     adapter_only: bool = False,
+    timeout: float | None = None,
 ) -> SnapshotInfo:
     """Export the snapshot ``spec`` names (latest, last-good, best, step-N or N: the first usable
     candidate, each one skipped before it said to ``note``) to ``out_dir``, which must be new or empty.
     A LoRA run's snapshot is exported merged into its base (from the run's model directory), or with
-    ``adapter_only`` as a PEFT adapter directory. The snapshot exported."""
+    ``adapter_only`` as a PEFT adapter directory. ``timeout``: a read-only command's bound on storage
+    that does not answer (``Storage.for_reading``). The snapshot exported."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"OUT_DIR {out_dir} is not empty; choose a new directory")
-    run = Storage(run_dir)
+    run = Storage(run_dir) if timeout is None else Storage.for_reading(run_dir, timeout)
     cfg = load_run_config(run)
     lora = cfg.actor.lora.rank > 0
     if adapter_only and not lora:

@@ -57,7 +57,7 @@ def start_run(
     run = run_storage(url, cfg)
     refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
     with run_tempdir(run.url), _snapshot_writer(run, cfg), _ranks_starter(cfg):
-        _preflight(cfg)
+        _preflight(cfg, run)
         reporter = reporter or SilentReporter()
         _trackers_need_a_local_run_dir(run, cfg)
         _storage_reaches_every_node(run, cfg)
@@ -97,7 +97,7 @@ def _resume(
 ) -> dict[str, Any]:
     """``resume_run`` once the config is read: the preflight, then under the lease (taken as ``taking``
     says: ``force``, ``wait``) the plan, and training."""
-    _preflight(cfg)
+    _preflight(cfg, run)
     _trackers_need_a_local_run_dir(run, cfg)
     _storage_reaches_every_node(run, cfg)
     with _lease(run, cfg, reporter, **taking) as lease, _recording(run, cfg, lease) as events:
@@ -149,12 +149,12 @@ def _completed_step(run: Storage, cfg: RunConfig) -> int | None:
     return step if done else None
 
 
-def _preflight(cfg: RunConfig) -> None:
+def _preflight(cfg: RunConfig, run: Storage) -> None:
     """Everything that can be checked before any work (the reward function, the device, the model's
-    context), before the run directory is touched."""
+    context, that the run's storage answers and its bucket exists), before the run directory is written."""
     from rlctl.engine.preflight import check_before_start  # imports the reward module
 
-    check_before_start(cfg)
+    check_before_start(cfg, run)
 
 
 def _trackers_need_a_local_run_dir(run: Storage, cfg: RunConfig) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import step_spec
+from rlctl.commands.options import step_spec, timeout_option
 
 
 @click.command("export")
@@ -24,14 +24,20 @@ from rlctl.commands.options import step_spec
     is_flag=True,
     help="LoRA runs: write the PEFT adapter directory (PeftModel.from_pretrained) instead of the merged model.",
 )
-def export(run_dir: str, out_dir: str, step: str, adapter_only: bool) -> None:
+@timeout_option
+def export(run_dir: str, out_dir: str, step: str, adapter_only: bool, timeout: float) -> None:
     """Write a snapshot's weights as a Hugging Face model directory (safetensors plus tokenizer),
     consolidated from any ZeRO stage; a LoRA run's adapter merged into its base, or alone with
     --adapter-only. Prints OUT_DIR."""
     from rlctl.export import export_snapshot
 
     info = export_snapshot(
-        run_dir, step, out_dir, note=lambda line: click.echo(line, err=True), adapter_only=adapter_only
+        run_dir,
+        step,
+        out_dir,
+        note=lambda line: click.echo(line, err=True),
+        adapter_only=adapter_only,
+        timeout=timeout,
     )
     click.echo(f"exported {info.name} of {run_dir}", err=True)
     click.echo(out_dir)

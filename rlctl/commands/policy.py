@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import format_option
+from rlctl.commands.options import format_option, timeout_option
 from rlctl.errors import ConfigError
 
 
@@ -115,15 +115,16 @@ def _words(text: str) -> str:
     help="A policy file (or ready-made name) to replay; repeatable. Default: the policies RUN ran under.",
 )
 @format_option
-def replay(run_url: str, files: tuple[str, ...], fmt: str) -> None:
+@timeout_option
+def replay(run_url: str, files: tuple[str, ...], fmt: str, timeout: float) -> None:
     """Replay RUN's whole metric history (abandoned rows included, in the order they were written)
     through the policies, acting on nothing, and list where each rule would have fired and what it
     would have done. Replaying a run with the policy it ran under lists the firings of its events."""
     from rlctl.commands.render import emit
     from rlctl.rundir import replay as lib
 
-    rules = lib.policy_rules(run_url, files)
-    history = lib.read_history(run_url, warn=lambda text: click.echo(text, err=True))
+    rules = lib.policy_rules(run_url, files, timeout)
+    history = lib.read_history(run_url, warn=lambda text: click.echo(text, err=True), timeout=timeout)
     replayed = lib.replay(history, rules)
     turned = sum(1 for h in history if h.turned is not None)
     click.echo(
@@ -180,14 +181,15 @@ def _footer(steps: dict[str, list[int]]) -> list[str]:
     help="How far past the quantile the limit goes, as a share of it (0.5: 1.5 x the quantile).",
 )
 @click.option("--until", type=click.IntRange(min=0), help="Calibrate on the run's healthy prefix: steps up to STEP.")
-def calibrate(run_url: str, quantile: float, margin: float, until: int | None) -> None:
+@timeout_option
+def calibrate(run_url: str, quantile: float, margin: float, until: int | None, timeout: float) -> None:
     """Propose a policy from a healthy RUN: limits for KL, a grad-norm spike, an entropy floor,
     repetition and the importance ratio, each commented with its evidence (quantile, max or min seen,
     over how many steps, how often it fires on RUN: never). The policy goes to stdout, a summary to
     stderr: rlctl policy calibrate RUN > mine.yaml"""
     from rlctl import calibrate as lib
 
-    rows = lib.run_rows(run_url, until, warn=lambda text: click.echo(text, err=True))
+    rows = lib.run_rows(run_url, until, warn=lambda text: click.echo(text, err=True), timeout=timeout)
     cal = lib.calibrate(rows, quantile, margin, run_url)
     click.echo(lib.render(cal), nl=False)
     for line in lib.summary_lines(cal):

@@ -13,10 +13,13 @@ imports and has a schema, and the chat template renders its messages incremental
 ``reward.function``, or each function source of ``reward.sources``) imports and is callable; every
 reward model's directory holds a one-label sequence classifier, weights and a tokenizer (not loaded). A reward URL
 is not contacted here (a server may come up with the run): the schema checks its syntax (http/https and
-a host), and the first step says when it does not answer.
+a host), and the first step says when it does not answer. The run directory and ``checkpoint.dir``, on
+an object store, are opened and listed (``check_storage``): a bucket that does not exist, access
+denied or bad credentials are a StorageRefused (exit 13) before any work, a store that does not answer a
+StorageError (12).
 
 First of all, what the config names outside itself (``check_config_names``): the model, critic and reward
-model directories, the prompt files and a known storage protocol for ``checkpoint.dir``. The config's
+model directories, the prompt files and a known storage protocol and well-formed URL for ``checkpoint.dir``. The config's
 own validation checks shape and values only (a negative seed, a rollback policy without snapshots), so
 that a run directory can be read anywhere, its data and models absent; these checks speak the sentence
 that validation would, located where the key was written (``RunConfig.provenance``).
@@ -24,8 +27,8 @@ that validation would, located where the key was written (``RunConfig.provenance
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fsspec
 from fsspec.core import split_protocol
@@ -36,17 +39,24 @@ from rlctl.engine.data import check_prompt_template, config_tokenizer, model_nam
 from rlctl.engine.model import BUILTIN_CONTEXT, check_weights_present, context_length, load_model_config
 from rlctl.engine.reward.sources import load_reward
 from rlctl.engine.runtime import check_local_ranks, check_rollout_device, resolve_device, resolve_dtype
-from rlctl.errors import ConfigError, InputError
-from rlctl.storage.clients import EXTRAS, install_hint
+from rlctl.errors import ConfigError, InputError, StorageError
+from rlctl.storage.clients import EXTRAS, install_hint, url_problem
+from rlctl.yamlsrc import origin_for
+
+if TYPE_CHECKING:
+    from rlctl.storage import Storage
 
 
-def check_before_start(cfg: RunConfig) -> None:
-    """ConfigError or InputError, one sentence each, for what would otherwise fail after work began."""
+def check_before_start(cfg: RunConfig, run: Storage | None = None) -> None:
+    """ConfigError or InputError, one sentence each, for what would otherwise fail after work began;
+    StorageRefused or StorageError for the storage of ``run`` (the run directory) or of
+    ``checkpoint.dir`` that refuses or does not answer."""
     check_config_names(cfg)
     check_data(cfg)
     check_trackers(cfg)
     check_device(cfg)
     check_checkpoint_storage(cfg)
+    check_storage(cfg, run)
     check_models(cfg)
     check_prompt_template(cfg)
     check_multi_turn(cfg)
@@ -77,7 +87,7 @@ def check_config_names(cfg: RunConfig) -> None:
         if value is not None and (problem := data_problem(value)) is not None:
             problems.append((("data", key), problem))
     problems += reward_model_problems(cfg)
-    if cfg.checkpoint.dir is not None and (problem := protocol_problem(cfg.checkpoint.dir)) is not None:
+    if cfg.checkpoint.dir is not None and (problem := url_problem(cfg.checkpoint.dir)) is not None:
         problems.append((("checkpoint", "dir"), problem))
     if cfg.critic.path is not None and not Path(cfg.critic.path).expanduser().is_dir():
         problems.append(((), f"critic.path: no such model directory: {cfg.critic.path}"))
@@ -110,19 +120,6 @@ def reward_model_problems(cfg: RunConfig) -> list[Problem]:
         for key, model in models
         if model is not None and not Path(model.path).expanduser().is_dir()
     ]
-
-
-def protocol_problem(url: str) -> str | None:
-    """The protocols nearest to an unknown one of ``url`` (``s4://b``, or any link of a chained
-    ``simplecache::s3://b``), or None. Only fsspec's registry is read: nothing is imported."""
-    known = fsspec.available_protocols()
-    for part in url.split("::"):
-        protocol = split_protocol(part)[0]
-        if protocol is not None and protocol not in known:
-            close = difflib.get_close_matches(protocol, known, n=3, cutoff=0.5)
-            hint = f"; did you mean {' or '.join(f'{c}://' for c in close)}?" if close else ""
-            return f"unknown storage protocol '{protocol}://' in {url!r}{hint}"
-    return None
 
 
 def check_data(cfg: RunConfig) -> None:
@@ -179,6 +176,26 @@ def check_checkpoint_storage(cfg: RunConfig) -> None:
             raise ConfigError(
                 f"'checkpoint.dir' is {cfg.checkpoint.dir}, but the {protocol}:// filesystem is not available: {how}"
             ) from None
+
+
+def check_storage(cfg: RunConfig, run: Storage | None) -> None:
+    """The run directory (``run``) and ``checkpoint.dir`` answer, their buckets exist and they may be
+    listed (``Storage.check_reachable``; nothing to check on a local disk): a StorageRefused naming the
+    key for a refusal (a missing bucket, access denied, bad credentials), a StorageError for a store that
+    does not answer within ``checkpoint.retry_timeout``."""
+    from rlctl.storage import Storage
+
+    c = cfg.checkpoint
+    if run is not None:
+        run.check_reachable()
+    if c.dir is None:
+        return
+    snapshots = Storage(c.dir, c.storage_options, retry_timeout=c.retry_timeout)
+    try:
+        snapshots.check_reachable()
+    except StorageError as exc:
+        where = origin_for(("checkpoint", "dir"), cfg.provenance.origins)
+        raise type(exc)(f"'checkpoint.dir'{where}: {exc.message}") from exc
 
 
 def check_models(cfg: RunConfig) -> None:

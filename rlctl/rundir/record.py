@@ -134,9 +134,10 @@ class RunRecord:
         return last if last in ENDED - {CRASHED} else "crashed"
 
 
-def read_run(url: str) -> RunRecord:
-    """The run at ``url``; a ConfigError where the directory holds neither config.yaml nor metrics.jsonl."""
-    run = Storage(url)
+def read_run(url: str, timeout: float | None = None) -> RunRecord:
+    """The run at ``url``; a ConfigError where the directory holds neither config.yaml nor metrics.jsonl.
+    ``timeout``: a read-only command's bound on storage that does not answer (``Storage.for_reading``)."""
+    run = Storage(url) if timeout is None else Storage.for_reading(url, timeout)
     if not run.exists(CONFIG) and not run.exists(METRICS):
         raise not_a_run(run.url)
     return RunRecord(run)

@@ -42,11 +42,11 @@ class Replayed:
 
 
 # -- the history --------------------------------------------------------------------------------------
-def read_history(url: str, warn: Warn | None = None) -> list[HistoryRow]:
+def read_history(url: str, warn: Warn | None = None, timeout: float | None = None) -> list[HistoryRow]:
     """The run's metric rows, kept and abandoned, in the order they were written. A line that cannot
     be read is skipped and said once per file (through ``warn``); a run without any row is an
-    InputError, a directory that is no run a ConfigError."""
-    record = read_run(url)
+    InputError, a directory that is no run a ConfigError. ``timeout``: as ``read_run``'s."""
+    record = read_run(url, timeout)
     history = record.history
     for text in record.warnings() if warn is not None else ():
         warn(text)
@@ -56,12 +56,12 @@ def read_history(url: str, warn: Warn | None = None) -> list[HistoryRow]:
 
 
 # -- the policies -------------------------------------------------------------------------------------
-def policy_rules(url: str, files: Sequence[str | os.PathLike[str]]) -> list[Rule]:
+def policy_rules(url: str, files: Sequence[str | os.PathLike[str]], timeout: float | None = None) -> list[Rule]:
     """The rules of the policy ``files``, or, when none is named, of the policies the run ran under
-    (its config.yaml holds them inline)."""
+    (its config.yaml holds them inline, read within ``timeout`` as ``read_run``'s)."""
     if files:
         return load_policies(files)
-    config = read_config_data(Storage(url))
+    config = read_config_data(Storage(url) if timeout is None else Storage.for_reading(url, timeout))
     specs = config.get("policies")
     if not specs:
         raise ConfigError(f"run {url} ran without policies; name the policy to replay with --policy FILE")

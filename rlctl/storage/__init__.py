@@ -7,9 +7,12 @@ run directory on S3 can be read before its config is.
 Every method raises ``StorageError`` (one sentence: the URL and the cause) for any failure of any backend
 except absence: FileNotFoundError (on reads) and FileExistsError pass through. Transient failures
 (connection refused or reset, timeouts, throttling, 5xx) are retried with capped exponential backoff for
-up to ``retry_timeout`` seconds; permanent ones (no space, permission denied, 4xx) fail at once. Object
-store clients are set to fail fast so that this budget, not their own retries, governs; and their retry
-jitter draws from a private generator, never from the run's global ``random`` stream.
+up to ``retry_timeout`` seconds; permanent ones fail at once: a refusal (a bucket that does not exist,
+access denied, bad credentials) as ``StorageRefused`` (exit 13), any other (no space) as ``StorageError``.
+Object store clients are set to fail fast so that this budget, not their own retries, governs (no
+request waits longer than the budget to connect or for a read); their retry jitter draws from a private
+generator, never from the run's global ``random`` stream. A bucket is never created: a missing one is
+a refusal (``check_reachable`` says so before any work).
 
 A read-only command (``inspect``, ``checkpoints``, ``runs``) opens its storage ``Storage.for_reading(url,
 seconds)``: its ``--timeout`` is then both the retry budget and the longest an object-store request may
@@ -35,12 +38,13 @@ from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
 from rlctl.storage.appends import appender, write_whole
-from rlctl.storage.clients import fence_third_party_random, open_fs
+from rlctl.storage.clients import EXTRAS, fence_third_party_random, open_fs, url_problem
 from rlctl.storage.failures import (
     ABSENCE,
     describe,
     guarded,
     is_transient,
+    refused,
 )
 
 __all__ = [
@@ -105,14 +109,17 @@ class Storage:
         retry_timeout: float | None = None,
         request_timeout: float | None = None,
     ):
-        """``retry_timeout``: seconds a transient failure is retried (None: ``default_retry_timeout()``);
-        ``request_timeout``: a reader's bound on each object-store request's connect and read timeouts
-        (``for_reading``)."""
+        """``retry_timeout``: seconds a transient failure is retried (None: ``default_retry_timeout()``),
+        and the longest an object-store request waits to connect or for a read (a store silent for the
+        whole budget is out); ``request_timeout``: a reader's bound on both (``for_reading``)."""
+        if (problem := url_problem(str(url))) is not None:  # (before "s3://" is cut to a local "s3:")
+            raise ConfigError(problem)
         self.url = str(url).rstrip("/") or "/"
         self.options = dict(options or {})
         self.retry_timeout = default_retry_timeout() if retry_timeout is None else float(retry_timeout)
         self.request_timeout = request_timeout
-        opened = functools.partial(open_fs, self.url, dict(options or {}), request_timeout)
+        bound = request_timeout if request_timeout is not None else (self.retry_timeout or None)
+        opened = functools.partial(open_fs, self.url, dict(options or {}), bound)
         self.fs, self.root = guarded("open", self.url, opened, 0.0)
         protocols = _protocols(self.fs)
         self.is_local = "file" in protocols
@@ -237,7 +244,33 @@ class Storage:
         self._call("create directory", parts, lambda: self._makedirs(self.path(*parts)), ())
 
     def _makedirs(self, path: str) -> None:
+        if self.is_object_store:
+            return  # no directories there, and s3fs and adlfs would create a missing bucket
         _ensure_dir(self.fs.makedirs, path)
+
+    @property
+    def is_object_store(self) -> bool:
+        return bool(set(EXTRAS) & _protocols(self.fs))
+
+    def check_reachable(self) -> None:
+        """Before any work: that an object store answers, the location's bucket exists and the location
+        may be listed. StorageRefused (exit 13) for a missing bucket, access denied or bad credentials,
+        StorageError (12) for a store that does not answer within the retry budget; nothing to check on a
+        local path or in memory (a write there says what is wrong)."""
+        if self.is_object_store:
+            self._call("list", (), self._probe, ())
+
+    def _probe(self) -> None:
+        try:
+            self.fs.ls(self._fresh(self.root), detail=False)
+        except FileNotFoundError as exc:  # nothing there yet; or no bucket (S3 and Azure say so, GCS not)
+            bucket = self.root.split("/", 1)[0]
+            try:
+                self.fs.info(bucket)  # (a refusal here proves nothing: a key may list its prefix alone)
+            except FileNotFoundError:
+                raise refused("open", self.url, exc) from exc
+            except Exception:
+                pass
 
     def write_bytes(self, rel: str, data: bytes, exclusive: bool = False) -> None:
         """Write a whole file. ``exclusive``: fail with FileExistsError if it exists (an atomic create

@@ -4,14 +4,17 @@ fenced off the run's global ``random`` stream (their retry jitter draws from a p
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import random
+import re
 import sys
 import threading
 import types
 from typing import Any
 
 import fsspec
+from fsspec.core import split_protocol
 
 from rlctl.errors import ConfigError
 
@@ -94,10 +97,13 @@ S3_CLIENT_DEFAULTS = {
 def _fast_failing(protocol: str, options: dict[str, Any], request_timeout: float | None = None) -> dict[str, Any]:
     """For S3, botocore's timeouts and retries set short (where neither the caller nor fsspec's config
     chose them), so that a dead endpoint fails in seconds and our retry budget governs; a reader's
-    ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them. For GCS,
-    the same connect and read timeouts on gcsfs's requests (``_gcs_timeouts``)."""
+    ``request_timeout`` (seconds, > 0) caps the connect and read timeouts, whoever chose them. For GCS
+    and Azure, the same connect and read timeouts on their requests (``_gcs_timeouts``,
+    ``_azure_timeouts``)."""
     if protocol in GCS:
         return _gcs_timeouts(protocol, options, request_timeout)
+    if protocol in AZURE:
+        return _azure_timeouts(protocol, options, request_timeout)
     if protocol not in S3:
         return options
     configured = fsspec.config.conf.get(protocol, {}).get("config_kwargs") or {}
@@ -137,6 +143,67 @@ def _gcs_timeouts(protocol: str, options: dict[str, Any], request_timeout: float
     return {**options, "requests_timeout": timeout}
 
 
+def _azure_timeouts(protocol: str, options: dict[str, Any], request_timeout: float | None) -> dict[str, Any]:
+    """The Azure SDK waits 20 s to connect and 60 s between reads (its own defaults, not adlfs's):
+    S3's 5 s and 60 s instead, where neither the caller nor fsspec's config chose them (adlfs's
+    ``connection_timeout`` and ``read_timeout``), a reader's ``request_timeout`` capping both. adlfs
+    passes them to its uploads and downloads only; ``open_fs`` puts them on the client's transport, for
+    every request (a listing, a blob's properties)."""
+    chosen = {**fsspec.config.conf.get(protocol, {}), **options}
+    timeouts = {
+        "connection_timeout": chosen.get("connection_timeout") or S3_CLIENT_DEFAULTS["connect_timeout"],
+        "read_timeout": chosen.get("read_timeout") or S3_CLIENT_DEFAULTS["read_timeout"],
+    }
+    if request_timeout:
+        timeouts = {k: min(float(v), request_timeout) for k, v in timeouts.items()}
+    return {**options, **timeouts}  # (constructor arguments: a reader's client is not training's)
+
+
+def _azure_transport_timeouts(fs: Any) -> None:
+    """Every request of adlfs's client within its ``connection_timeout`` and ``read_timeout`` (azure-core's
+    aiohttp transport reads them from its connection configuration for each request)."""
+    timeouts = getattr(fs, "_timeout_kwargs", {})
+    transport = getattr(getattr(getattr(fs, "service_client", None), "_pipeline", None), "_transport", None)
+    connection = getattr(transport, "connection_config", None)
+    if connection is None:
+        return
+    if timeouts.get("connection_timeout"):
+        connection.timeout = timeouts["connection_timeout"]
+    if timeouts.get("read_timeout"):
+        connection.read_timeout = timeouts["read_timeout"]
+
+
+# a bucket (an Azure container) as every store names one: 3 to 63 letters, digits, dots, dashes or
+# underscores (S3's and GCS's rules are stricter, and a legacy S3 bucket may hold capitals)
+BUCKET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+
+
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` no storage location, before any request: a protocol fsspec does not know (with
+    the nearest known ones), in any link of a chained ``simplecache::s3://b``, or an object-store URL
+    without a well-formed bucket. None when there is nothing to say. Only fsspec's registry is read:
+    nothing is imported."""
+    known = fsspec.available_protocols()
+    for part in str(url).split("::"):
+        protocol, rest = split_protocol(part)
+        if protocol is not None and protocol not in known:
+            close = difflib.get_close_matches(protocol, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(f'{c}://' for c in close)}?" if close else ""
+            return f"unknown storage protocol '{protocol}://' in {url!r}{hint}"
+        if protocol in EXTRAS:
+            if not part.startswith(f"{protocol}://"):
+                return f"{url!r} is not a storage URL: expected {protocol}://BUCKET/PATH"
+            bucket = rest.split("/", 1)[0].split("@", 1)[0]  # (abfs://container@account.dfs.core.windows.net)
+            if not bucket:
+                return f"{url!r} names no bucket: expected {protocol}://BUCKET/PATH"
+            if not BUCKET_NAME.fullmatch(bucket):
+                return (
+                    f"'{bucket}' in {url!r} is not a bucket name (3 to 63 letters, digits, '.', '-' or '_', "
+                    "beginning and ending with a letter or a digit)"
+                )
+    return None
+
+
 def install_hint(protocol: str) -> str:
     """What to install for ``protocol``'s filesystem: rlctl's extra where it has one."""
     extra = EXTRAS.get(protocol)
@@ -146,8 +213,11 @@ def install_hint(protocol: str) -> str:
 def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = None) -> tuple[Any, str]:
     """The filesystem and root path of ``url``; object-store clients set to fail fast (``_fast_failing``).
     A protocol whose filesystem package is not installed is a ConfigError naming the extra to install
-    (an installation to change, not a store to wait for)."""
+    (an installation to change, not a store to wait for), and so is a protocol that does not exist or an
+    object-store URL without a well-formed bucket (``url_problem``)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
+    if (problem := url_problem(url)) is not None:
+        raise ConfigError(problem)
     try:
         fs, root = fsspec.core.url_to_fs(url, **_fast_failing(protocol, options, request_timeout))
     except ImportError as exc:
@@ -156,12 +226,31 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
         ) from None
     if protocol in S3 and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
+        _no_expect_continue(fs)
     if protocol in GCS | AZURE:
         _one_try(fs)
+    if protocol in AZURE:
+        _azure_transport_timeouts(fs)
     loop = getattr(fs, "loop", None) if getattr(fs, "async_impl", False) else None
     if loop is not None:
         loop.set_exception_handler(_unless_a_dropped_connection)
     return fs, root
+
+
+def _no_expect_continue(fs: Any) -> None:
+    """Uploads without ``Expect: 100-continue`` (botocore asks it of every body that is a file): aiohttp
+    then waits for the server's "100 Continue" before it sends the body and before its read timeout
+    starts, so that a server that accepted the connection and went silent (paused) held a write for
+    ever. Without it the body goes out and the read timeout bounds the wait for the answer."""
+    if getattr(fs, "_rlctl_no_expect", False):
+        return
+    client = fs.connect()  # (makes the client; sends nothing)
+    client.meta.events.register_last("before-call.s3", _drop_expect)
+    fs._rlctl_no_expect = True
+
+
+def _drop_expect(params: dict[str, Any], **_: Any) -> None:
+    params.get("headers", {}).pop("Expect", None)
 
 
 def _unless_a_dropped_connection(loop: Any, context: dict[str, Any]) -> None:

@@ -2,6 +2,10 @@
 retry loop that turns any backend's failure into one ``StorageError`` sentence, and the outage clock
 that every writer of the process shares.
 
+A permanent failure is either a refusal (``is_refusal``: the bucket does not exist, access is denied, the
+credentials are bad; ``StorageRefused``, exit 13, which no requeue mends) or another failure that may
+pass (a full disk: ``StorageError``, exit 12, as is an outage that outlasts its budget).
+
 An outage of a store (an object store's bucket: scheme and host of the URL; local paths have none)
 begins with the first attempt that fails transiently (at that attempt's start, never before the store
 last answered) and ends with the store's next answer (a success, a missing file, a refusal). Every
@@ -22,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from rlctl.errors import RlctlError, StorageError
+from rlctl.errors import RlctlError, StorageError, StorageRefused
 
 T = TypeVar("T")
 _JITTER = random.Random()  # our own backoff jitter, never the global stream
@@ -77,6 +81,39 @@ TRANSIENT_CODES = {
 }
 
 
+# the store answered and refused: its bucket does not exist, or access or the credentials are refused
+REFUSED_CODES = {
+    "NoSuchBucket",  # S3
+    "AccessDenied",
+    "AllAccessDisabled",
+    "AccountProblem",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "InvalidSecurity",
+    "ContainerNotFound",  # Azure
+    "AuthorizationFailure",
+    "AuthenticationFailed",
+    "AuthorizationPermissionMismatch",
+    "InsufficientAccountPermissions",
+    "InvalidAuthenticationInfo",
+    "AccountIsDisabled",
+}
+MISSING_BUCKET_CODES = {"NoSuchBucket", "ContainerNotFound"}
+# credentials that cannot even be made: matched by class name, as TRANSIENT_NAMES
+REFUSED_NAMES = {
+    "NoCredentialsError",  # botocore
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "DefaultCredentialsError",  # google-auth
+    "RefreshError",
+    "ClientAuthenticationError",  # azure-core (a 401 or 403)
+    "CredentialUnavailableError",  # azure-identity
+}
+REFUSED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
 def causes(exc: BaseException) -> Iterator[BaseException]:
     """The exception and what caused it (s3fs re-raises a botocore ClientError as an OSError)."""
     seen: set[int] = set()
@@ -100,8 +137,12 @@ def _service_error(exc: BaseException) -> tuple[str, str, int | None] | None:
             return str(err.get("Code", "")), str(err.get("Message", "") or e), status
         status = getattr(e, "status", None) if not isinstance(e, OSError) else None
         status = status if isinstance(status, int) else getattr(e, "code", None)
+        status = status if isinstance(status, int) else getattr(e, "status_code", None)  # (azure-core's)
         if isinstance(status, int) and not isinstance(status, bool) and 100 <= status < 600:
-            return "", " ".join(str(getattr(e, "message", "") or e).split()), status
+            code = getattr(e, "error_code", None)  # (the Azure SDK's StorageErrorCode, a str enum)
+            message = str(getattr(e, "reason", "") or "") if code is not None else ""
+            message = message or str(getattr(e, "message", "") or e).split("\n")[0]
+            return str(getattr(code, "value", code) or ""), " ".join(message.split()), status
     return None
 
 
@@ -117,6 +158,44 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
             return True
     return False
+
+
+def missing_bucket(exc: BaseException) -> bool:
+    """Whether the store said that the bucket (an Azure container) does not exist."""
+    service = _service_error(exc)
+    return service is not None and service[0] in MISSING_BUCKET_CODES
+
+
+def is_refusal(exc: BaseException, url: str = "", writing: bool = False) -> bool:
+    """Whether the store answered and refused for good (no retry, no requeue mends it): a bucket that
+    does not exist, access denied (HTTP 401 or 403, a local EACCES, EPERM or EROFS), credentials that are
+    bad or cannot be made. ``writing``: ``exc`` is the failure of a write to ``url``, where a missing
+    object on an object store can only be its bucket (gcsfs says a bucket's 404 with the URL alone)."""
+    if is_transient(exc):
+        return False
+    service = _service_error(exc)
+    if service is not None:
+        code, _, status = service
+        return code in REFUSED_CODES or status in (401, 403)
+    for e in causes(exc):
+        if {c.__name__ for c in type(e).__mro__} & REFUSED_NAMES:
+            return True
+        if isinstance(e, OSError) and e.errno in REFUSED_ERRNOS:
+            return True
+        if writing and type(e) is FileNotFoundError and e.errno is None and store_of(url) is not None:
+            return True
+    return False
+
+
+REFUSAL_HINT = "a refusal, not an outage: no retry mends it; check the location, its permissions and the credentials"
+
+
+def refused(action: str, url: str, exc: BaseException) -> StorageRefused:
+    """The sentence of a refusal: what was refused, why, and that no retry mends it."""
+    cause = describe(exc)
+    if missing_bucket(exc) or (type(exc) is FileNotFoundError and exc.errno is None):
+        cause = f"{store_of(url) or url} does not exist ({cause})"
+    return StorageRefused(f"cannot {action} {url}: {cause}; {REFUSAL_HINT}")
 
 
 def _origin(url: str) -> str:
@@ -176,20 +255,24 @@ def is_storage_failure(exc: BaseException) -> bool:
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
     """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
     ``budget`` seconds after its store's outage began (``OUTAGES``: one clock for every writer of the
-    process; on a local path, this call's start); any other failure, or the last one, becomes a
-    StorageError "cannot ACTION URL: cause". ``passthrough`` and rlctl's own errors (a nested call's
-    StorageError, ``open_fs``'s ConfigError for a filesystem that is not installed) are raised as they are."""
+    process; on a local path, this call's start), and while an outage is open an attempt that outlasts
+    the time left is given up on (``_attempt``); a refusal (``is_refusal``) becomes a StorageRefused,
+    any other failure, or the last one, a StorageError "cannot ACTION URL: cause". ``passthrough`` and
+    rlctl's own errors (a nested call's StorageError, ``open_fs``'s ConfigError for a filesystem that
+    is not installed) are raised as they are, but for a missing file whose bucket is missing."""
     start = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         tried = time.monotonic()
         try:
-            result = fn()
+            result = _attempt(fn, url, budget)
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
-        except passthrough:
+        except passthrough as exc:
             OUTAGES.answered(url)  # (a missing file is an answer: the store is there)
+            if missing_bucket(exc):  # (s3fs and adlfs say a missing bucket as a missing file)
+                raise refused(action, url, exc) from exc
             raise
         except Exception as exc:
             if not is_storage_failure(exc):
@@ -198,11 +281,47 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
             if not is_transient(exc):
                 if _service_error(exc) is not None:
                     OUTAGES.answered(url)
+                if is_refusal(exc, url, writing=True):  # (a missing file the caller passes through came above)
+                    raise refused(action, url, exc) from exc
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
             _wait_or_give_up(action, url, exc, budget, (start, tried), attempt)
         else:
             OUTAGES.answered(url)
             return result
+
+
+class AttemptTimeout(TimeoutError):
+    """An attempt made during an outage that outlasted the time left of its budget (given up on: the
+    request may still be running in its thread, which the client's own read timeout ends)."""
+
+
+def _attempt(fn: Callable[[], T], url: str, budget: float) -> T:
+    """``fn()``; while the store of ``url`` has an open outage, within the time left of its budget (a
+    store that hangs must not hold a retry for a whole read timeout past the deadline): run in a thread
+    of its own and given up on (AttemptTimeout, transient) when it is not done in time. Without an
+    outage, the attempt runs here, as long as it takes (an upload of many GB that makes progress)."""
+    outage = OUTAGES.open(url)
+    if outage is None:
+        return fn()
+    left = outage.since + budget - time.monotonic() if budget > 0 else 0.0
+    if left <= 0:
+        return fn()  # (a call without a budget, or one already past it, makes its one attempt as before)
+    done, box = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="rlctl-storage-attempt", daemon=True).start()
+    if not done.wait(left):
+        raise AttemptTimeout(f"no answer within the {left:.1f} s left of the retry budget")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 WRITE_MODES = {"wb", "ab", "xb"}
@@ -314,6 +433,11 @@ class Outages:
             since = min(known.since, began) if known else began
             outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
         return outage
+
+    def open(self, url: str) -> Outage | None:
+        """The open outage of the store of ``url``, if any (a cheap look: this runs before every attempt)."""
+        store = store_of(url)
+        return self._open.get(store) if store is not None and self._open else None
 
     def answered(self, url: str) -> None:
         """The store of ``url`` answered: its outage, if any, is over."""

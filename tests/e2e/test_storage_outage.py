@@ -108,7 +108,7 @@ def _records(text: str) -> list[dict]:
 @pytest.fixture
 def moto():
     server = MotoServer()
-    Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).makedirs()
+    Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).fs.mkdir(BUCKET)  # (rlctl creates no bucket)
     yield server
     server.stop()
 
@@ -310,7 +310,7 @@ STALL = (f"sleep@1=1,sleep@3={BUDGET:g}", {"trainer.total_steps": 4}, None)
 def test_a_run_on_s3_whose_server_is_killed_ends_12_within_the_budget(moment, tmp_path):
     server = MotoServer(recording=tmp_path / "requests.jsonl")
     try:
-        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).makedirs()
+        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).fs.mkdir(BUCKET)  # (rlctl creates no bucket)
         run = KilledRun(server, moment, tmp_path)
         run.wait_until(MOMENTS[moment][2])
         time.sleep(random.Random().uniform(0.05, 0.25) if moment == "mid-step" else 0)
@@ -330,7 +330,7 @@ def test_a_run_on_s3_rides_out_a_stall_shorter_than_the_budget(tmp_path):
     the outage would have been overdue, nothing lost, no snapshot failed."""
     server = MotoServer()
     try:
-        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).makedirs()
+        Storage(f"s3://{BUCKET}", server.options(), retry_timeout=10).fs.mkdir(BUCKET)  # (rlctl creates no bucket)
         run = KilledRun(server, "stall", tmp_path)
         run.wait_until(lambda r: r.sleeping_after(1))
         server.pause()

@@ -33,10 +33,10 @@ def _dead_s3(retry_timeout: float, **config) -> Storage:
     return Storage("s3://rlctl-dead/run", opts, retry_timeout=retry_timeout)
 
 
-def _one_sentence(err: StorageError, url: str) -> str:
+def _one_sentence(err: StorageError, url: str, code: ExitCode = ExitCode.STORAGE) -> str:
     text = err.message
     assert "\n" not in text and url in text and text.startswith("cannot "), text
-    assert err.exit_code == ExitCode.STORAGE
+    assert err.exit_code == code
     return text
 
 
@@ -71,8 +71,12 @@ def test_a_file_where_a_directory_should_be_fails_at_once_with_a_sentence(tmp_pa
         st.append_bytes("events.jsonl", b"{}\n")
 
 
+REFUSAL = "; a refusal, not an outage: no retry mends it; check the location, its permissions and the credentials"
+
+
 def test_permission_denied_or_read_only(tmp_path):
-    """EACCES where file modes bind (not root), else EROFS on a read-only tmpfs (root)."""
+    """EACCES where file modes bind (not root), else EROFS on a read-only tmpfs (root): a refusal (exit
+    13), which no requeue mends."""
     if os.geteuid() != 0:
         (tmp_path / "ro").mkdir()
         os.chmod(tmp_path / "ro", 0o555)
@@ -83,12 +87,13 @@ def test_permission_denied_or_read_only(tmp_path):
             where, cause = mnt, "read-only file system"
             with pytest.raises(StorageError) as info:
                 Storage(str(where), retry_timeout=30).write_bytes("manifest.json", b"{}")
-        text = _one_sentence(info.value, str(where / "manifest.json"))
-        assert text == f"cannot write {where / 'manifest.json'}: {cause}"
+        text = _one_sentence(info.value, str(where / "manifest.json"), ExitCode.STORAGE_REFUSED)
+        assert text == f"cannot write {where / 'manifest.json'}: {cause}{REFUSAL}"
         return
     with pytest.raises(StorageError) as info:
         Storage(str(where), retry_timeout=30).write_bytes("manifest.json", b"{}")
-    assert info.value.message == f"cannot write {where / 'manifest.json'}: {cause}"
+    assert info.value.message == f"cannot write {where / 'manifest.json'}: {cause}{REFUSAL}"
+    assert info.value.exit_code == ExitCode.STORAGE_REFUSED
 
 
 def test_no_space_left_is_named_and_leaves_nothing_half_written(tmp_path):
