@@ -1,10 +1,14 @@
 """What counts as a number in a row or an event read back: an int or a float, never a bool (JSON's
-``true`` is no metric value, though Python's bool is an int)."""
+``true`` is no metric value, though Python's bool is an int); and which keys of a metric row are no
+metrics."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+# keys of a metric row that are not metrics: the x-axis and the wall time
+NOT_METRICS = frozenset({"step", "timestamp"})
 
 
 def is_number(value: Any, finite: bool = False) -> bool:

@@ -8,12 +8,10 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from rlctl.numbers import is_step
+from rlctl.numbers import NOT_METRICS, is_step
 
 # JSONL spells non-finite floats as strings (JSON has no NaN); trackers get them back as floats
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-# keys of a metric row that are not metrics: the x-axis and the wall time
-NOT_METRICS = frozenset({"step", "timestamp"})
 
 
 def metric_values(row: dict[str, Any]) -> dict[str, float]:
