@@ -19,6 +19,7 @@ from typing import Any
 
 from rlctl.errors import ConfigError, InputError
 from rlctl.events import RESUME
+from rlctl.numbers import NOT_METRICS
 from rlctl.policies import Firing, PolicyEngine, Rule, load_policies
 from rlctl.rundir.directory import read_config_data
 from rlctl.rundir.layout import METRICS
@@ -128,9 +129,6 @@ def firing_counts(replayed: Sequence[Replayed], rules: Sequence[Rule]) -> dict[s
     for item in replayed:
         steps[item.firing.rule].append(item.firing.step)
     return steps
-
-
-NOT_METRICS = frozenset({"step", "timestamp"})
 
 
 def metric_keys(history: Iterable[HistoryRow]) -> set[str]:
