@@ -42,7 +42,7 @@ import orjson
 
 from rlctl.errors import LeaseError, StorageError
 from rlctl.numbers import is_number
-from rlctl.rundir.layout import BEAT_DIR, LEASE_FILE, beat_file, takeover_file  # noqa: F401 (BEAT_DIR: test_storage's)
+from rlctl.rundir.layout import LEASE_FILE, beat_file, takeover_file
 from rlctl.storage import Storage, describe
 from rlctl.storage.failures import OUTAGES
 

@@ -25,7 +25,8 @@ import pytest
 from conftest import _listens, _pause, _server, _start
 
 from rlctl.errors import ExitCode, StorageError
-from rlctl.rundir.lease import LEASE_FILE, Lease, read_lease
+from rlctl.rundir.layout import LEASE_FILE
+from rlctl.rundir.lease import Lease, read_lease
 from rlctl.storage import Storage
 
 from helpers import SMALL, metrics_of, run_cli, spawn_start

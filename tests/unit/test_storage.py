@@ -18,7 +18,8 @@ from conftest import refused_port
 
 from rlctl.errors import ConfigError, ExitCode, LeaseError, StorageError
 from rlctl.rundir import lease as lease_mod
-from rlctl.rundir.lease import LEASE_FILE, Lease, lease_state, read_lease
+from rlctl.rundir.layout import BEAT_DIR, LEASE_FILE, beat_file
+from rlctl.rundir.lease import Lease, lease_state, read_lease
 from rlctl.storage import Storage, describe, guarded, is_transient
 
 from helpers import invoke, small_tmpfs
@@ -308,7 +309,7 @@ def _heartbeat_of(st: Storage) -> float:
 
 
 def _is_beat(rel: str) -> bool:
-    return rel.startswith(f"{lease_mod.BEAT_DIR}/beat-")
+    return rel.startswith(f"{BEAT_DIR}/beat-")
 
 
 def _until(predicate, timeout=5.0):
@@ -444,10 +445,10 @@ def test_the_heartbeat_lives_beside_the_lease_and_both_go_on_release(tmp_path):
     taken = orjson.loads(st.read_bytes(LEASE_FILE))
     assert _until(lambda: _heartbeat_of(st) > taken["heartbeat"])
     assert orjson.loads(st.read_bytes(LEASE_FILE)) == taken, "lease.json is never rewritten while held"
-    st.write_bytes(lease_mod.beat_file(lease.owner), b"not json")  # a damaged beat file reads as no beat
+    st.write_bytes(beat_file(lease.owner), b"not json")  # a damaged beat file reads as no beat
     assert read_lease(st)["heartbeat"] >= taken["heartbeat"]
     lease.release()
-    assert not st.exists(LEASE_FILE) and not st.exists(lease_mod.beat_file(lease.owner))
+    assert not st.exists(LEASE_FILE) and not st.exists(beat_file(lease.owner))
 
 
 def test_heartbeat_survives_a_real_read_only_disk(tmp_path):
