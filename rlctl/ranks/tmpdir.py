@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterator
 
 PREFIX = "rlctl-"
+MACHINE_TMPDIR = "RLCTL_MACHINE_TMPDIR"  # the machine's temp directory, set as a process enters a run's folder
 
 _removal_scheduled: set[str] = set()
 
@@ -97,7 +98,9 @@ def run_tempdir(url: str, *, remove_at_end: bool = False) -> Iterator[str]:
     restored after. The folder is removed as the process exits normally, or at the block's end with
     ``remove_at_end`` (a process that is killed right after: a Ray rank's actor)."""
     before = tempfile.tempdir, os.environ.get("TMPDIR")
-    root = os.path.join(_machine_tempdir(), run_key(url))
+    machine = _machine_tempdir()
+    os.environ.setdefault(MACHINE_TMPDIR, machine)  # for caches meant to outlive the run (vLLM's)
+    root = os.path.join(machine, run_key(url))
     remove_gone(root)
     own = os.path.join(root, process_name(os.getpid()))
     if len(os.fsencode(own)) + SOCKET_TAIL > SOCKET_PATH_MAX:  # (multiprocessing's sockets would not fit)

@@ -32,6 +32,7 @@ def test_a_gone_processs_folder_is_removed_and_a_live_ones_kept(tmp_path):
 def test_the_run_folder_is_set_for_the_block_and_restored(short_tmp, monkeypatch):
     tmp_path = short_tmp
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RLCTL_MACHINE_TMPDIR", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", None)
     run = tmp_path / "runs" / "a"
     litter = tmp_path / run_key(str(run)) / f"{_gone_pid()}-1" / "pymp-abc"
@@ -39,6 +40,7 @@ def test_the_run_folder_is_set_for_the_block_and_restored(short_tmp, monkeypatch
     with run_tempdir(str(run), remove_at_end=True) as own:
         assert own == str(tmp_path / run_key(str(run)) / process_name(os.getpid()))
         assert tempfile.gettempdir() == own and os.environ["TMPDIR"] == own
+        assert os.environ["RLCTL_MACHINE_TMPDIR"] == str(tmp_path)  # (vLLM's cache outlives the run there)
         assert not litter.parent.exists()  # what a killed process of the run left
         assert tempfile.mkdtemp(prefix="pymp-").startswith(own + os.sep)
     assert os.environ["TMPDIR"] == str(tmp_path) and tempfile.tempdir is None

@@ -61,7 +61,11 @@ def vllm_env_defaults(cpu: bool) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": "ERROR",
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-        "VLLM_CACHE_ROOT": os.path.join(tempfile.gettempdir(), f"rlctl-vllm-{os.getuid()}"),
+        # the machine's temp directory, not the run process's own folder (ranks/tmpdir.py): the cache
+        # outlives the run (about 10 s saved per start)
+        "VLLM_CACHE_ROOT": os.path.join(
+            os.environ.get("RLCTL_MACHINE_TMPDIR") or tempfile.gettempdir(), f"rlctl-vllm-{os.getuid()}"
+        ),
     }
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
