@@ -24,7 +24,7 @@ from rlctl import events as names
 from rlctl.checkpoint.catalog import Catalog, SnapshotInfo, parse_step_spec
 from rlctl.config import RunConfig
 from rlctl.errors import ConfigError, ExitCode, NodeLost, Preempted, RankFailed, RlctlError, SnapshotError
-from rlctl.metrics import EventLog, parse_rows
+from rlctl.metrics import EventLog
 from rlctl.ranks.local import launch_local
 from rlctl.ranks.local import main as local_rank_main
 from rlctl.ranks.ray import launch_ray
@@ -41,10 +41,9 @@ from rlctl.rundir.directory import (
     run_storage,
 )
 from rlctl.rundir.history import abandon_rows_after, ever_committed, turn_tag
-from rlctl.rundir.layout import EVENTS
 from rlctl.rundir.lease import Lease, describe_lease
 from rlctl.rundir.overrides import apply_resume_overrides
-from rlctl.rundir.record import RunRecord
+from rlctl.rundir.record import RunRecord, ended_since, standing
 from rlctl.rundir.selection import ResumePlan, select
 from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog
 from rlctl.rundir.summary import run_summary
@@ -289,11 +288,11 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
     except Stopped as stop:
         raise _stopped_early(run, cfg, events, stop.signal_name) from None
     except KeyboardInterrupt:
-        if not _ended_since(run, offset):
+        if not ended_since(run, offset):
             _record(events, {"event": names.INTERRUPTED})
         raise
     except NodeLost as exc:  # recorded even after a survivor's crash: the lost node is why it crashed
-        trained, last, _ = _standing(run, cfg)
+        trained, last, _ = standing(run, cfg)
         _record(
             events,
             {
@@ -307,7 +306,7 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
         )
         raise
     except RankFailed as exc:
-        if not _ended_since(run, offset):
+        if not ended_since(run, offset):
             kind = names.PREEMPTED if exc.exit_code == ExitCode.PREEMPTED else names.CRASHED
             _record(events, {"event": kind, "error": exc.message, "exit_code": int(exc.exit_code)})
         raise
@@ -324,7 +323,7 @@ def _recording(run: Storage, cfg: RunConfig, lease: Lease) -> Iterator[EventLog]
 def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: str) -> Preempted:
     """Record a stop that came before a trainer could take it (before training began, or while a step waited
     on a reward URL's backoff) as a preemption; the error that says so."""
-    trained, last, kept = _standing(run, cfg)
+    trained, last, kept = standing(run, cfg)
     _record(
         events,
         {
@@ -342,26 +341,6 @@ def _stopped_early(run: Storage, cfg: RunConfig, events: EventLog, signal_name: 
         where = "no snapshot yet; resume will start over"
     when = "before the step in progress finished" if trained else "before training began"
     return Preempted(f"stopped by {signal_name} {when}; {where}. Resume with: rlctl resume {run.url} --from latest")
-
-
-def _standing(run: Storage, cfg: RunConfig) -> tuple[int, Any, bool]:
-    """Where an interrupted run stands: the last step it trained, its last usable snapshot (None: none),
-    and whether it ever committed one."""
-    try:
-        catalog = snapshot_catalog(run, cfg)
-        usable = [i for i in catalog.scan() if i.usable]
-        return last_step(run), usable[-1] if usable else None, bool(usable) or ever_committed(run, catalog.storage)
-    except Exception:  # the storage is failing too: say what is known
-        return 0, None, True
-
-
-def _ended_since(run: Storage, offset: int) -> bool:
-    """Whether an outcome was recorded in events.jsonl after ``offset`` (by this process or rank 0)."""
-    try:
-        since = run.read_bytes(EVENTS)[offset:] if run.exists(EVENTS) else b""
-    except Exception:  # unreadable now: do not write either
-        return True
-    return any(e.get("event") in names.ENDED for e in parse_rows(since))
 
 
 def _record(events: EventLog, event: dict[str, Any]) -> None:

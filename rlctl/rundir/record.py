@@ -7,6 +7,9 @@ away from (``abandoned``), both in the order they were written (``history``), th
 and from these the last outcome and the status. It never imports torch (cron scripts call it). A line of
 metrics.jsonl, metrics.abandoned.jsonl or events.jsonl that cannot be read is skipped and said once per
 file (``warnings``), never fatal.
+
+For the process that runs the run, two readings of its end: ``ended_since`` (whether an outcome was
+recorded after a point of events.jsonl) and ``standing`` (where an interrupted run stands).
 """
 
 from __future__ import annotations
@@ -14,15 +17,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rlctl.events import CRASHED, ENDED, RESUME, START
-from rlctl.metrics import BadLines, read_rows
+from rlctl.metrics import BadLines, parse_rows, read_rows
 from rlctl.numbers import is_number
-from rlctl.rundir.directory import read_config_data
+from rlctl.rundir.directory import last_step, read_config_data
+from rlctl.rundir.history import ever_committed
 from rlctl.rundir.layout import ABANDONED, CONFIG, EVENTS, METRICS, not_a_run
 from rlctl.rundir.lease import lease_state, read_lease
+from rlctl.rundir.snapshots import snapshot_catalog
 from rlctl.storage import Storage
+
+if TYPE_CHECKING:
+    from rlctl.checkpoint.catalog import SnapshotInfo
+    from rlctl.config import RunConfig
 
 DEFAULT_LEASE_TIMEOUT = 120.0  # seconds: trainer.lease_timeout's default, for a config that lacks it
 
@@ -169,3 +178,35 @@ def _stamps(rows: Sequence[dict[str, Any]]) -> list[float]:
             last = float(stamp)
         out.append(last)
     return out
+
+
+def ended_since(run: Storage, offset: int) -> bool:
+    """Whether an outcome (``rlctl.events.ENDED``) was recorded in events.jsonl after byte ``offset`` (by
+    this process or rank 0); True when the log cannot be read now (then nothing more is written to it)."""
+    try:
+        since = run.read_bytes(EVENTS)[offset:] if run.exists(EVENTS) else b""
+    except Exception:  # unreadable now: do not write either
+        return True
+    return any(e.get("event") in ENDED for e in parse_rows(since))
+
+
+class Standing(NamedTuple):
+    """Where an interrupted run stands: the last step it trained, its last usable snapshot (None: none),
+    and whether it ever committed one."""
+
+    trained: int
+    last: SnapshotInfo | None
+    committed: bool
+
+
+def standing(run: Storage, cfg: RunConfig) -> Standing:
+    """Where the run at ``run`` stands now; when the storage is failing too, what is known (no step, no
+    snapshot, and committed: nothing is said to be lost by starting over)."""
+    try:
+        catalog = snapshot_catalog(run, cfg)
+        usable = [i for i in catalog.scan() if i.usable]
+        return Standing(
+            last_step(run), usable[-1] if usable else None, bool(usable) or ever_committed(run, catalog.storage)
+        )
+    except Exception:  # the storage is failing too: say what is known
+        return Standing(0, None, True)

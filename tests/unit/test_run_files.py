@@ -13,6 +13,7 @@ from rlctl.metrics import BadLines, EventLog, parse_rows, read_rows, split_after
 from rlctl.ranks.report import snapshot_failed_note
 from rlctl.ranks.stops import Stopped, StopRequests, on_stop_signals
 from rlctl.rundir.directory import claim_run_dir, load_run_config, refuse_used_run_dir
+from rlctl.rundir.record import ended_since, standing
 from rlctl.storage import Storage
 
 
@@ -151,3 +152,26 @@ def test_a_metrics_row_on_a_full_disk_is_a_storage_error_and_leaves_no_half_line
         raw = (disk / "metrics.jsonl").read_bytes()
         assert raw.endswith(b"\n") and len(raw) == log.tell()  # every row whole, the offset true
         assert [r["step"] for r in parse_rows(raw)] == list(range(1, step))
+
+
+def test_ended_since_reads_only_the_events_after_the_offset(tmp_path):
+    run = Storage(str(tmp_path))
+    assert not ended_since(run, 0)  # no events.jsonl yet
+    log = EventLog(run)
+    log.emit({"event": "completed"})
+    offset = log.tell()
+    log.emit({"event": "snapshot_committed", "step": 2})
+    assert ended_since(run, 0) and not ended_since(run, offset)
+    log.emit({"event": "crashed", "error": "boom"})
+    assert ended_since(run, offset)
+    log.close()
+    (tmp_path / "events.jsonl").unlink()
+    (tmp_path / "events.jsonl").mkdir()  # unreadable: counted as ended, so nothing more is written
+    assert ended_since(run, offset)
+
+
+def test_standing_of_a_run_without_steps_or_snapshots(tmp_path):
+    run = Storage(str(tmp_path))
+    assert standing(run, RunConfig()) == (0, None, False)
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2}\n')
+    assert standing(run, RunConfig()).trained == 2
