@@ -180,7 +180,8 @@ class MultiTurnConfig(Strict):
             raise ValueError(f"the environment ({self.environment}) answers every turn: declare it or tools, not both")
         if not self.tools and self.environment is None:
             raise ValueError("declare at least one tool ('tools' or 'tools_file') or an 'environment'")
-        if self.sandbox.wall_time_s >= self.tool_timeout_s:
+        jailed = any(t.spec.startswith("rlctl.tools.python:") for t in self.tools)  # (the built-in python tool)
+        if jailed and self.sandbox.wall_time_s >= self.tool_timeout_s:
             raise ValueError(
                 f"sandbox.wall_time_s ({self.sandbox.wall_time_s:g}) must be under tool_timeout_s "
                 f"({self.tool_timeout_s:g}): code that runs too long is the model's error, a tool timeout is not"

@@ -34,6 +34,10 @@ def test_values_and_shapes_are_checked():
     assert ToolConfig(function="a:f", name="g").label == "g"
     assert ToolConfig(stateful="a:Box").label == "Box" and ToolConfig(stateful="a:Box").spec == "a:Box"
     assert MultiTurnConfig(environment="games:Guess").tools == []
+    # the sandbox's wall time is checked against the tool timeout only where the built-in python tool runs
+    assert MultiTurnConfig(tools=[{"function": "a:f"}], tool_timeout_s=5).sandbox.wall_time_s == 5
+    with pytest.raises(ValueError, match=r"sandbox.wall_time_s \(5\) must be under tool_timeout_s \(5\)"):
+        MultiTurnConfig(tools=[{"stateful": "rlctl.tools.python:Python"}], tool_timeout_s=5)
 
 
 def test_a_tool_file_is_inlined_and_its_mistakes_located(tmp_path):
