@@ -264,7 +264,9 @@ class MultiTurnRollout(HFRollout):
         seeds = [sample_seed(self.cfg.seed, step, *c.seed, turn=turn) for c in convs]
         sampler = sampler_for(r, seeds, t)
         module = self.actor.module  # in eval mode, its parameters gathered (``generate``)
-        out, lps, kept = decode(module, ids, attn, max(budgets), self.eos_ids, pad, sampler, self.turn_stops)
+        out, lps, kept = decode(
+            module, ids, attn, max(budgets), self.eos_ids, pad, sampler, self.turn_stops, cuda_graphs=r.cuda_graphs
+        )
         mask = response_mask_for(out, self.eos_ids, kept if self.turn_stops else None)
         new = []
         for k, (c, budget) in enumerate(zip(convs, budgets)):
