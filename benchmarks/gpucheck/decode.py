@@ -59,6 +59,17 @@ class Methods:
         responses, _, _ = decode(self.ctx.model, self.ids, self.mask, new, [self.eos], self.pad, sampler)
         return int(response_mask_for(responses, [self.eos]).sum())
 
+    def rlctl_graphs(self, new: int) -> int:
+        """rlctl with rollout.cuda_graphs (each bucket's step captured, then replayed; ignored on the CPU)."""
+        from rlctl.engine.rollout.hf import decode, response_mask_for
+        from rlctl.engine.rollout.noise import CounterSampler
+
+        sampler = CounterSampler(self.seeds, 1.0)
+        responses, _, _ = decode(
+            self.ctx.model, self.ids, self.mask, new, [self.eos], self.pad, sampler, cuda_graphs=True
+        )
+        return int(response_mask_for(responses, [self.eos]).sum())
+
     def generate(self, new: int) -> int:
         from rlctl.engine.rollout.hf import response_mask_for
 
@@ -132,7 +143,8 @@ def check_probe(ctx: Ctx, fig: dict, clock: Clock) -> None:
     fig["shape"] = dict(shape)
     fig["sampling"] = "temperature 1, the whole vocabulary (top_k 0, top_p 1) in all three"
     methods = Methods(ctx, *prompts(ctx, batch, shape["prompt"]))
-    names = ["rlctl", "generate"] + (["generate_batch"] if hasattr(ctx.model, "generate_batch") else [])
+    names = ["rlctl", "generate", "rlctl_graphs"]
+    names += ["generate_batch"] if hasattr(ctx.model, "generate_batch") else []
     fig["methods"] = {n: {"warmup": None, "rounds": [], "error": None} for n in names}
     if "generate_batch" not in names:
         fig["generate_batch"] = "this transformers has no generate_batch (continuous batching)"
@@ -150,6 +162,8 @@ def check_probe(ctx: Ctx, fig: dict, clock: Clock) -> None:
     fig["rlctl_over"] = {
         n: round(rate["rlctl"] / rate[n], 3) for n in names[1:] if rate.get(n) and rate.get("rlctl") is not None
     }
+    if rate.get("rlctl_graphs") and rate.get("generate"):  # (the target: 2x generate with CUDA graphs)
+        fig["rlctl_graphs_over_generate"] = round(rate["rlctl_graphs"] / rate["generate"], 3)
     fig["summary"] = probe_summary(fig, rate, batch, new)
     for name in ("rlctl", "generate"):
         if fig["methods"][name]["error"]:
@@ -212,8 +226,12 @@ def probe_summary(fig: dict, rate: dict, batch: int, new: int) -> str:
 # -- 4: CPU/GPU identity ----------------------------------------------------------------------------------
 FILTERS = {
     "plain": dict(temperature=1.0),
-    "filtered": dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05),
+    "top_k": dict(temperature=0.7, top_k=50),
+    "top_p_min_p": dict(temperature=0.7, top_p=0.9, min_p=0.05),
 }
+# reported, not judged: top_p's cumulative sums and min_p's softmax may round differently on the two
+# devices at a token on the cut (docs/sampling.md promises the identity with them off)
+REPORTED_ONLY = {"top_p_min_p"}
 
 
 def check_identity(ctx: Ctx, fig: dict, clock: Clock) -> None:
@@ -232,7 +250,7 @@ def check_identity(ctx: Ctx, fig: dict, clock: Clock) -> None:
             fig["runs"][name] = {"stopped_at_budget": True}
             continue
         fig["runs"][name] = {**settings, **compare_devices(ctx, shape, settings, clock)}
-    runs = fig["runs"].values()
+    runs = [r for name, r in fig["runs"].items() if name not in REPORTED_ONLY]
     differing = sum(r.get("tokens_differing", 0) for r in runs)
     steps = sum(r.get("steps", 0) for r in runs)
     fig["summary"] = f"{fig['compared']}: {differing} of {steps * shape['batch']} tokens differ over {steps} steps"

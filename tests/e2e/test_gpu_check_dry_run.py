@@ -51,7 +51,7 @@ def test_the_gpu_check_runs_whole_on_the_cpu(tmp_path):
     assert checks["2"]["figures"]["tokenizer_vocab"] == 500 and checks["2"]["figures"]["logits_ok"] is True
 
     probe = checks["3"]["figures"]
-    assert set(probe["methods"]) == {"rlctl", "generate", "generate_batch"}  # this transformers has all three
+    assert set(probe["methods"]) == {"rlctl", "generate", "rlctl_graphs", "generate_batch"}  # (this transformers)
     for name, method in probe["methods"].items():
         assert method["error"] is None and method["rounds"], name
         assert all(r["tokens"] == 4 * 8 or name != "rlctl" for r in method["rounds"])  # no eos drawn here
@@ -61,7 +61,8 @@ def test_the_gpu_check_runs_whole_on_the_cpu(tmp_path):
     assert identity["compared"].startswith("cpu against cpu")
     assert {n: (r["steps"], r["tokens_differing"]) for n, r in identity["runs"].items()} == {
         "plain": (4, 0),
-        "filtered": (4, 0),
+        "top_k": (4, 0),
+        "top_p_min_p": (4, 0),
     }
 
     throughput = checks["5"]["figures"]  # T sleeps after step 2 and is stopped as at its budget: rows read
