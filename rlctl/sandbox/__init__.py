@@ -20,4 +20,16 @@ def current() -> Limits:
     return _limits
 
 
-__all__ = ["configure", "current", "JAIL", "UNSAFE", "Limits", "Result", "SandboxUnavailable", "check", "execute", "limit_sentence", "version"]
+__all__ = [
+    "configure",
+    "current",
+    "JAIL",
+    "UNSAFE",
+    "Limits",
+    "Result",
+    "SandboxUnavailable",
+    "check",
+    "execute",
+    "limit_sentence",
+    "version",
+]
