@@ -1,7 +1,7 @@
 """A zoo of runs that go wrong by themselves, and what each ready-made policy saves of them.
 
     .venv/bin/python benchmarks/collapse_zoo.py [--only NAME ...] [--variants none default ...]
-        [--jobs 2] [--out runs/collapse-zoo] [--prove-replay]
+        [--jobs 2] [--out runs/collapse-zoo] [--prove-replay] [--controls]
 
 Each collapse is a configuration of a built-in task that goes wrong on its own: no drill, no injected
 value, seeded (the same seed gives the same run). Each is run side by side under
@@ -20,8 +20,10 @@ of every band). For each variant the table gives the first firing (its step, lea
 step, rule and actions), the rollbacks and the steps of training they threw away (the rows moved to
 metrics.abandoned.jsonl), the exit code and last step, the final reward (the mean of the task's true
 score over the last 20 steps trained: the echo reward, logged beside a hacked reward with weight 0) and
-the last validation score, and whether a person would have had to act (the run halted, or it ended
-with its true score below the best 20-step stretch before the collapse).
+the last validation score, whether that final reward is no worse than the best 20-step stretch before
+the collapse (``>best``), and whether a person would have had to act (the run exited other than 0:
+halted, exit 20). ``--controls`` runs the base config without a collapse (sync, one_step_off, async 4
+ahead): the reward a healthy run reaches by the same step, and the firings on healthy overlapped runs.
 
 A run already finished under --out is read, not run again.
 """
@@ -133,6 +135,16 @@ COLLAPSES = (
         50,
     ),
 )
+# Healthy runs of the base config (the demo's lr 2e-3), sync and overlapped: the reward a run that does
+# not collapse reaches by the same step, and runs stale-drift must leave alone. Run without a policy,
+# the policies replayed over them (``--controls``).
+CONTROLS = (
+    Collapse("control-sync", "the zoo's base config: sync, lr 2e-3", {}, ("", ">"), 0),
+    Collapse("control-one-step-off", "one_step_off, lr 2e-3", {"rollout": {"mode": "one_step_off"}}, ("", ">"), 0),
+    Collapse(
+        "control-async-4", "async 4 ahead, lr 2e-3", {"rollout": {"mode": "async", "max_staleness": 4}}, ("", ">"), 0
+    ),
+)
 VARIANTS = ("none", "warn-only", "default", "conservative", "calibrated")
 RUN_VARIANTS = ("none", "default", "conservative", "calibrated", "warn-only")  # warn-only: with --prove-replay
 
@@ -204,18 +216,27 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def visible_step(rows: list[dict], c: Collapse) -> int | None:
-    """The first step from which the signature metric stays out of the healthy stretch's band for good."""
+def band(rows: list[dict], c: Collapse) -> tuple[float, float]:
+    """The signature metric's min and max over the healthy stretch (steps 1..c.healthy)."""
+    values = [r[c.signature[0]] for r in rows if r["step"] <= c.healthy and finite(r.get(c.signature[0]))]
+    return min(values), max(values)
+
+
+def out_of_band(rows: list[dict], c: Collapse, lo: float, hi: float) -> list[tuple[int, bool]]:
+    """(step, out of the band) for each row past the healthy stretch that has the signature metric."""
     metric, way = c.signature
-    band = [r[metric] for r in rows if r["step"] <= c.healthy and finite(r.get(metric))]
-    lo, hi = min(band), max(band)
+    return [
+        (r["step"], not finite(r[metric]) or (r[metric] > hi if way == ">" else r[metric] < lo))
+        for r in rows
+        if r["step"] > c.healthy and metric in r
+    ]
+
+
+def visible_step(rows: list[dict], c: Collapse, lo: float, hi: float) -> int | None:
+    """The first step from which the signature metric stays out of the healthy band for good."""
     out = None
-    for r in rows:
-        if r["step"] <= c.healthy or metric not in r:
-            continue
-        v = r[metric]
-        gone = not finite(v) or (v > hi if way == ">" else v < lo)
-        out = (out or r["step"]) if gone else None
+    for step, gone in out_of_band(rows, c, lo, hi):
+        out = (out or step) if gone else None
     return out
 
 
@@ -260,16 +281,17 @@ def best_before(rows: list[dict], step: int | None) -> float:
 
 def report(out: Path, c: Collapse) -> None:
     none = read(run_dir(out, c, "none"), c)
-    seen = visible_step(none["rows"], c)
+    lo, hi = band(none["rows"], c)
+    seen = visible_step(none["rows"], c, lo, hi)
     best = best_before(none["rows"], seen)
     print(f"\n{c.name}: {c.what}")
     print(
-        f"  collapse visible at step {seen} ({c.signature[0]} {c.signature[1]} band of steps 1-{c.healthy}); "
+        f"  collapse visible at step {seen} ({c.signature[0]} {c.signature[1]} [{lo:.3g}, {hi:.3g}], its band over steps 1-{c.healthy}); "
         f"best 20-step true score before it {best:.3f}"
     )
     print(
         f"  {'variant':>12} {'fires':>5} {'lead':>5} {'rule':>22} {'actions':>28} {'rb':>3} {'lost':>4} "
-        f"{'exit':>4} {'step':>4} {'final':>6} {'val':>6} {'person':>6}"
+        f"{'exit':>4} {'step':>4} {'final':>6} {'val':>6} {'>best':>5} {'person':>6}"
     )
     for variant in VARIANTS:
         run = run_dir(out, c, variant)
@@ -288,11 +310,25 @@ def report(out: Path, c: Collapse) -> None:
         f = r["first"]
         lead = "-" if not f or seen is None else f"{seen - f['step']:+d}"
         actions = ",".join(a.get("type", "?") if isinstance(a, dict) else str(a) for a in f.get("actions", []))
-        person = r["halted"] or r["exit"] != 0 or not (r["final"] >= best - 0.02)
+        kept = r["final"] >= best
         print(
             f"  {variant:>12} {f.get('step', '-'):>5} {lead:>5} {f.get('rule', '-'):>22} {actions[:28]:>28} "
             f"{r['rollbacks']:>3} {r['lost']:>4} {r['exit']:>4} {r['last_step']:>4} {r['final']:>6.3f} "
-            f"{r['val']:>6.3f} {'yes' if person else 'no':>6}"
+            f"{r['val']:>6.3f} {'yes' if kept else 'no':>5} {'yes' if r['exit'] else 'no':>6}"
+        )
+
+
+def controls(out: Path, jobs: int) -> None:
+    """The healthy overlapped runs: their largest rollout/logprob_diff and each ready-made policy's firings."""
+    with ThreadPoolExecutor(jobs) as pool:
+        runs = list(pool.map(lambda c: start(out, c, "none"), CONTROLS))
+    for c, run in zip(CONTROLS, runs):
+        r = read(run, c)
+        gap = max((x["rollout/logprob_diff"] for x in r["rows"] if finite(x.get("rollout/logprob_diff"))), default=0)
+        fired = {p: len(replay_firings(run, p)) for p in ("warn-only", "default", "conservative")}
+        print(
+            f"{c.name}: exit {r['exit']}, {r['last_step']} steps, largest logprob_diff {gap:.3f}, "
+            f"final reward {r['final']:.3f}, replayed firings {fired}"
         )
 
 
@@ -303,7 +339,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("runs/collapse-zoo"))
     ap.add_argument("--prove-replay", action="store_true", help="also run warn-only for real, to compare")
+    ap.add_argument("--controls", action="store_true", help="the healthy overlapped runs instead")
     args = ap.parse_args()
+    if args.controls:
+        args.out.mkdir(parents=True, exist_ok=True)
+        return controls(args.out, args.jobs)
     args.variants = [v for v in args.variants if v != "warn-only"] + (["warn-only"] if args.prove_replay else [])
     args.out.mkdir(parents=True, exist_ok=True)
     zoo = [c for c in COLLAPSES if not args.only or c.name in args.only]

@@ -50,7 +50,7 @@ def test_shipped_policies_load():
     warn_only = load_policy_file(REPO / "policies" / "warn-only.yaml")
     assert all(r.warn_only for r in warn_only.rules)
     default = load_policy_file(REPO / "policies" / "default.yaml")
-    assert {r.resolved_trigger.kind for r in default.rules} == {"nonfinite", "threshold", "spike"}
+    assert {r.resolved_trigger.kind for r in default.rules} == {"nonfinite", "threshold", "spike", "expression"}
 
 
 def test_the_agentic_policy_reads_only_the_metrics_multi_turn_runs_write():
@@ -702,7 +702,7 @@ def test_policy_check_explains_in_plain_words():
     default = load_policy_file("policies/default.yaml")
     assert lines[0] == f"policies/default.yaml: valid, {len(default.rules)} rules. {default.description}"
     assert (
-        "  rule kl-drift: when actor/ppo_kl > 0.1 for 2 consecutive steps: roll back to the last good snapshot, "
+        "  rule kl-drift: when actor/ppo_kl > 0.05 for 2 consecutive steps: roll back to the last good snapshot, "
         "multiply actor.lr by 0.5 (at least 1e-07); at most 3 times within 200 steps, then halt; cooldown 10 steps."
         in lines
     )
@@ -723,7 +723,7 @@ def test_policy_check_several_files_and_json():
     as_json = CliRunner().invoke(policy, ["check", "--format", "json", "policies/warn-only.yaml"])
     [doc] = json.loads(as_json.output)
     assert doc["file"] == "policies/warn-only.yaml"
-    assert doc["rules"][1]["trigger"] == {"kind": "threshold", "metric": "actor/ppo_kl", "op": ">", "value": 0.1}
+    assert doc["rules"][1]["trigger"] == {"kind": "threshold", "metric": "actor/ppo_kl", "op": ">", "value": 0.05}
 
 
 def test_policy_check_bad_file_raises_the_config_error(tmp_path):
