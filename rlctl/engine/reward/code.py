@@ -15,21 +15,34 @@ is the completion's last fenced block (```python ... ``` or ``` ... ```), else t
 score is the fraction of the row's tests passed, or 1/0 with ``all_or_nothing`` (a row without tests
 scores 0). A test that hangs, raises or hits a limit fails; it never stalls the step (``wall_time_s``).
 Validation scores the same way, so ``val/score/best@N`` is pass@N with ``all_or_nothing``.
+
+Its metrics (``ScoreMetrics``, the reward sources' hook ``score_metrics``) count the tests a training
+step's scoring ran: ``reward/code/tests``, ``reward/code/pass_frac``, ``reward/code/timeouts`` (tests stopped
+at the wall-time or CPU-time limit) and ``reward/code/sandbox_s`` (seconds of the tests' jails, summed).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
 
 from rlctl.config.sandbox import SandboxConfig
+from rlctl.engine.dist import MEAN, SUM
 from rlctl.errors import ConfigError, InputError
-from rlctl.sandbox import Limits, SandboxUnavailable, check, execute
+from rlctl.sandbox import Limits, Result, SandboxUnavailable, check, execute
 
+METRICS = {
+    "reward/code/tests": SUM,
+    "reward/code/pass_frac": MEAN,  # every rank scores an equal share
+    "reward/code/timeouts": SUM,
+    "reward/code/sandbox_s": SUM,
+}
+CLOCKS = ("wall_time", "cpu_time")
 FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.DOTALL)
 
 
@@ -46,12 +59,52 @@ def _same_output(printed: str, expected: str) -> bool:
     return lines(printed) == lines(expected)
 
 
+class ScoreMetrics:
+    """The tests run since the last ``take``, counted as they end (thread-safe)."""
+
+    reductions = METRICS
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = [0, 0, 0, 0.0]  # tests, passed, timeouts, seconds
+
+    def add(self, passed: bool, result: Result | None) -> None:
+        """A test's end (``result``: its run; None when its code did not compile and nothing ran)."""
+        with self._lock:
+            self._counts[0] += 1
+            self._counts[1] += passed
+            if result is not None:
+                self._counts[2] += result.limit in CLOCKS
+                self._counts[3] += result.seconds
+
+    def take(self) -> dict[str, float]:
+        """The counts since the last take (every key of ``reductions``), and a fresh start."""
+        with self._lock:
+            (tests, passed, timeouts, seconds), self._counts = self._counts, [0, 0, 0, 0.0]
+        return {
+            "reward/code/tests": float(tests),
+            "reward/code/pass_frac": passed / tests if tests else 0.0,
+            "reward/code/timeouts": float(timeouts),
+            "reward/code/sandbox_s": seconds,
+        }
+
+
+COUNTS = ScoreMetrics()
+
+
 def _passes(job: tuple[str, str, dict | str], limits: Limits) -> bool:
     kind, code, test = job
+    result = None
     if kind == "case":
         result = execute(code, limits, stdin=str(test.get("input", "")))
-        return result.ok and _same_output(result.stdout, str(test.get("output", "")))
-    return execute(str(test), limits, cells=(code,)).ok if _compiles(code) else False
+        passed = result.ok and _same_output(result.stdout, str(test.get("output", "")))
+    elif _compiles(code):
+        result = execute(str(test), limits, cells=(code,))
+        passed = result.ok
+    else:
+        passed = False
+    COUNTS.add(passed, result)
+    return passed
 
 
 def _compiles(code: str) -> bool:
@@ -122,3 +175,4 @@ def tests_passed(
 
 
 tests_passed.check_kwargs = check_kwargs  # type: ignore[attr-defined]  # the preflight's hook (sources.py)
+tests_passed.score_metrics = COUNTS  # type: ignore[attr-defined]  # the reward sources' hook (recording)

@@ -5,7 +5,8 @@
 know how many sources there are. Each source's result is checked on its own (an InputError names that
 source); the step's score is ``sum(weight * score)``. With ``reward.sources``, ``recording(fn)`` collects
 each source's mean over the completions scored within the block, as ``critic/score/<name>/mean``
-(declared for the ranks in ``metrics_of(fn)``: MEAN, since every rank scores an equal share). The
+(declared for the ranks in ``metrics_of(fn)``: MEAN, since every rank scores an equal share). A function
+with metrics of its own (``score_metrics``, e.g. the code rewards' ``reward/code/*``) gives them too. The
 single-source shorthands (``reward.function``, ``reward.url``, ``reward.model``) log no per-source mean:
 it would repeat ``critic/score/mean``. A reward model source (shorthand included) also logs
 ``critic/score/<name>/truncated_frac``: the fraction of the block's texts cut from the left to its context.
@@ -96,10 +97,15 @@ class RewardSources:
         models = [s for s in self.sources if isinstance(s.fn, ModelReward)]
         for source in models:
             source.fn.truncated = 0
+        hooks = self._score_metrics()
+        for hook in hooks:
+            hook.take()  # what scoring outside a block (validation) counted is not this block's
         try:
             yield out
         finally:
             sums, self._sums = self._sums, None
+        for hook in hooks:
+            out.update(hook.take())
         if self.per_source:
             for source in self.sources:
                 total, count = sums.get(source.name, (0.0, 0.0))
@@ -108,11 +114,18 @@ class RewardSources:
             count = sums.get(source.name, (0.0, 0.0))[1]
             out[truncated_name(source.name)] = source.fn.truncated / count if count else 0.0
 
+    def _score_metrics(self) -> list[Any]:
+        """The functions' own metrics (their ``score_metrics``: ``reductions`` and ``take()``, e.g. the
+        code rewards' reward/code/*), each once."""
+        hooks = [getattr(s.fn, "score_metrics", None) for s in self.sources if s.what is None]
+        return list({id(h): h for h in hooks if h is not None}.values())
+
     @property
     def metrics(self) -> dict[str, str]:
         """How the ranks reduce the metrics ``recording`` gives."""
         means = {metric_name(s.name): MEAN for s in self.sources} if self.per_source else {}
-        return {**means, **{truncated_name(s.name): MEAN for s in self.sources if isinstance(s.fn, ModelReward)}}
+        own = {key: how for hook in self._score_metrics() for key, how in hook.reductions.items()}
+        return {**means, **{truncated_name(s.name): MEAN for s in self.sources if isinstance(s.fn, ModelReward)}, **own}
 
 
 def metric_name(name: str) -> str:

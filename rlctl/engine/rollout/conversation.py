@@ -89,6 +89,7 @@ class ToolStats:
     replayed: int = 0  # answers read from the run's record (a step run again), not asked of the tool
     seconds: float = 0.0
     by_name: dict[str, int] = field(default_factory=dict)
+    own: dict[str, float] = field(default_factory=dict)  # the tools' own metrics (their call_metrics), summed
 
 
 def batch_of(enc: dict[str, torch.Tensor], convs: list[Conversation], pad: int) -> Sequences:
@@ -134,6 +135,7 @@ def metrics_row(convs: list[Conversation], stats: ToolStats, drifted: int, envir
         "tool/unavailable_frac": stats.unavailable / calls,
         "timing_s/tools": stats.seconds,
         **{f"tool/{name}/calls": float(k) for name, k in stats.by_name.items()},
+        **stats.own,
     }
     if environment:
         row["multi_turn/turn_reward/mean"] = sum(r for c in convs for _, r in c.turn_rewards) / n

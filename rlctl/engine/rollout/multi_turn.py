@@ -111,7 +111,9 @@ class MultiTurnRollout(HFRollout):
         self.pool, self.record, self.transcripts = pool, record, transcripts
         self._last: list[Conversation] = []  # the last generate's conversations, for ``scored``
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
-        self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}}
+        self.call_metrics = tools.call_metrics  # name -> a tool's own metrics of a call (tool/python/*)
+        own = {key: how for hook in self.call_metrics.values() for key, how in hook.reductions.items()}
+        self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}, **own}
         if self.environment is not None:
             self.reductions.update(ENVIRONMENT_METRICS)
         self._metrics: list[dict[str, float]] = []
@@ -168,7 +170,8 @@ class MultiTurnRollout(HFRollout):
         self._generation += 1
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
-        stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0))
+        own = {key: 0.0 for hook in self.call_metrics.values() for key in hook.reductions}
+        stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0), own=own)
         if self.record is not None:
             self.record.begin(step)
         if self._outage is None:  # once per run of a step, every round of it alike
@@ -315,7 +318,7 @@ class MultiTurnRollout(HFRollout):
             for a in answers:
                 if isinstance(a, int):
                     res, job = results[a], jobs[a]
-                    self._count(res, stats)
+                    self._count(res, stats, job.name)
                     c.infra_failed |= res.outcome in INFRA
                     content = res.text if res.outcome == OK else f"error: {res.text}"
                     messages.append((job.name, self._cut(content)))
@@ -387,10 +390,15 @@ class MultiTurnRollout(HFRollout):
                 else:
                     call["answer"] = None  # no room: the model never saw it
 
-    def _count(self, res: CallResult, stats: ToolStats) -> None:
+    def _count(self, res: CallResult, stats: ToolStats, name: str | None = None) -> None:
+        """A call's outcome counted; a tool with metrics of its own (``call_metrics``) counts it too, from
+        the outcome and text alone, so that a replayed call counts as the call it replays."""
         stats.errors += res.outcome == ERROR
         stats.timeouts += res.outcome == TIMEOUT
         stats.unavailable += res.outcome == UNAVAILABLE
+        if (hook := self.call_metrics.get(name)) is not None:
+            for key, value in hook.of(res.outcome, res.text).items():
+                stats.own[key] += value
 
     def _turn_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([x for x in tokens if x not in self.eos_ids], skip_special_tokens=False)

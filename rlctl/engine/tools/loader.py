@@ -27,6 +27,8 @@ class Tools:
     hidden: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> parameters the rows fill
     stateful: frozenset[str] = frozenset()  # names of the tools kept as an object per conversation
     environment: str | None = None  # module:Class answering every turn instead of tools
+    # name -> the tool's own metrics of a call (its ``call_metrics``: ``reductions`` and ``of(outcome, text)``)
+    call_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def load_tools(mt: MultiTurnConfig) -> Tools:
@@ -35,7 +37,7 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
     one that is not there or not of its kind."""
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
-    schemas, functions = {}, {}
+    schemas, functions, call_metrics = {}, {}, {}
     for i, tool in enumerate(mt.tools):
         key = f"'rollout.multi_turn.tools[{i}].{'function' if tool.function is not None else 'stateful'}'"
         found = _attribute(tool.spec, key, "function" if tool.function is not None else "class")
@@ -46,6 +48,8 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
         else:
             schema = _stateful_schema(found, tool, key, i)
         schemas[tool.label], functions[tool.label] = schema, tool.spec
+        if getattr(found, "call_metrics", None) is not None:  # e.g. the built-in python tool's tool/python/*
+            call_metrics[tool.label] = found.call_metrics
     environment = None
     if mt.environment is not None:
         env = _attribute(mt.environment, "'rollout.multi_turn.environment'", "class")
@@ -60,7 +64,8 @@ def load_tools(mt: MultiTurnConfig) -> Tools:
         except SandboxUnavailable as exc:
             raise ConfigError(str(exc)) from None
     stateful = frozenset(t.label for t in mt.tools if t.stateful is not None)
-    return Tools(schemas, functions, {t.label: tuple(t.hidden) for t in mt.tools if t.hidden}, stateful, environment)
+    hidden = {t.label: tuple(t.hidden) for t in mt.tools if t.hidden}
+    return Tools(schemas, functions, hidden, stateful, environment, call_metrics)
 
 
 def _attribute(spec: str, key: str, noun: str) -> Any:
