@@ -10,7 +10,8 @@ value, seeded (the same seed gives the same run). Each is run side by side under
 - ``warn-only``: replayed over the ``none`` run's metrics (``rlctl policy replay``): a policy that only
   warns changes nothing in training, so its firings on the run are the replay's exactly
   (``--prove-replay`` runs it for real on one collapse and compares the firing steps);
-- ``default`` and ``conservative``: real runs;
+- ``default`` and ``conservative``: real runs, but where the policy never fires on the ``none`` run's
+  metrics (replayed), which is then its run exactly, as the warn-only proof shows;
 - ``calibrated``: a real run under the policy ``rlctl policy calibrate --until H`` proposes from the
   ``none`` run's first H steps (the healthy stretch before the collapse).
 
@@ -182,6 +183,8 @@ def start(out: Path, c: Collapse, variant: str) -> Path:
         policies = [str(calibrate(out, c))]
     elif variant != "none":
         policies = [variant]
+    if variant in ("default", "conservative") and not replay_firings(run_dir(out, c, "none"), variant):
+        return run  # it never fires on the no-policy run, so its run is that one (report() says so)
     config = merge(merge(BASE, c.overrides), {"name": f"zoo-{c.name}", "policies": policies})
     path = out / f"{run.name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -303,12 +306,14 @@ def report(out: Path, c: Collapse) -> None:
                 real = [(e["step"], e["rule"]) for e in read(run, c)["first_all"]]
                 same = real == [(e["step"], e["rule"]) for e in replayed]
                 print(f"  warn-only run for real: {len(real)} firings, the replay's exactly: {same}")
-        elif not (run / "exit_code").exists():
-            continue
-        else:
+        elif (run / "exit_code").exists():
             r = read(run, c)
+        elif variant in ("default", "conservative") and not replay_firings(run_dir(out, c, "none"), variant):
+            r = {**none, "first": {"rule": "never fires (= none)"}}
+        else:
+            continue
         f = r["first"]
-        lead = "-" if not f or seen is None else f"{seen - f['step']:+d}"
+        lead = "-" if "step" not in f or seen is None else f"{seen - f['step']:+d}"
         actions = ",".join(a.get("type", "?") if isinstance(a, dict) else str(a) for a in f.get("actions", []))
         kept = r["final"] >= best
         print(
