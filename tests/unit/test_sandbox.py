@@ -110,8 +110,8 @@ def test_a_daemonised_child_is_gone_when_the_call_ends():
 
 @needs_jail
 def test_limits_are_the_codes_errors_not_failures_of_the_sandbox():
-    spin = execute("while True: pass", Limits(cpu_time_s=1, wall_time_s=4))
-    assert spin.limit == "cpu_time" and spin.seconds < 4
+    spin = execute("while True: pass", Limits(cpu_time_s=1, wall_time_s=15))  # (room for a loaded machine)
+    assert spin.limit == "cpu_time" and spin.seconds < 15
     sleep = execute("import time; time.sleep(30)", Limits(wall_time_s=1))
     assert sleep.limit == "wall_time" and sleep.seconds < 3
     loud = execute("print('x' * (100 << 20))", JAIL)  # 100 MB printed
