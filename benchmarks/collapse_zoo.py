@@ -22,8 +22,8 @@ step, rule and actions), the rollbacks and the steps of training they threw away
 metrics.abandoned.jsonl), the exit code and last step, the final reward (the mean of the task's true
 score over the last 20 steps trained: the echo reward, logged beside a hacked reward with weight 0) and
 the last validation score, whether that final reward is no worse than the best 20-step stretch before
-the collapse (``>best``), and whether a person would have had to act (the run exited other than 0:
-halted, exit 20). ``--controls`` runs the base config without a collapse (sync, one_step_off, async 4
+the collapse (``>best``), and whether a person would have had to act (the run halted, exit 20, or
+nothing rolled it back: the collapse ran its course). ``--controls`` runs the base config without a collapse (sync, one_step_off, async 4
 ahead): the reward a healthy run reaches by the same step, and the firings on healthy overlapped runs.
 
 A run already finished under --out is read, not run again.
@@ -319,7 +319,7 @@ def report(out: Path, c: Collapse) -> None:
         print(
             f"  {variant:>12} {f.get('step', '-'):>5} {lead:>5} {f.get('rule', '-'):>22} {actions[:28]:>28} "
             f"{r['rollbacks']:>3} {r['lost']:>4} {r['exit']:>4} {r['last_step']:>4} {r['final']:>6.3f} "
-            f"{r['val']:>6.3f} {'yes' if kept else 'no':>5} {'yes' if r['exit'] else 'no':>6}"
+            f"{r['val']:>6.3f} {'yes' if kept else 'no':>5} {'yes' if r['exit'] or not r['rollbacks'] else 'no':>6}"
         )
 
 
