@@ -9,8 +9,8 @@ except absence: FileNotFoundError (on reads) and FileExistsError pass through. T
 (connection refused or reset, timeouts, throttling, 5xx) are retried with capped exponential backoff for
 up to ``retry_timeout`` seconds; permanent ones fail at once: a refusal (a bucket that does not exist,
 access denied, bad credentials) as ``StorageRefused`` (exit 13), any other (no space) as ``StorageError``.
-Object store clients are set to fail fast so that this budget, not their own retries, governs (no
-request waits longer than the budget to connect or for a read); their retry jitter draws from a private
+Object store clients are set to fail fast so that this budget, not their own retries, governs; their
+retry jitter draws from a private
 generator, never from the run's global ``random`` stream. A bucket is never created: a missing one is
 a refusal (``check_reachable`` says so before any work).
 
@@ -109,17 +109,16 @@ class Storage:
         retry_timeout: float | None = None,
         request_timeout: float | None = None,
     ):
-        """``retry_timeout``: seconds a transient failure is retried (None: ``default_retry_timeout()``),
-        and the longest an object-store request waits to connect or for a read (a store silent for the
-        whole budget is out); ``request_timeout``: a reader's bound on both (``for_reading``)."""
+        """``retry_timeout``: seconds a transient failure is retried (None: ``default_retry_timeout()``);
+        ``request_timeout``: a reader's bound on each object-store request's connect and read timeouts
+        (``for_reading``)."""
         if (problem := url_problem(str(url))) is not None:  # (before "s3://" is cut to a local "s3:")
             raise ConfigError(problem)
         self.url = str(url).rstrip("/") or "/"
         self.options = dict(options or {})
         self.retry_timeout = default_retry_timeout() if retry_timeout is None else float(retry_timeout)
         self.request_timeout = request_timeout
-        bound = request_timeout if request_timeout is not None else (self.retry_timeout or None)
-        opened = functools.partial(open_fs, self.url, dict(options or {}), bound)
+        opened = functools.partial(open_fs, self.url, dict(options or {}), request_timeout)
         self.fs, self.root = guarded("open", self.url, opened, 0.0)
         protocols = _protocols(self.fs)
         self.is_local = "file" in protocols

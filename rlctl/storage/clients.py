@@ -226,7 +226,6 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
         ) from None
     if protocol in S3 and hasattr(fs, "retries"):
         fs.retries = 1  # s3fs's own retry loop (5 tries by default): ours governs
-        _no_expect_continue(fs)
     if protocol in GCS | AZURE:
         _one_try(fs)
     if protocol in AZURE:
@@ -235,22 +234,6 @@ def open_fs(url: str, options: dict[str, Any], request_timeout: float | None = N
     if loop is not None:
         loop.set_exception_handler(_unless_a_dropped_connection)
     return fs, root
-
-
-def _no_expect_continue(fs: Any) -> None:
-    """Uploads without ``Expect: 100-continue`` (botocore asks it of every body that is a file): aiohttp
-    then waits for the server's "100 Continue" before it sends the body and before its read timeout
-    starts, so that a server that accepted the connection and went silent (paused) held a write for
-    ever. Without it the body goes out and the read timeout bounds the wait for the answer."""
-    if getattr(fs, "_rlctl_no_expect", False):
-        return
-    client = fs.connect()  # (makes the client; sends nothing)
-    client.meta.events.register_last("before-call.s3", _drop_expect)
-    fs._rlctl_no_expect = True
-
-
-def _drop_expect(params: dict[str, Any], **_: Any) -> None:
-    params.get("headers", {}).pop("Expect", None)
 
 
 def _unless_a_dropped_connection(loop: Any, context: dict[str, Any]) -> None:

@@ -255,8 +255,7 @@ def is_storage_failure(exc: BaseException) -> bool:
 def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrough=ABSENCE) -> T:
     """``fn()``; a transient failure is retried with capped exponential backoff (jittered) until
     ``budget`` seconds after its store's outage began (``OUTAGES``: one clock for every writer of the
-    process; on a local path, this call's start), and while an outage is open an attempt that outlasts
-    the time left is given up on (``_attempt``); a refusal (``is_refusal``) becomes a StorageRefused,
+    process; on a local path, this call's start); a refusal (``is_refusal``) becomes a StorageRefused,
     any other failure, or the last one, a StorageError "cannot ACTION URL: cause". ``passthrough`` and
     rlctl's own errors (a nested call's StorageError, ``open_fs``'s ConfigError for a filesystem that
     is not installed) are raised as they are, but for a missing file whose bucket is missing."""
@@ -266,7 +265,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         attempt += 1
         tried = time.monotonic()
         try:
-            result = _attempt(fn, url, budget)
+            result = fn()
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough as exc:
@@ -288,40 +287,6 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         else:
             OUTAGES.answered(url)
             return result
-
-
-class AttemptTimeout(TimeoutError):
-    """An attempt made during an outage that outlasted the time left of its budget (given up on: the
-    request may still be running in its thread, which the client's own read timeout ends)."""
-
-
-def _attempt(fn: Callable[[], T], url: str, budget: float) -> T:
-    """``fn()``; while the store of ``url`` has an open outage, within the time left of its budget (a
-    store that hangs must not hold a retry for a whole read timeout past the deadline): run in a thread
-    of its own and given up on (AttemptTimeout, transient) when it is not done in time. Without an
-    outage, the attempt runs here, as long as it takes (an upload of many GB that makes progress)."""
-    outage = OUTAGES.open(url)
-    if outage is None:
-        return fn()
-    left = outage.since + budget - time.monotonic() if budget > 0 else 0.0
-    if left <= 0:
-        return fn()  # (a call without a budget, or one already past it, makes its one attempt as before)
-    done, box = threading.Event(), {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="rlctl-storage-attempt", daemon=True).start()
-    if not done.wait(left):
-        raise AttemptTimeout(f"no answer within the {left:.1f} s left of the retry budget")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 WRITE_MODES = {"wb", "ab", "xb"}
@@ -433,11 +398,6 @@ class Outages:
             since = min(known.since, began) if known else began
             outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
         return outage
-
-    def open(self, url: str) -> Outage | None:
-        """The open outage of the store of ``url``, if any (a cheap look: this runs before every attempt)."""
-        store = store_of(url)
-        return self._open.get(store) if store is not None and self._open else None
 
     def answered(self, url: str) -> None:
         """The store of ``url`` answered: its outage, if any, is over."""
