@@ -56,10 +56,10 @@ def start_run(
     run = run_storage(url, cfg)
     refuse_used_run_dir(run)  # before the preflight imports torch; again under the lease, before any write
     with run_tempdir(run.url), _snapshot_writer(run, cfg), _ranks_starter(cfg):
+        _trackers_need_a_local_run_dir(run, cfg)  # (sentences about the config before any request)
+        _storage_reaches_every_node(run, cfg)
         _preflight(cfg, run)
         reporter = reporter or SilentReporter()
-        _trackers_need_a_local_run_dir(run, cfg)
-        _storage_reaches_every_node(run, cfg)
         run.makedirs()
         with _lease(run, cfg, reporter, wait=wait_for_lease) as lease:
             reused = claim_run_dir(run, cfg)
@@ -96,9 +96,9 @@ def _resume(
 ) -> dict[str, Any]:
     """``resume_run`` once the config is read: the preflight, then under the lease (taken as ``taking``
     says: ``force``, ``wait``) the plan, and training."""
-    _preflight(cfg, run)
-    _trackers_need_a_local_run_dir(run, cfg)
+    _trackers_need_a_local_run_dir(run, cfg)  # (sentences about the config before any request)
     _storage_reaches_every_node(run, cfg)
+    _preflight(cfg, run)
     with _lease(run, cfg, reporter, **taking) as lease, _recording(run, cfg, lease) as events:
         _record_takeover(lease, events)
         catalog = snapshot_catalog(run, cfg, events)
