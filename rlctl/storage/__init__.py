@@ -38,12 +38,13 @@ from typing import Any, TypeVar
 
 from rlctl.errors import ConfigError
 from rlctl.storage.appends import appender, write_whole
-from rlctl.storage.clients import EXTRAS, fence_third_party_random, open_fs, url_problem
+from rlctl.storage.clients import EXTRAS, S3, fence_third_party_random, open_fs, url_problem
 from rlctl.storage.failures import (
     ABSENCE,
     describe,
     guarded,
     is_transient,
+    not_found,
     refused,
 )
 
@@ -243,8 +244,23 @@ class Storage:
         self._call("create directory", parts, lambda: self._makedirs(self.path(*parts)), ())
 
     def _makedirs(self, path: str) -> None:
-        if self.is_object_store:
-            return  # no directories there, and s3fs and adlfs would create a missing bucket
+        if self.is_object_store:  # no directories there, and s3fs and adlfs would create a missing bucket
+            if S3 & _protocols(self.fs):
+                # but on S3 one request before the upload: botocore's upload waits for the server's "100
+                # Continue" with no timeout, so a store that went silent (paused) is found here instead,
+                # by a request that times out (as s3fs's makedirs found it before: it asked too), and
+                # a missing bucket is a FileNotFoundError (a refusal), never created
+                bucket = path.split("/", 1)[0]
+                try:
+                    self.fs.info(bucket)
+                    missing = False
+                except Exception as exc:
+                    if not (isinstance(exc, FileNotFoundError) or not_found(exc)):
+                        raise
+                    missing = True
+                if missing:  # (raised out of the handler: no 404 answer in its chain, so a refusal: is_refusal)
+                    raise FileNotFoundError(f"{bucket}: no such bucket")
+            return
         _ensure_dir(self.fs.makedirs, path)
 
     @property

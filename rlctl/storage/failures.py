@@ -160,6 +160,12 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def not_found(exc: BaseException) -> bool:
+    """Whether the store answered 404 (a HEAD's answer has no error code of its own)."""
+    service = _service_error(exc)
+    return service is not None and (service[2] == 404 or service[0] in MISSING_BUCKET_CODES)
+
+
 def missing_bucket(exc: BaseException) -> bool:
     """Whether the store said that the bucket (an Azure container) does not exist."""
     service = _service_error(exc)

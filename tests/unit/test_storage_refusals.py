@@ -197,7 +197,8 @@ def test_s3_access_denied_and_bad_credentials_are_refused(s3_with_auth, who, sai
     }[who]
     store = Storage("s3://rlctl-guarded/run", {"client_kwargs": {"endpoint_url": url}, "key": key, "secret": secret})
     assert said in _expect(ExitCode.STORAGE_REFUSED, store.check_reachable)
-    assert said in _expect(ExitCode.STORAGE_REFUSED, lambda: store.write_bytes("metrics.jsonl", b"{}\n"))
+    # a write asks for the bucket first (a HEAD, whose 403 carries no code: storage's _makedirs)
+    assert "HTTP 403" in _expect(ExitCode.STORAGE_REFUSED, lambda: store.write_bytes("metrics.jsonl", b"{}\n"))
     _expect(ExitCode.STORAGE_REFUSED, lambda: store.read_bytes("config.yaml"))
 
 
