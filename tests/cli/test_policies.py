@@ -704,8 +704,7 @@ def test_policy_check_explains_in_plain_words():
     assert (
         "  rule kl-drift: when actor/ppo_kl > 0.05 for 2 consecutive steps (armed after step 10): roll back to a "
         "snapshot at least 10 steps before the event, multiply actor.lr by 0.5 (at least 1e-07); at most 3 times "
-        "within 200 steps, then halt; cooldown 10 steps."
-        in lines
+        "within 200 steps, then halt; cooldown 10 steps." in lines
     )
     assert [line for line in lines if line.startswith("  rule ")] == [f"  {r.describe()}" for r in default.rules]
 
