@@ -4,7 +4,8 @@ gcsfs uploads an object smaller than its block size as one multipart/related req
 bare LF: ``...\\n\\n<data>\\n--==0==--``. The emulator hands the body to Python's email parser, which takes
 CR LF as the line end before a boundary: an object whose last byte is CR lost that byte (1 random object in
 256; the suite's CI met one, a 3 MiB blob stored 1 byte short). Here the parts are split where the client
-put its boundaries, with the line end its first boundary line used, and everything else is the emulator's.
+put its boundaries, with the line end its first boundary line used; and each connection is served in a
+thread of its own (below). Everything else is the emulator's.
 
 Usage (as ``gcp-storage-emulator``): python tests/gcs_emulator.py start --host H --port P --in-memory
 """
@@ -61,6 +62,10 @@ def _read_data(request_handler, query):
 
 
 server._read_data = _read_data
+# The emulator serves one connection at a time (http.server.HTTPServer): a client that holds a connection
+# open without finishing a request stalls every other client until its read timeout (60 s; the suite's CI
+# met it once, two GCS tests on one worker timing out together). Each connection gets a thread here.
+server.server.HTTPServer = server.server.ThreadingHTTPServer
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,10 +47,11 @@ def test_the_run_folder_is_set_for_the_block_and_restored(short_tmp, monkeypatch
     assert not (tmp_path / run_key(str(run))).exists()  # its own folder gone, and the run's with it
 
 
-def test_a_temp_directory_too_long_for_a_unix_socket_below_it_is_kept(tmp_path, monkeypatch):
+def test_a_temp_directory_too_long_for_a_unix_socket_below_it_is_kept(short_tmp, monkeypatch):
     """multiprocessing's sockets live in the temp directory, and a socket's path has at most 107 bytes:
     where the run's folder would push them past that, the process keeps TMPDIR as it is."""
-    deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - 40))
+    tmp_path = short_tmp
+    deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - 40))  # (short_tmp: whatever pytest's own paths are)
     deep.mkdir()
     monkeypatch.setenv("TMPDIR", str(deep))
     monkeypatch.setattr(tempfile, "tempdir", None)
