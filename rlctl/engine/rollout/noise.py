@@ -198,11 +198,10 @@ class CounterSampler:
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, V) logits of the next position -> ((B,) sampled tokens, (B, V) fp32 scaled logits, untruncated,
         for the log-probs)."""
-        scaled = self.scale(logits)
-        step, self.step = self.step, self.step + 1
-        if self.temperature == 0:  # greedy: no noise drawn (no filter removes the most probable token)
+        scaled, keys = self._next(logits)
+        if keys is None:  # greedy: no noise drawn (no filter removes the most probable token)
             return scaled.argmax(-1), scaled
-        keys, truncated = step_keys(self.keys(logits.device), step), truncate(scaled, **self.filters)
+        truncated = truncate(scaled, **self.filters)
         fused = fused_noisy_argmax() if logits.is_cuda else None
         if fused is not None:
             return fused(truncated, keys, *reversed(_device_tables(str(keys.device), scaled.shape[-1]))), scaled
@@ -211,12 +210,16 @@ class CounterSampler:
     def __call__(self, input_ids: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor:
         """As a transformers LogitsProcessor (greedy decoding then samples as ``pick``): the (B, V) scaled,
         truncated logits plus the next position's noise (the scaled logits alone when greedy)."""
-        scaled = self.scale(scores)
-        step, self.step = self.step, self.step + 1
-        if self.temperature == 0:
+        scaled, keys = self._next(scores)
+        if keys is None:
             return scaled
-        noise = gumbel_noise(step_keys(self.keys(scores.device), step), scaled.shape[-1])
-        return noise.add_(truncate(scaled, **self.filters))
+        return gumbel_noise(keys, scaled.shape[-1]).add_(truncate(scaled, **self.filters))
+
+    def _next(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next position's (B, V) scaled logits and (B,) step keys (None when greedy); the step advances."""
+        step, self.step = self.step, self.step + 1
+        keys = None if self.temperature == 0 else step_keys(self.keys(logits.device), step)
+        return self.scale(logits), keys
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only these rows (positions in the current batch, a device tensor), in this order."""
