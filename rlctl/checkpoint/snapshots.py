@@ -47,6 +47,7 @@ from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
 from rlctl.checkpoint.elastic import files_to_restore, load_dir, source_rank
 from rlctl.checkpoint.failure_count import FailureCount, describe
+from rlctl.checkpoint.handover import LIVE_READS, NoSharedMemory, Payload, pickle_job
 from rlctl.checkpoint.job import WriteJob, Written, finish
 from rlctl.checkpoint.layout import (
     MANIFEST,
@@ -59,7 +60,7 @@ from rlctl.checkpoint.layout import (
 from rlctl.checkpoint.manifest import FORMAT, checksum_problem, val_problem
 from rlctl.checkpoint.retention import Retention, RollbackReach
 from rlctl.checkpoint.staging import DirStateful, dir_file_rank, stage_files
-from rlctl.checkpoint.writer import LIVE_READS, NoSharedMemory, pickle_job, writer
+from rlctl.checkpoint.writer import writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
 from rlctl.storage import Storage
@@ -76,7 +77,7 @@ class _Job:
     stall: float
     work: WriteJob
     staged: threading.Event
-    payload: bytes | None = None
+    payload: Payload | None = None
 
     @property
     def stage(self) -> str:
@@ -251,7 +252,7 @@ class SnapshotManager:
             with contextlib.suppress(OSError):  # (the first snapshot tries again, and says what fails)
                 writer().start()
 
-    def _hand_over(self, work: WriteJob) -> bytes | None:
+    def _hand_over(self, work: WriteJob) -> Payload | None:
         """The job pickled for the writer process (started here, on the training thread, if it is not
         running), or None when the commit thread writes it: ``writer`` "thread", or too little shared
         memory for the state (said once, as ``snapshot_writer_fallback``)."""

@@ -7,8 +7,9 @@ training process's imports and the loading of the models rather than wait for th
 else at the first snapshot. The
 training thread hands it a ``WriteJob`` pickled with torch's multiprocessing reductions: the tensors of
 the deferred state dicts are moved into shared memory the first time (their storage stays there, in
-place, for the rest of the run) and from then on only their handles are sent, a few KB. The writer
-maps them, and:
+place, for the rest of the run) and from then on only their handles are sent, a few KB; device tensors
+are copied into host buffers in shared memory that are kept from one snapshot to the next (``HostBuffers``:
+pinned on CUDA, filled on a side stream). The writer maps them, and:
 
 - ``stage_copy`` (asynchronous snapshots): copies them at once into staging buffers of its own (kept
   from one snapshot to the next, so no page is faulted in twice) and says "staged": the training
@@ -23,8 +24,9 @@ the exception it raised. The writer runs niced (training keeps its core) and die
 either process at any moment leaves no committed partial snapshot. When the writer dies mid-job, the
 job fails with ``WriterDied`` and the next job starts a new writer.
 
-On the training side this module costs the pickling of the job (the state dicts' structure) and a
-blocked read in the manager's commit thread; everything else runs in the writer.
+On the training side a job costs its pickling (rlctl.checkpoint.handover: the state dicts' structure,
+and the copies of device tensors into host buffers) and a blocked read in the manager's commit thread;
+everything else runs in the writer.
 """
 
 from __future__ import annotations
@@ -47,169 +49,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlctl.checkpoint.forked import Forked, can_fork, die_with_parent, name_process
-from rlctl.checkpoint.job import WriteJob, Written, finish
+from rlctl.checkpoint.handover import Payload
+from rlctl.checkpoint.job import Written, finish
 
-SHM_DIR = "/dev/shm"
 REDUCTIONS = "torch.multiprocessing.reductions"  # what every job's tensors are rebuilt with
-_SHM_MARGIN = 64 << 20  # free shared memory left over after moving a storage there
 
 
 class WriterDied(RuntimeError):
     """The writer process ended in the middle of a job."""
-
-
-class NoSharedMemory(RuntimeError):
-    """The state cannot be moved into shared memory (too little of it): the job is written in a thread."""
-
-
-# -- the training process's side -----------------------------------------------------------------------
-
-
-def _pickler_class():
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    staged: dict = {}  # device storage -> its host copy, for this job
-
-    def reduce(t: torch.Tensor):
-        data = t.detach() if t.device.type == "cpu" else on_host(t, staged)  # the writer never sees a device
-        storage = data.untyped_storage()
-        if not storage.is_shared() and storage.nbytes():
-            _check_room(storage.nbytes())
-        rebuild, args = reduce_tensor(data)  # (autograd does not cross processes: the data does)
-        state = torch._utils._get_obj_state(t)
-        if type(t) is torch.Tensor and not t.requires_grad and not state:
-            return rebuild, args
-        return _rebuild_like, (rebuild, args, type(t), t.requires_grad, state)
-
-    class JobPickler(ForkingPickler):
-        _extra_reducers = {
-            **ForkingPickler._extra_reducers,
-            **{cls: reduce for cls in ForkingPickler._extra_reducers if issubclass_safe(cls, torch.Tensor)},
-        }
-
-    return JobPickler
-
-
-def on_host(t, staged: dict):
-    """``t`` (on any device) as a view of a host copy of its storage in shared memory. Each storage is
-    copied once per ``staged`` cache, so views of one storage stay views of one copy (a ZeRO-3 restore
-    relies on that)."""
-    import torch
-
-    source = t.untyped_storage()
-    key = _storage_key(source) if source.nbytes() else None
-    host = staged.get(key) if key is not None else None  # (empty storages all have address 0: never shared)
-    if host is None:
-        _check_room(source.nbytes())
-        host = torch.UntypedStorage(source.nbytes()).share_memory_()
-        host.copy_(source)
-        if key is not None:
-            staged[key] = host
-    return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
-
-
-def _rebuild_like(rebuild, args, cls, requires_grad: bool, state):
-    """A tensor as torch.save sees the one it stands for: its class, requires_grad and attributes (so
-    the writer's files are byte for byte those written in the training process)."""
-    import torch
-
-    t = rebuild(*args)
-    if cls is torch.nn.Parameter:
-        t = torch.nn.Parameter(t, requires_grad=requires_grad)
-    else:
-        t = t if cls is torch.Tensor else t.as_subclass(cls)
-        t.requires_grad_(requires_grad)
-    return torch._utils._set_obj_state(t, state) if state else t
-
-
-def issubclass_safe(cls: Any, base: type) -> bool:
-    return isinstance(cls, type) and issubclass(cls, base)
-
-
-def _storage_key(storage) -> tuple[str, int, int]:
-    """What tells one storage from another while a job is pickled: its device, address and size."""
-    return str(storage.device), storage.data_ptr(), storage.nbytes()
-
-
-def _to_share(obj: Any, found: dict) -> dict:
-    """The bytes of each storage of the tensors in ``obj`` (nested lists, tuples and dicts) that is not
-    in shared memory yet, by storage (``found``, filled)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        if obj.device.type != "cpu" or not storage.is_shared():
-            found[_storage_key(storage)] = storage.nbytes()
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            _to_share(value, found)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _to_share(value, found)
-    return found
-
-
-def _check_room(nbytes: int) -> None:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError as exc:
-        raise NoSharedMemory(f"{SHM_DIR} is not available ({exc.strerror})") from exc
-    free = st.f_bavail * st.f_frsize
-    if free < nbytes + _SHM_MARGIN:
-        raise NoSharedMemory(f"{SHM_DIR} has {free / 2**20:.0f} MiB free; the snapshot's state needs more")
-
-
-class LiveReads:
-    """The threads of this process that read live state (a snapshot written in a thread, until it is
-    staged), which no storage may move into shared memory under: a move frees the storage's old memory,
-    and torch.save hands the file a view of that memory, which such a thread may be writing and hashing
-    with the GIL released. ``pickle_job`` moves storages only ``while_none``."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-
-    def begin(self) -> Callable[[], None]:
-        """A thread starts reading live state (it waits for a move under way); returns what ends it."""
-        with self._cond:
-            self._readers += 1
-        ended = []
-
-        def end() -> None:
-            with self._cond:
-                if not ended:
-                    ended.append(True)
-                    self._readers -= 1
-                    self._cond.notify_all()
-
-        return end
-
-    @contextlib.contextmanager
-    def while_none(self):
-        """Wait until no thread reads live state, and let none begin until the block ends."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._readers == 0)
-            yield
-
-
-LIVE_READS = LiveReads()
-
-
-def pickle_job(job: WriteJob) -> bytes:
-    """The job as the writer receives it (call on the training thread: moving a tensor's storage into
-    shared memory swaps its memory under anything that computes with it; a snapshot another manager of
-    this process writes in a thread is waited for until staged, ``LIVE_READS``). Raises NoSharedMemory:
-    before any storage moves when the state dicts' tensors would not fit together (each storage pickled
-    is registered for the writer to fetch, and stays so if pickling stops half-way)."""
-    moving = _to_share(job.deferred, {})
-    _check_room(sum(moving.values()))
-    buf = io.BytesIO()
-    with LIVE_READS.while_none() if moving else contextlib.nullcontext():
-        _pickler_class()(buf, pickle.HIGHEST_PROTOCOL).dump(job)
-    return buf.getvalue()
 
 
 class WriterProcess:
@@ -262,27 +109,32 @@ class WriterProcess:
             if self._on_start is not None:
                 self._on_start(self._proc.pid)
 
-    def run(self, payload: bytes, stage_copy: bool, staged: Callable[[], None], hold: float = 0.0) -> Written | None:
+    def run(self, payload: Payload, stage_copy: bool, staged: Callable[[], None], hold: float = 0.0) -> Written | None:
         """Send one pickled job and wait for its outcome (on the manager's commit thread: waiting
         releases the GIL). ``staged`` is called when the writer no longer reads the live state, also
-        when it fails. ``hold``: the write_delay drill, seconds the writer waits before it reads the
-        state. Raises what the job raised, or WriterDied."""
+        when it fails; the payload's host copies are given back then. ``hold``: the write_delay drill,
+        seconds the writer waits before it reads the state. Raises what the job raised, or WriterDied."""
+
+        def done_reading() -> None:
+            payload.copies.release()
+            staged()
+
         with self._lock:
             try:
                 conn = self._conn
                 if conn is None or not self.alive():
                     raise WriterDied("the snapshot writer process is not running")
-                self._send(conn, (stage_copy, hold, payload))
+                self._send(conn, (stage_copy, hold, payload.data))
                 while True:
                     kind, value = self._receive(conn)
                     if kind == "staged":
-                        staged()
+                        done_reading()
                     elif kind == "done":
                         return value
                     else:
                         raise value
             finally:
-                staged()
+                done_reading()
 
     def _send(self, conn, message) -> None:
         try:

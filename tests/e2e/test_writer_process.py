@@ -84,7 +84,7 @@ def test_no_storage_moves_into_shared_memory_under_a_snapshot_a_thread_writes(tm
 
     import torch
 
-    from rlctl.checkpoint import writer
+    from rlctl.checkpoint import handover
     from rlctl.checkpoint.durable import DurableFile, save_object
     from rlctl.checkpoint.snapshots import SnapshotManager
     from rlctl.storage import Storage
@@ -94,7 +94,7 @@ def test_no_storage_moves_into_shared_memory_under_a_snapshot_a_thread_writes(tm
     save_object(tensors.tensors, expected)
     storage = tensors.tensors["w"].untyped_storage()
     writing, arrived, seen, write = threading.Event(), threading.Event(), [], DurableFile.write
-    while_none = writer.LIVE_READS.while_none
+    while_none = handover.LIVE_READS.while_none
 
     def mover_arrives():
         arrived.set()
@@ -108,7 +108,7 @@ def test_no_storage_moves_into_shared_memory_under_a_snapshot_a_thread_writes(tm
             seen.append((before, storage.is_shared()))
         return write(fh, data)
 
-    monkeypatch.setattr(writer.LIVE_READS, "while_none", mover_arrives)
+    monkeypatch.setattr(handover.LIVE_READS, "while_none", mover_arrives)
     monkeypatch.setattr(DurableFile, "write", held_write)
     managers = [SnapshotManager(Storage(str(tmp_path / w)), writer=w) for w in ("thread", "process")]
     managers[0].save(1, {}, {"t": tensors}, good=True)

@@ -128,7 +128,7 @@ def test_the_catalog_reads_snapshots_without_the_writing_machinery(tmp_path):
         "from rlctl.checkpoint.catalog import Catalog\n"
         "from rlctl.storage import Storage\n"
         f"assert [i.step for i in Catalog(Storage({str(tmp_path / 'ckpt')!r})).candidates('latest')] == [1]\n"
-        "writing = ('torch', 'rlctl.checkpoint.snapshots', 'rlctl.checkpoint.writer', 'rlctl.checkpoint.collectives')\n"
+        "writing = ('torch', 'rlctl.checkpoint.snapshots', 'rlctl.checkpoint.writer', 'rlctl.checkpoint.handover', 'rlctl.checkpoint.collectives')\n"
         "loaded = [name for name in writing if name in sys.modules]\n"
         "assert loaded == [], loaded\n"
     )
@@ -564,21 +564,69 @@ def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
     copy per storage (here on CPU, the code is the same for any device)."""
     import torch
 
-    from rlctl.checkpoint.writer import on_host
+    from rlctl.checkpoint.handover import HostBuffers, HostCopies
 
     flat = torch.arange(12, dtype=torch.float32)
     a, b = flat[2:6], flat.view(3, 4)[1:, ::2]
-    staged = {}
-    ha, hb = on_host(a, staged), on_host(b, staged)
+    copies = HostCopies(HostBuffers())
+    ha, hb = copies.of(a), copies.of(b)
     assert torch.equal(ha, a) and torch.equal(hb, b) and hb.stride() == b.stride()
     assert ha.untyped_storage().data_ptr() == hb.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-    assert ha.untyped_storage().is_shared() and len(staged) == 1
+    assert ha.untyped_storage().is_shared() and len(copies._lent) == 1
     flat.zero_()  # a copy: the live tensor moves on
     assert ha[0].item() == 2.0
     # empty storages all sit at address 0 (ZeRO-3's partitioned parameters): never taken for one another
     e1, e2 = torch.empty(0, dtype=torch.float16), torch.empty(0, dtype=torch.int64)
-    assert on_host(e1, staged).dtype == torch.float16 and on_host(e2, staged).dtype == torch.int64
-    assert len(staged) == 1
+    assert copies.of(e1).dtype == torch.float16 and copies.of(e2).dtype == torch.int64
+
+
+def test_host_copies_reuse_their_buffers_from_one_snapshot_to_the_next_but_never_lend_one_twice():
+    """Snapshot staging (issue 40, item 4): the buffers a job's device storages were copied into go back
+    to the pool once the writer has staged them, and the next job of the same sizes gets the same pages,
+    filled with the new values; a buffer still lent to a job in flight is never handed to another."""
+    import torch
+
+    from rlctl.checkpoint.handover import HostBuffers, HostCopies
+
+    pool = HostBuffers()
+    weights, moments = torch.arange(8, dtype=torch.float32), torch.ones(3, dtype=torch.float64)
+    first = HostCopies(pool)
+    w1, m1 = first.of(weights), first.of(moments)
+    addresses = {w1.untyped_storage().data_ptr(), m1.untyped_storage().data_ptr()}
+    other = HostCopies(pool)  # another manager's job while the first is in flight: its own buffers
+    assert other.of(weights).untyped_storage().data_ptr() not in addresses
+    first.release()
+    assert pool.free_bytes() == weights.nbytes + moments.nbytes
+    weights.mul_(2)
+    second = HostCopies(pool)
+    w2, m2 = second.of(weights), second.of(moments)
+    assert {w2.untyped_storage().data_ptr(), m2.untyped_storage().data_ptr()} == addresses
+    assert torch.equal(w2, weights) and torch.equal(m2, moments) and pool.free_bytes() == 0
+    second.release()
+    second.release()  # (given back once: the writer's staged and its end both give back)
+    assert pool.free_bytes() == weights.nbytes + moments.nbytes
+
+
+@pytest.mark.gpu
+def test_cuda_storages_are_staged_in_pinned_shared_buffers_on_a_side_stream():
+    """On CUDA the staging buffers are page-locked in shared memory and reused, and the side stream's
+    copies see what the training stream computed just before the snapshot."""
+    import torch
+
+    from rlctl.checkpoint.handover import HostBuffers, HostCopies
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pool, live = HostBuffers(), torch.zeros(1 << 20, device="cuda")
+    for value in (1.0, 2.0):
+        live.add_(value)  # queued on the training stream: the copy must wait for it
+        copies = HostCopies(pool)
+        host = copies.of(live)
+        copies.wait()
+        assert host.is_pinned() and host.untyped_storage().is_shared()
+        assert torch.equal(host, live.cpu())
+        copies.release()
+    assert pool.free_bytes() == live.nbytes
 
 
 def ignored(pid, sig) -> bool:
@@ -611,7 +659,7 @@ def test_the_writer_process_leaves_stop_signals_to_the_trainer(tmp_path):
 def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_said_once(tmp_path, monkeypatch):
     """Too small a /dev/shm (a real 64 KiB tmpfs stands for it) is found before any storage is moved
     there: the snapshot is written by the thread instead, commits, restores, and the run hears it once."""
-    import rlctl.checkpoint.writer as process
+    import rlctl.checkpoint.handover as process
 
     with small_tmpfs(tmp_path / "shm") as shm:
         monkeypatch.setattr(process, "SHM_DIR", str(shm))

@@ -186,7 +186,7 @@ def test_the_static_decode_moves_a_few_numbers_per_row_and_mixes_no_devices(tiny
     noise._device_tables.cache_clear()  # (made again under this watch, which then knows them on the device)
     watch = Transfers()
     with watch:
-        run(model, tok, CounterSampler(seeds, 1.3), device=DEVICE, static=True)  # (the tables made once)
+        run(model, tok, CounterSampler(seeds, 1.3), new=8, device=DEVICE, static=True)  # (the tables made once)
         watch.numbers = 0
         buckets.clear()
         run(model, tok, CounterSampler(seeds, 1.3), device=DEVICE, static=True)
