@@ -9,8 +9,6 @@ The page is never edited by hand: change a field's description in the schema and
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import json
 import sys
 import types
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import annotated_types
+from _generated import cell, check_main
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
@@ -154,10 +153,6 @@ def default_text(field: FieldInfo) -> str:
     return f"`{value}`"
 
 
-def cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
 def row(key: str, field: FieldInfo) -> Row:
     kind = type_name(field.annotation)
     if bound := limits(field):
@@ -214,20 +209,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from the schema")
-    args = parser.parse_args(argv)
-    text = render()
-    if not args.check:
-        PAGE.write_text(text)
-        return 0
-    current = PAGE.read_text() if PAGE.exists() else ""
-    if current == text:
-        return 0
-    diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), str(PAGE), "the schema")
-    sys.stderr.writelines(diff)
-    sys.stderr.write(f"{PAGE.name} differs from the schema: run .venv/bin/python docs/gen_config_reference.py\n")
-    return 1
+    return check_main(argv, __doc__, PAGE, lambda _page: render(), "the schema", "gen_config_reference.py")
 
 
 if __name__ == "__main__":

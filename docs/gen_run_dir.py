@@ -10,42 +10,25 @@ this again.
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import sys
 from pathlib import Path
+
+from _generated import check_main, fill, markers
 
 from rlctl.rundir.layout import tree
 
 PAGE = Path(__file__).resolve().parent / "concepts.md"
-BEGIN = "<!-- the run directory: written by docs/gen_run_dir.py from rlctl/rundir/layout.py -->"
-END = "<!-- end of the run directory -->"
+WHAT, SCRIPT, SOURCE = "the run directory", "gen_run_dir.py", "rlctl/rundir/layout.py"
+BEGIN, END = markers(WHAT, SCRIPT, SOURCE)
 
 
 def render(page: str) -> str:
     """``page`` with the text between its markers replaced by the layout's tree."""
-    head, begin, rest = page.partition(BEGIN)
-    _, end, tail = rest.partition(END)
-    if not begin or not end:
-        raise SystemExit(f"{PAGE.name} lacks the markers {BEGIN} and {END}")
-    return f"{head}{BEGIN}\n```\n{tree()}```\n{END}{tail}"
+    return fill(page, {WHAT: f"```\n{tree()}```\n"}, SCRIPT, SOURCE, PAGE.name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the page's tree differs from the layout")
-    args = parser.parse_args(argv)
-    current = PAGE.read_text()
-    text = render(current)
-    if not args.check:
-        PAGE.write_text(text)
-        return 0
-    if current == text:
-        return 0
-    diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), str(PAGE), "the layout")
-    sys.stderr.writelines(diff)
-    sys.stderr.write(f"{PAGE.name}'s run directory differs from the layout: run .venv/bin/python docs/gen_run_dir.py\n")
-    return 1
+    return check_main(argv, __doc__, PAGE, render, "the layout", SCRIPT)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import step_spec, timeout_option
+from rlctl.commands.options import SNAPSHOT, step_spec, timeout_option
 
 
 @click.command("export")
@@ -16,6 +16,7 @@ from rlctl.commands.options import step_spec, timeout_option
     callback=step_spec,
     default="latest",
     show_default=True,
+    metavar=SNAPSHOT,
     help="latest, last-good, best, step-N or N. best: the good snapshot with the best validation metric "
     "(checkpoint.keep_best's, else the highest val/score/mean).",
 )

@@ -8,34 +8,40 @@ from typing import Any
 
 import click
 
-from rlctl.commands.options import timeout_option
-from rlctl.commands.render import FORMATS, cell, emit, emit_document
+from rlctl.commands.options import format_option, timeout_option
+from rlctl.commands.render import cell, emit, emit_document
 from rlctl.errors import ConfigError
 
 
 @click.command("inspect")
 @click.argument("run_dir")
-@click.option("--metrics", "patterns", help="Comma-separated metric names or globs: 'actor/*,critic/score/mean'.")
-@click.option("--last", type=int, help="Only the last N rows.")
-@click.option("--since-step", "since", type=int, help="Rows from this step on.")
-@click.option("--until-step", "until", type=int, help="Rows up to this step.")
-@click.option("--every", type=click.IntRange(min=1), help="Every K-th step.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
+@click.option(
+    "--metrics", "patterns", metavar="GLOBS", help="Comma-separated metric names or globs: 'actor/*,critic/score/mean'."
+)
+@click.option("--last", type=int, metavar="N", help="Only the last N rows.")
+@click.option("--since-step", "since", type=int, metavar="N", help="Rows from this step on.")
+@click.option("--until-step", "until", type=int, metavar="N", help="Rows up to this step.")
+@click.option("--every", type=click.IntRange(min=1), metavar="K", help="Every K-th step.")
+@format_option
 @click.option("--events", is_flag=True, help="List events: snapshots, resumes, policy firings, rollbacks ...")
 @click.option("--follow", is_flag=True, help="Stream new rows as the run writes them, until it ends.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw the metrics to FILE.png.")
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False), metavar="FILE.png", help="Draw the metrics to FILE.png."
+)
 @click.option("--check", is_flag=True, help="One line and an exit code for cron (see the README).")
 @click.option(
     "--window",
     type=click.IntRange(min=1),
     default=100,
     show_default=True,
+    metavar="N",
     help="--check: a policy firing within this many steps is a warning.",
 )
 @click.option(
     "--stale-after",
     default="30m",
     show_default=True,
+    metavar="DURATION",
     help="--check: a running run with no new step for this long is stale.",
 )
 @click.option(

@@ -32,6 +32,9 @@ format_option = click.option(
 )
 
 
+SNAPSHOT = "latest|last-good|best|step-N|N"  # what a snapshot option (--from, export's --step) takes
+
+
 def step_spec(_ctx, _param, value: str) -> str:
     """A snapshot option (--from, export's --step): a usage error (exit 2) unless latest, last-good,
     best, step-N or N."""

@@ -171,6 +171,7 @@ def _footer(steps: dict[str, list[int]]) -> list[str]:
     type=click.FloatRange(0.5, 1.0),
     default=0.99,
     show_default=True,
+    metavar="Q",
     help="The quantile of each metric an upper limit starts from (a floor: 1 - Q).",
 )
 @click.option(
@@ -178,9 +179,15 @@ def _footer(steps: dict[str, list[int]]) -> list[str]:
     type=click.FloatRange(min=0.0),
     default=0.5,
     show_default=True,
+    metavar="M",
     help="How far past the quantile the limit goes, as a share of it (0.5: 1.5 x the quantile).",
 )
-@click.option("--until", type=click.IntRange(min=0), help="Calibrate on the run's healthy prefix: steps up to STEP.")
+@click.option(
+    "--until",
+    type=click.IntRange(min=0),
+    metavar="STEP",
+    help="Calibrate on the run's healthy prefix: steps up to STEP.",
+)
 @timeout_option
 def calibrate(run_url: str, quantile: float, margin: float, until: int | None, timeout: float) -> None:
     """Propose a policy from a healthy RUN: limits for KL, a grad-norm spike, an entropy floor,

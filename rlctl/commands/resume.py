@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import set_option, step_spec, wait_for_lease_option
+from rlctl.commands.options import SNAPSHOT, set_option, step_spec, wait_for_lease_option
 from rlctl.ranks.stops import stops_from_the_start
 
 
@@ -16,6 +16,7 @@ from rlctl.ranks.stops import stops_from_the_start
     callback=step_spec,
     default="latest",
     show_default=True,
+    metavar=SNAPSHOT,
     help="latest, last-good, best, step-N or N. latest falls back to an older snapshot when the newest is "
     "corrupt; an explicit step never does. best: the good snapshot with the best validation metric "
     "(checkpoint.keep_best's, else the highest val/score/mean).",

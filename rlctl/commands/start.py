@@ -14,12 +14,14 @@ from rlctl.ranks.stops import stops_from_the_start
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option(
     "--run-dir",
+    metavar="DIR",
     help="Where the run lives: a path or any fsspec URL (default: runs/<name>-<timestamp>). "
     "Must not hold a run already.",
 )
-@click.option("--nproc", type=click.IntRange(min=1), help="DeepSpeed ranks to run (sets trainer.nproc).")
+@click.option("--nproc", type=click.IntRange(min=1), metavar="N", help="DeepSpeed ranks to run (sets trainer.nproc).")
 @click.option(
     "--ray-address",
+    metavar="ADDR|local",
     help="Run the ranks as Ray actors on this cluster (sets cluster.backend=ray and cluster.address; "
     "'local' starts a Ray instance here).",
 )

@@ -11,8 +11,10 @@ from rlctl.commands.options import timeout_option
 
 @click.command("trajectories")
 @click.argument("run_dir")
-@click.option("--step", type=click.IntRange(min=1), required=True, help="The training step to show.")
-@click.option("--index", type=click.IntRange(min=0), help="Only the I-th conversation of the step (from 0).")
+@click.option("--step", type=click.IntRange(min=1), required=True, metavar="N", help="The training step to show.")
+@click.option(
+    "--index", type=click.IntRange(min=0), metavar="I", help="Only the I-th conversation of the step (from 0)."
+)
 @click.option(
     "--format",
     "fmt",

@@ -7,8 +7,18 @@ import re
 from pathlib import Path
 
 from rlctl.config import RunConfig
+from rlctl.numbers import NOT_METRICS
 from rlctl.policies import validate_policy
-from rlctl.policies.catalogue import METRICS, PATTERNS, known_metric, meaning, suggest, unknown_metrics
+from rlctl.policies.catalogue import (
+    METRICS,
+    PATTERNS,
+    ROW_KEYS,
+    SECTIONS,
+    known_metric,
+    meaning,
+    suggest,
+    unknown_metrics,
+)
 
 ENGINE = Path(__file__).resolve().parents[2] / "rlctl" / "engine"
 NOT_IN_ROWS = {"perf/tokens"}  # Trainer.record folds it into perf/tokens_seen
@@ -38,7 +48,18 @@ def test_every_metric_the_engine_declares_is_catalogued():
     assert {"actor.py", "critic.py", "experience.py", "trainer.py"} <= set(declared)  # the scan sees them
     assert "actor/ppo_kl" in declared["actor.py"] and "critic/score/mean" in declared["experience.py"]
     missing = sorted(k for keys in declared.values() for k in keys - NOT_IN_ROWS if not known_metric(k))
-    assert missing == [], f"add these to rlctl/policies/catalogue.py METRICS with a one-line meaning: {missing}"
+    assert missing == [], (
+        "add these to a section of rlctl/policies/catalogue.py SECTIONS with a one-line meaning, then run "
+        f".venv/bin/python docs/gen_metrics.py: {missing}"
+    )
+
+
+def test_every_key_is_in_one_section_and_the_row_keys_are_no_metrics():
+    """docs/metrics.md has a table per section: a key given twice would be told twice, one meaning lost."""
+    assert sum(len(keys) for keys in SECTIONS.values()) == len(METRICS) + len(PATTERNS)
+    assert all(SECTIONS.values())
+    assert set(ROW_KEYS) == NOT_METRICS and not any(known_metric(k) for k in ROW_KEYS)
+    assert "critic/score/<name>/truncated_frac" in PATTERNS and known_metric("critic/score/rm/truncated_frac")
 
 
 def test_validation_and_timing_keys_match_their_patterns():
