@@ -2,7 +2,9 @@
 
 A snapshot that fails is reported at once (``snapshot_failed``); ``max_failures`` of them in a row stop
 the run with a StorageError (exit 12) naming the step, the storage, the cause and the last committed
-snapshot. A successful commit resets the count.
+snapshot, or a StorageRefused (exit 13) when the last of them was refused by the store (a missing
+bucket, access denied, bad credentials, a read-only disk: no requeue mends it). A successful commit
+resets the count.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import errno
 import os
 from dataclasses import dataclass
 
-from rlctl.errors import RlctlError, StorageError
-from rlctl.storage.failures import causes
+from rlctl.errors import RlctlError, StorageError, StorageRefused
+from rlctl.storage.failures import causes, is_refusal
 
 _TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
 _NEARLY_FULL = 64 << 20  # free bytes below which (or below 1% of the disk) a failed write means a full disk
@@ -52,10 +54,16 @@ def describe(exc: BaseException, local_dir: str | None = None) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def refused(exc: BaseException) -> bool:
+    """Whether a snapshot failed because the store refused it for good (not an outage)."""
+    return any(isinstance(e, StorageRefused) for e in causes(exc)) or is_refusal(exc)
+
+
 @dataclass
 class Failure:
     step: int
     cause: str
+    refused: bool = False
 
 
 class FailureCount:
@@ -68,10 +76,10 @@ class FailureCount:
         self.consecutive = 0
         self.last: Failure | None = None  # the last failed snapshot (None once one commits)
 
-    def failed(self, step: int, cause: str) -> dict:
-        """Count a failure; the ``snapshot_failed`` event that reports it."""
+    def failed(self, step: int, cause: str, refused: bool = False) -> dict:
+        """Count a failure (``refused``: by the store, for good); the ``snapshot_failed`` event that reports it."""
         self.consecutive += 1
-        self.last = Failure(step, cause)
+        self.last = Failure(step, cause, refused)
         return {
             "event": "snapshot_failed",
             "step": step,
@@ -87,7 +95,8 @@ class FailureCount:
         """The error that ends the run once ``max_failures`` snapshots in a row have failed, else None."""
         if self.last is None or self.consecutive < self.max_failures:
             return None
-        return StorageError(
+        error = StorageRefused if self.last.refused else StorageError
+        return error(
             f"{self.consecutive} snapshots in a row failed (checkpoint.max_failures: {self.max_failures}); the "
             f"last, of step {self.last.step}, could not be committed to {self.url}: {self.last.cause}; "
             f"{last_committed_words(last_committed)}"

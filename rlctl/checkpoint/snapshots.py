@@ -46,7 +46,7 @@ from rlctl.checkpoint.catalog import Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
 from rlctl.checkpoint.elastic import files_to_restore, load_dir, source_rank
-from rlctl.checkpoint.failure_count import FailureCount, describe
+from rlctl.checkpoint.failure_count import FailureCount, describe, refused
 from rlctl.checkpoint.handover import LIVE_READS, NoSharedMemory, Payload, pickle_job
 from rlctl.checkpoint.job import WriteJob, Written, finish
 from rlctl.checkpoint.layout import (
@@ -358,7 +358,7 @@ class SnapshotManager:
         if self.rank != 0:
             self._list_error(name, cause)
             return
-        event = self.failures.failed(step, cause)
+        event = self.failures.failed(step, cause, refused(exc))
         try:
             if not self.storage.exists(name, MANIFEST):
                 self.storage.rm(name, recursive=True)

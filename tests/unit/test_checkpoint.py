@@ -259,6 +259,24 @@ def test_enospc_drill_fails_every_snapshot_from_its_step_and_max_failures_ends_t
         m.wait()
 
 
+def test_snapshots_refused_by_the_store_end_the_run_13_not_12(tmp_path):
+    """A disk gone read-only (a real tmpfs remounted ro: EROFS) refuses every snapshot: no requeue mends
+    that, so max_failures in a row end the run with StorageRefused (exit 13), where a full disk or an
+    outage ends it 12 (the test above)."""
+    from rlctl.errors import ExitCode, StorageRefused
+
+    with small_tmpfs(tmp_path / "ro", size="4m") as disk:
+        m = SnapshotManager(Storage(str(disk / "ckpt")), max_failures=2)
+        save(m, 1, 1)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        m.save(2, {"counter": Counter(2)}, {"blob": Blob(b"x" * 10)}, good=True)
+        assert m.wait() is False
+        with pytest.raises(StorageRefused) as caught:
+            m.save(3, {"counter": Counter(3)}, {}, good=True)
+    assert caught.value.exit_code == ExitCode.STORAGE_REFUSED == 13
+    assert "2 snapshots in a row failed" in caught.value.message and "read-only file system" in caught.value.message
+
+
 def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_path, monkeypatch):
     class OverQuota(DeferredBlob):
         def save_to_dir(self, path, defer=None):
