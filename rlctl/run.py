@@ -151,7 +151,7 @@ def _completed_step(run: Storage, cfg: RunConfig) -> int | None:
 def _preflight(cfg: RunConfig, run: Storage) -> None:
     """Everything that can be checked before any work (the reward function, the device, the model's
     context, that the run's storage answers and its bucket exists), before the run directory is written."""
-    from rlctl.engine.preflight import check_before_start  # imports the reward module
+    from rlctl.preflight import check_before_start  # imports the reward module
 
     check_before_start(cfg, run)
 

@@ -67,7 +67,7 @@ def _start(
     cfg = load_config(config, flags + list(overrides))
     run_dir = run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     start_snapshot_writer_early(cfg, run_dir)  # it imports torch beside this process, which does so next
-    from rlctl.engine.preflight import check_config_names
+    from rlctl.preflight import check_config_names
 
     check_config_names(cfg)  # a missing file the config names is told as a mistake in it, before any progress line
     with StepProgress(run_dir) as progress:

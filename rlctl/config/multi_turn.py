@@ -2,7 +2,7 @@
 
 The shape and values are checked here; whether a tool's module imports, what its signature says and
 whether the chat template renders a tool message incrementally are the preflight's questions
-(``rlctl.engine.preflight``), so a run's saved config reads anywhere without importing a tool. A tool
+(``rlctl.preflight``), so a run's saved config reads anywhere without importing a tool. A tool
 file (``tools_file``) is read and inlined when the config is loaded (``load.inline_tool_file``), as a
 policy file is: the run directory never depends on where it lived.
 """

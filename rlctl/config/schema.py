@@ -4,7 +4,7 @@
 Every field carries a description (a test checks it), so ``rlctl start --help`` and the config reference
 in docs/ are generated from one place. Validation is pure: it checks the shape and values of a config,
 never the machine it is read on, so a run's saved config.yaml reads anywhere; whether the files and
-storage it names are there is ``rlctl.engine.preflight``'s question, asked when a run starts or resumes.
+storage it names are there is ``rlctl.preflight``'s question, asked when a run starts or resumes.
 Where the config was read (``Provenance``) travels with it, for the preflight's sentences. Loading
 files and ``--set`` is ``load``'s job.
 """

@@ -1,6 +1,6 @@
 """The run config's plain sections: the training loop, the model, the prompts, rollout sampling,
 snapshots and the cluster. Each checks its own values only: whether a path exists or a storage
-protocol is known on this machine is the preflight's question (``rlctl.engine.preflight``), so a run's
+protocol is known on this machine is the preflight's question (``rlctl.preflight``), so a run's
 saved config reads anywhere."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_what_a_config_names_on_this_machine_is_checked_before_a_start_in_the_sa
 ):
     """Validation checks shape and values only (a run's saved config reads on any machine); the files,
     directories and storage protocol a config names are the preflight's, located as validation would."""
-    from rlctl.engine.preflight import check_config_names
+    from rlctl.preflight import check_config_names
 
     cfg = load_config(write(tmp_path, text), sets)
     with pytest.raises(ConfigError) as err:

@@ -72,7 +72,7 @@ def test_a_real_ctrl_c_inside_the_reward_is_an_interrupt_not_an_input_error(tmp_
 
 
 def test_a_reward_module_that_does_not_import_stops_before_the_run_directory_exists(tmp_path):
-    """Found by the checks before any work (rlctl.engine.preflight): a retry of the fixed command with
+    """Found by the checks before any work (rlctl.preflight): a retry of the fixed command with
     the same --run-dir is not refused."""
     (tmp_path / "broken.py").write_text("def score(prompts, completions:\n")
     run, r = start_with(tmp_path, "broken:score")

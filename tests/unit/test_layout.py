@@ -1,6 +1,6 @@
 """The house rules of STYLE.md that code can check: floors read top-down (no upward import, no import
-cycle), the floors are folders, `checkpoint/` knows no model, commands load light, no function over 60
-lines, no file over 500 lines."""
+cycle), the floors are folders, `checkpoint/` knows no model, the engine knows no tracker, commands load
+light, no function over 60 lines, no file over 500 lines."""
 
 import ast
 import subprocess
@@ -16,11 +16,12 @@ FLOORS = [
     ("rlctl.cli",),
     ("rlctl.commands",),
     ("rlctl.run", "rlctl.inspect", "rlctl.export", "rlctl.calibrate"),
-    ("rlctl.ranks",),
+    ("rlctl.ranks", "rlctl.preflight"),
+    ("rlctl.trackers",),
     ("rlctl.engine",),
     ("rlctl.rundir",),
     ("rlctl.config",),
-    ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics", "rlctl.trackers"),
+    ("rlctl.policies", "rlctl.checkpoint", "rlctl.metrics"),
     ("rlctl.algos", "rlctl.tools"),
     ("rlctl.storage", "rlctl.yamlsrc", "rlctl.faults", "rlctl.stateful", "rlctl.usercode"),
     ("rlctl.errors", "rlctl.events", "rlctl.numbers", "rlctl"),
@@ -125,16 +126,30 @@ def test_the_checks_catch_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert room_of("rlctl.algos.core")[1] == "rlctl.algos"
     assert room_of("rlctl.checkpoint.snapshots")[0] > room_of("rlctl.engine.trainer")[0]
+    assert room_of("rlctl.trackers.fanout")[0] < room_of("rlctl.engine.trainer")[0]
+    assert imports_between(
+        {"rlctl.engine.x": {"rlctl.trackers.y", "rlctl.metrics"}}, "rlctl.engine", "rlctl.trackers"
+    ) == {"rlctl.engine.x": ["rlctl.trackers.y"]}
+
+
+def in_room(module: str, room: str) -> bool:
+    return module == room or module.startswith(room + ".")
+
+
+def imports_between(graph: dict[str, set[str]], importer: str, imported: str) -> dict[str, list[str]]:
+    """The modules of room ``importer`` that import a module of room ``imported``, with what they import."""
+    found = {m: sorted(t for t in graph[m] if in_room(t, imported)) for m in graph if in_room(m, importer)}
+    return {m: targets for m, targets in found.items() if targets}
 
 
 def test_checkpoint_never_imports_engine():
-    graph = import_graph()
-    offenders = {
-        m: sorted(t for t in graph[m] if t.startswith("rlctl.engine"))
-        for m in graph
-        if m.startswith("rlctl.checkpoint")
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
+    assert imports_between(import_graph(), "rlctl.checkpoint", "rlctl.engine") == {}
+
+
+def test_engine_never_imports_trackers():
+    """The engine produces metric rows; which trackers receive them, and whether they are installed, is
+    the business of the floors above (the rank's session, the preflight)."""
+    assert imports_between(import_graph(), "rlctl.engine", "rlctl.trackers") == {}
 
 
 def test_no_function_over_60_lines():

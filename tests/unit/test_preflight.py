@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlctl.config import load_config, validate_config
-from rlctl.engine.preflight import check_before_start
 from rlctl.errors import ConfigError, ExitCode, InputError
+from rlctl.preflight import check_before_start
 
 
 def config(**sections):

@@ -13,10 +13,10 @@ from rlctl.config.load import load_config
 from rlctl.config.reward import RewardConfig, RewardModelConfig
 from rlctl.engine.dist import MEAN
 from rlctl.engine.model import build_char_tokenizer
-from rlctl.engine.preflight import check_config_names
 from rlctl.engine.reward.model import ModelReward
 from rlctl.engine.reward.sources import load_reward, metrics_of, recording
 from rlctl.errors import ConfigError, InputError
+from rlctl.preflight import check_config_names
 
 from helpers import save_reward_model
 

@@ -18,8 +18,8 @@ import pytest
 from conftest import AZURITE_ACCOUNT, AZURITE_KEY, _pause, _server, _stop, refused_port
 
 from rlctl.config import load_config
-from rlctl.engine.preflight import check_config_names
 from rlctl.errors import ConfigError, ExitCode, StorageError
+from rlctl.preflight import check_config_names
 from rlctl.storage import Storage
 from rlctl.storage.failures import guarded, is_refusal, is_transient
 

@@ -14,10 +14,10 @@ from rlctl.engine.batch import Sequences
 from rlctl.engine.counters import TrainerState
 from rlctl.engine.data import load_rows, load_val_rows, read_prompt_file
 from rlctl.engine.dist import Dist
-from rlctl.engine.preflight import check_config_names
 from rlctl.engine.rollout.hf import SeededGumbelSampler
 from rlctl.engine.validation import VAL_STEP, Validator
 from rlctl.errors import ConfigError, InputError
+from rlctl.preflight import check_config_names
 
 ROWS = [
     {"prompt": "ab=", "target": "ab", "data_source": "echo"},
