@@ -1,11 +1,25 @@
 """Fixtures: a CPU runtime, real S3, GCS and Azure endpoints on loopback, and GPU tests skipped without a
-GPU."""
+GPU.
+
+Tests that share a module-scoped fixture run on one pytest-xdist worker, so that it is made once: a test
+module lists its module-scoped fixtures in ``SHARED_FIXTURES`` (a fixture's scope is not public at
+collection, so the list is the declaration; a module-scoped fixture missing from it fails the tests that
+use it), and each test that uses one is marked ``xdist_group(<its file, from tests/>)``. The module's
+other tests, and all other tests, are spread over the workers. Under ``--dist loadgroup`` (``make test``)
+the scheduler honours those marks through pytest-xdist's public hooks alone, no private pytest or
+pytest-xdist attribute (pytest-xdist 3.8's own way, an ``@group`` suffix on the node id, is lost under
+pytest 9): the controller names a folder in each worker's ``workerinput`` (``pytest_configure_node``),
+each worker writes its tests' groups there as it collects, and ``pytest_xdist_make_scheduler`` returns
+pytest-xdist's ``LoadGroupScheduling`` reading them (tests/xdist_groups.py). Any other ``--dist`` keeps
+pytest-xdist's own scheduler, and without workers (``-n0``, or no pytest-xdist) the marks change nothing."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,23 +49,30 @@ def _has_cuda() -> bool:
 
 
 E2E = Path(__file__).parent / "e2e"
+_GROUPS = pytest.StashKey[str]()  # the controller's folder for the workers' groups
+_GROUPS_KEY = "rlctl_xdist_groups"  # that folder, in each worker's config.workerinput
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """The slow lane is a folder: every test under tests/e2e is marked ``slow`` (`make test-fast` runs
-    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). The tests of a module
-    that share a module-scoped fixture (a finished run, a vLLM engine) stay on one pytest-xdist worker,
-    so that it is made once (``--dist loadgroup``). GPU tests are skipped without a GPU."""
+    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). A test that uses one
+    of the fixtures its module lists in ``SHARED_FIXTURES`` (its module-scoped ones: a finished run, a
+    vLLM engine) is marked ``xdist_group(<its file, from tests/>)``, so that under ``--dist loadgroup``
+    the tests sharing them run on one pytest-xdist worker and the fixture is made once
+    (``pytest_xdist_make_scheduler`` below); the module's other tests, and every other test, are spread
+    over the workers. GPU tests are skipped without a GPU."""
     for item in items:
         if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)
-        defs = getattr(item, "_fixtureinfo", None)
-        shared = defs and any(d.scope == "module" for fs in defs.name2fixturedefs.values() for d in fs)
-        if shared and not any(item.iter_markers("xdist_group")):
+        shared = set(getattr(getattr(item, "module", None), "SHARED_FIXTURES", ()))
+        if shared.intersection(getattr(item, "fixturenames", ())) and not any(item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(item.path.relative_to(E2E.parent).as_posix()))
-    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
-        _name_groups(items)
+    folder = getattr(config, "workerinput", {}).get(_GROUPS_KEY)
+    if folder:  # a pytest-xdist worker under --dist loadgroup: tell the controller the groups
+        from xdist_groups import write_groups
+
+        write_groups(folder, config.workerinput["workerid"], items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -60,19 +81,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _name_groups(items) -> None:
-    """Give each test with an ``xdist_group`` mark the ``@group`` suffix by which pytest-xdist's
-    controller keeps a group on one worker. pytest-xdist 3.8 adds it as ``item._nodeid``, which pytest 9
-    no longer reads (a node's id is ``item._id``): without this, each worker that got a test of a module
-    made the module's shared run again."""
-    from _pytest.nodeid import NodeId
-
-    for item in items:
-        names = sorted(
-            {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A module-scoped fixture must be listed in its module's ``SHARED_FIXTURES``: one that is not would
+    be made again on each worker that runs one of its tests, which nothing else would show."""
+    if fixturedef.scope == "module" and fixturedef.argname not in getattr(request.module, "SHARED_FIXTURES", ()):
+        pytest.fail(
+            f"{request.module.__name__}: the module-scoped fixture {fixturedef.argname!r} is not in the "
+            "module's SHARED_FIXTURES (tests/conftest.py: its tests would not share one worker)",
+            pytrace=False,
         )
-        if names and "@" not in item.nodeid and hasattr(item, "_id"):
-            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config):
+    """pytest-xdist's controller under ``--dist loadgroup`` with workers: a folder for their groups."""
+    workers = config.getoption("dist", "no") == "loadgroup" and config.getoption("tx", None)
+    if workers and not hasattr(config, "workerinput"):
+        config.stash[_GROUPS] = tempfile.mkdtemp(prefix="rlctl-xdist-groups-")
+
+
+def pytest_unconfigure(config):
+    if _GROUPS in config.stash:
+        shutil.rmtree(config.stash[_GROUPS], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, for each worker it starts: where to write its tests' groups."""
+    if _GROUPS in node.config.stash:
+        node.workerinput[_GROUPS_KEY] = node.config.stash[_GROUPS]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadgroup``, pytest-xdist's LoadGroupScheduling with the groups the workers wrote
+    (tests/xdist_groups.py); any other ``--dist`` keeps pytest-xdist's own scheduler."""
+    if _GROUPS not in config.stash:
+        return None
+    from xdist_groups import SharedModuleScheduling
+
+    return SharedModuleScheduling(config, log, config.stash[_GROUPS])
 
 
 @pytest.fixture(scope="session")

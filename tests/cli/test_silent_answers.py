@@ -11,6 +11,9 @@ from rlctl.storage import Storage
 
 from helpers import invoke
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("finished_run",)
+
 RULE = "rules:\n  - name: r\n"
 WARN = "    actions: [{type: warn}]\n"
 

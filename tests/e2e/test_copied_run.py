@@ -15,6 +15,9 @@ from rlctl.errors import ExitCode
 
 from helpers import invoke, start
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("copied",)
+
 REWARD = "def score(prompts, completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
 
 

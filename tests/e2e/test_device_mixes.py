@@ -12,6 +12,9 @@ from test_multi_turn_e2e import task  # noqa: F401 (the model taught to call a t
 
 from helpers import REPO, SMALL, child_env
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("task",)
+
 RUNS = {
     # the GPU check's: bf16, RLOO, several optimizer steps a step, gradient checkpointing, overlong
     "grpo": ["--set", "model.dtype=bf16", "--set", "algorithm.adv_estimator=rloo", "--set", "actor.mini_batch_size=8",

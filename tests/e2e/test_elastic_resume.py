@@ -17,6 +17,9 @@ from rlctl.errors import ExitCode
 
 from helpers import events_of, invoke, metrics_of, run_cli, start
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("two_ranks",)
+
 # 6 prompts: a share for each of 1, 2 and 3 ranks; a snapshot after each of the 2 steps, both kept
 ARGS = [
     *("--set", "trainer.prompts_per_step=6", "--set", "algorithm.group_size=4"),

@@ -12,6 +12,9 @@ from rlctl.engine.rollout import sample_seed
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for, sampler_for
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("model_dir",)
+
 
 def make_cfg(**sets) -> RunConfig:
     cfg = RunConfig.model_validate(

@@ -19,6 +19,9 @@ from rlctl.inspect import CHECK_CODES
 
 from helpers import SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn_start, start_here, wait_for
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("preempted_while_building",)
+
 
 def last_event(run_dir):
     events = events_of(run_dir)  # ([] before the file exists)

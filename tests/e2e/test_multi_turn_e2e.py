@@ -37,6 +37,9 @@ from helpers import (
     wait_for,
 )
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("off_reference", "reference", "task")
+
 CAPITALS = {"france": "paris", "peru": "lima", "italy": "rome", "japan": "tokyo"}
 TOOL = '''
 import os

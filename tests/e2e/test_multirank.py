@@ -33,6 +33,9 @@ from helpers import (
     wait_for,
 )
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("one_rank", "two_local")
+
 BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4", "--set", "rollout.max_new_tokens=12"]
 # validation too: 5 held-out prompts over 2 ranks, so one rank's share is padded (ZeRO-3 gathers together)
 VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]

@@ -13,6 +13,9 @@ from rlctl.policies.catalogue import known_metric
 
 from helpers import SMALL, events_of, invoke, metrics_of, start_here
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("drilled", "healthy")
+
 # two update passes per step (mini-batch 8 of 16 responses), so actor/ppo_kl is not always 0
 SHAPE = [*SMALL, "--set", "actor.mini_batch_size=8"]
 RULES = [

@@ -19,6 +19,9 @@ from rlctl.sandbox import Limits, SandboxUnavailable, check
 
 from helpers import completed_hash, events_of, metrics_of, run_cli, spawn, stable, start, wait_for
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("task",)
+
 try:
     check(Limits(), "sandbox")
     problem = None

@@ -9,6 +9,9 @@ import yaml
 
 from helpers import SMALL, events_of, invoke, metrics_of, start
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("turned",)
+
 RAN_UNDER = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "rollback"}]}]
 WATCH = [
     {"name": "kl-watch", "when": "actor/ppo_kl > 0.5", "actions": [{"type": "warn"}]},

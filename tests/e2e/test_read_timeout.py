@@ -19,6 +19,9 @@ from rlctl.storage import Storage
 
 from helpers import RLCTL, child_env, invoke
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("refused",)
+
 
 @pytest.fixture(scope="module")
 def refused():

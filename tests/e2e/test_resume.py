@@ -27,6 +27,9 @@ from helpers import (
     wait_for,
 )
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("finished",)
+
 
 @pytest.mark.parametrize("stage", [3, 0])
 def test_sigkill_and_resume_is_exact(tmp_path, stage):

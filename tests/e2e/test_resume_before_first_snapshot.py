@@ -25,6 +25,9 @@ from helpers import (
     wait_for,
 )
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("reference",)
+
 RUN = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=4"]  # the first commit: step 4
 
 

@@ -19,6 +19,9 @@ from rlctl.engine.rollout.vllm import VLLMRollout, process_state_kept
 from rlctl.errors import ConfigError
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("setup",)
+
 TEMPERATURE = 0.9
 PROMPTS = ["abcd=", "e=", "fgh+ij=", "k"]
 KEYS = [(7, 0), (7, 1), (9, 0), (9, 1)]

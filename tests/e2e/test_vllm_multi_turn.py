@@ -18,6 +18,9 @@ from rlctl.engine.rollout.vllm_multi_turn import VLLMMultiTurnRollout
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("both",)
+
 CALL = '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>'
 
 

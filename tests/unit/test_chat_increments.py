@@ -9,6 +9,9 @@ from chat_tokenizer import NOT_INCREMENTAL, build_chat_tokenizer
 from rlctl.engine.rollout.chat import ChatIncrements, first_drift, tool_message
 from rlctl.errors import ConfigError, ExitCode
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tok",)
+
 SCHEMAS = [{"type": "function", "function": {"name": "lookup", "description": "capital", "parameters": {}}}]
 
 

@@ -18,6 +18,9 @@ from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.token_budget import GRAIN, device_token_budget, token_budget
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tiny",)
+
 B, L, V, T = 3, 11, 37, 7
 FIRST = L - (T + 1)  # as a model's logits over the response's positions and one more
 

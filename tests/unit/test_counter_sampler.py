@@ -24,6 +24,9 @@ from rlctl.engine.rollout.seeds import sample_seed
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from device_mix import DEVICE, RLCTL, DeviceMix  # noqa: E402
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tiny",)
+
 
 def test_the_tensor_hash_is_lowbias32_in_wrapping_arithmetic():
     rng = random.Random(0)

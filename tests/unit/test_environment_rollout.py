@@ -23,6 +23,9 @@ from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("made",)
+
 
 @pytest.fixture(scope="module")
 def made(runtime, tmp_path_factory):

@@ -16,6 +16,9 @@ from rlctl.errors import InputError
 from rlctl.rundir.layout import MODEL_COMPLETE
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("reference",)
+
 
 def digest(model_dir) -> str:
     return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()

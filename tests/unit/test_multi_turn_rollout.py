@@ -19,6 +19,9 @@ from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError, InputError
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("rollout",)
+
 TOOLS = [
     {"function": "toolbox:lookup"},
     {"function": "toolbox:fail"},

@@ -11,6 +11,9 @@ from rlctl.engine.tools.pool import ERROR, INFRA, OK, Session, ToolPool
 from rlctl.errors import ConfigError
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("pool",)
+
 try:
     check(Limits(), "sandbox")
     problem = None

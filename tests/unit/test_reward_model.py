@@ -20,6 +20,9 @@ from rlctl.preflight import check_config_names
 
 from helpers import save_reward_model
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("rm_dir",)
+
 PROMPTS = ["abc=", "de=", "fghij=", "k=", "abc="]
 COMPLETIONS = ["abc", "x", "fghijfghij", "", "abd"]
 

@@ -15,6 +15,9 @@ from rlctl.engine.rollout.sampling import StopStrings, apply_min_p, apply_top_k,
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.rollout.vllm import VLLMRollout, logprobs_mode_for
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tok",)
+
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 

@@ -20,6 +20,9 @@ from rlctl.engine.rollout.hf import HFRollout
 from rlctl.errors import ConfigError
 from rlctl.storage import Storage
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tiny",)
+
 
 def batch(rows: list[list[int]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, T) ids (padding 0, a real id too, so padding that leaked in would show) and mask."""

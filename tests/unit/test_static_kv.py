@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from device_mix import DEVICE  # noqa: E402
 from test_counter_sampler import Transfers  # noqa: E402
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("tiny",)
+
 PROMPTS = ["3+4=", "hello there, ", "x", "a longer prompt here: ", "12", "q", "abc", "zz top", "1", "22", "333", "5"]
 
 

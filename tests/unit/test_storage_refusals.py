@@ -25,6 +25,9 @@ from rlctl.storage.failures import guarded, is_refusal, is_transient
 
 from helpers import child_env, invoke, run_cli
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("s3_with_auth",)
+
 AZURITE = "azurite/node_modules/.bin/azurite-blob"
 
 

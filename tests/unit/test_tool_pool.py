@@ -8,6 +8,9 @@ import pytest
 
 from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, ToolPool
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("pool",)
+
 
 @pytest.fixture(scope="module")
 def pool():  # (a deadline no stall of a loaded machine reaches; the timeout test has a pool of its own)

@@ -23,6 +23,9 @@ from rlctl.trackers import PIP, REQUIRES, Trackers, missing
 
 from helpers import mlflow_runs, steps_of, tb_scalars, wandb_ids, wandb_run
 
+# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
+SHARED_FIXTURES = ("_offline", "rolled")
+
 ALL = ["tensorboard", "wandb", "mlflow"]
 
 
