@@ -30,9 +30,6 @@ from slurm_cluster import SlurmCluster
 
 from helpers import REPO, events_of, has_step, metrics_of, settled_before
 
-# the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
-SHARED_FIXTURES = ("slurm",)
-
 STEPS = 4
 CONFIG = {
     "name": "slurm",
