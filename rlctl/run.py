@@ -32,7 +32,7 @@ from rlctl.ranks.report import Reporter, SilentReporter
 from rlctl.ranks.starter import rank_starter
 from rlctl.ranks.stops import STOPS, Stopped
 from rlctl.ranks.tmpdir import run_tempdir
-from rlctl.ranks.worker import start_snapshot_writer, stop_snapshot_writer, train_rank
+from rlctl.ranks.worker import rest_snapshot_writer, start_snapshot_writer, train_rank
 from rlctl.rundir.directory import (
     claim_run_dir,
     last_step,
@@ -114,7 +114,7 @@ def _resume(
 
 def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
     """Start the snapshot writer process of a run that this process will train (one rank) before this
-    process imports torch (``start_snapshot_writer``); ``start_run`` stops it when the run ends. For a
+    process imports torch (``start_snapshot_writer``); ``start_run`` puts it to rest when the run ends. For a
     command that imports the engine before it calls ``start_run``."""
     if cfg.world_size == 1:
         start_snapshot_writer(run_storage(url, cfg), cfg)
@@ -123,15 +123,17 @@ def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
 @contextlib.contextmanager
 def _snapshot_writer(run: Storage, cfg: RunConfig, unless: bool = False) -> Iterator[None]:
     """For a run trained in this process (one rank), its snapshot writer process started at once
-    (``start_snapshot_writer``: it imports torch while this process does, before the preflight), and
-    stopped when the run ends, trained or turned away (no snapshot is in flight by then). ``unless``:
-    none is started (the run is most likely complete: its writer would only import)."""
+    (``start_snapshot_writer``: it imports torch while this process does, before the preflight; a writer
+    an earlier run of this process started in the same environment is kept), and put to rest when the
+    run ends, trained or turned away (no snapshot is in flight by then): it frees what it held for the
+    run and serves this process's next run. ``unless``: none is started (the run is most likely
+    complete: its writer would only import)."""
     started = not unless and cfg.world_size == 1 and start_snapshot_writer(run, cfg)
     try:
         yield
     finally:
         if started:
-            stop_snapshot_writer()
+            rest_snapshot_writer()
 
 
 def _ranks_starter(cfg: RunConfig, unless: bool = False) -> contextlib.AbstractContextManager:

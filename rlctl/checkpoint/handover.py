@@ -86,6 +86,11 @@ class HostBuffers:
         with self._lock:
             return sum(kind_size[1] * len(pool) for kind_size, pool in self._free.items())
 
+    def clear(self) -> None:
+        """Free the buffers waiting for a job (a run ended; those lent to a job in flight stay lent)."""
+        with self._lock:
+            self._free = {}
+
     def give_back(self, lent: Sequence[tuple[str, Any]]) -> None:
         with self._lock:
             for kind, host in lent:

@@ -67,6 +67,7 @@ class WriterProcess:
         self._proc: subprocess.Popen | Forked | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
+        self._started_in: int | None = None  # the environment the running writer was started in
 
     @property
     def pid(self) -> int | None:
@@ -82,11 +83,17 @@ class WriterProcess:
         what the jobs' state dicts name that the training process imports its own way; ``env``: variables
         it runs with besides this process's. ``fork``: the caller allows forking it from this process
         (``rlctl.checkpoint.forked``: what ``env`` sets must not have been read here already), which
-        happens where that is safe."""
+        happens where that is safe. A writer that runs was started for an earlier run of this process:
+        it is kept when it was started in this same environment (variables, import path, ``preload`` and
+        ``env``), which it holds from then on, and otherwise replaced."""
+        started_in = _environment(preload, env)
         with self._lock:
-            if self.alive():
+            if self.alive() and started_in == self._started_in:
                 return
+            if self.alive():
+                self._stop()
             self._close_conn()
+            self._started_in = started_in
             ours, theirs = socket.socketpair()
             parent, preload = os.getpid(), [REDUCTIONS, *preload]
             variables = {**(env or {}), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -159,13 +166,28 @@ class WriterProcess:
             self._conn = None
 
     def stop(self) -> None:
-        """Stop the writer at once, whatever it is importing (call when no job is in flight: a run ended)."""
+        """Stop the writer at once, whatever it is importing (call when no job is in flight)."""
         with self._lock:
-            self._close_conn()
-            if self._proc is not None:
-                self._proc.kill()
-                self._proc.wait()
-                self._proc = None
+            self._stop()
+
+    def _stop(self) -> None:
+        self._close_conn()
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def rest(self) -> None:
+        """A run of this process ended (no job in flight): the writer frees the staging buffers it kept for
+        that run's snapshots and waits for the next run's first job, which then needs no new interpreter
+        (it dies with this process, or is replaced by ``start`` in another environment)."""
+        from rlctl.checkpoint.handover import HOST_BUFFERS
+
+        HOST_BUFFERS.clear()
+        with self._lock:
+            if self._conn is not None and self.alive():
+                with contextlib.suppress(OSError):
+                    self._conn.send(None)
 
     def close(self) -> None:
         """Stop the writer (it finishes nothing: call when no job runs)."""
@@ -178,6 +200,12 @@ class WriterProcess:
                     self._proc.kill()
                     self._proc.wait()
                 self._proc = None
+
+
+def _environment(preload: Sequence[str], env: Mapping[str, str] | None) -> int:
+    """What a writer started now would run in: this process's variables and import path, ``preload`` and
+    ``env`` (a hash, to tell one from another)."""
+    return hash((frozenset(os.environ.items()), tuple(sys.path), tuple(preload), frozenset((env or {}).items())))
 
 
 _writer: WriterProcess | None = None
@@ -273,9 +301,13 @@ def _serve(conn) -> None:
     buffers = _StagingBuffers()
     while True:
         try:
-            stage_copy, hold, payload = conn.recv()
+            message = conn.recv()
         except EOFError:
             return
+        if message is None:  # (the run ended: ``rest``)
+            buffers = _StagingBuffers()
+            continue
+        stage_copy, hold, payload = message
         try:
             time.sleep(hold)  # (the write_delay drill: before the live state is read)
             job = _Unpickler(payload, buffers if stage_copy else None).load()

@@ -163,9 +163,10 @@ def _writer_env_still_read() -> bool:
     return deepspeed_accelerator() in (None, WRITER_ENV["DS_ACCELERATOR"])
 
 
-def stop_snapshot_writer() -> None:
-    """Stop this process's snapshot writer process (a run trained here ended: no snapshot is in flight)."""
-    snapshot_writer().stop()
+def rest_snapshot_writer() -> None:
+    """A run trained here ended (no snapshot is in flight): this process's snapshot writer frees what it
+    kept for the run's snapshots and stays for the process's next run (``WriterProcess.rest``)."""
+    snapshot_writer().rest()
 
 
 def _train(trainer, snapshots: SnapshotManager, emit, rank: int | None) -> None:

@@ -127,3 +127,35 @@ def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
     assert found["two threads"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
     assert found["not allowed"] == ([b"-m", b"rlctl.checkpoint.writer"], "rlctl-writer"), found
     assert done.stderr.count("pending, no newline yet") == 1, done.stderr  # (once: not again by the child)
+
+
+def test_a_writer_at_rest_serves_the_next_run_of_its_environment_and_another_gets_its_own(tmp_path, monkeypatch):
+    """Runs trained one after another in one process (`start_run` called again, as the suite and a sweep do)
+    share one writer process: put to rest at a run's end (``rest``), it frees its staging buffers and
+    serves the next run's snapshots without a new interpreter's imports; started again in another
+    environment (here a variable set between the runs), it is replaced by a writer that has it."""
+    import torch
+
+    from rlctl.checkpoint.handover import pickle_job
+    from rlctl.checkpoint.job import WriteJob
+    from rlctl.storage import Storage
+
+    writer = WriterProcess()
+    try:
+        writer.start()
+        first = writer.pid
+        for step in (1, 2):  # a job, a rest, a job: the same process serves both
+            stage = tmp_path / f"step-{step}"
+            stage.mkdir()
+            deferred = [(str(stage / "t.pt"), {"t": torch.full((64,), float(step))})]
+            job = WriteJob(f"step-{step}", str(stage), Storage(str(tmp_path / "store")), deferred=deferred)
+            assert writer.run(pickle_job(job), stage_copy=True, staged=lambda: None) is not None
+            assert torch.load(stage / "t.pt")["t"][0].item() == step
+            writer.rest()
+            writer.start()
+            assert writer.pid == first and writer.alive()
+        monkeypatch.setenv("RLCTL_TEST_WRITER_ENV", "another")
+        writer.start()
+        assert writer.alive() and writer.pid != first and not os.path.exists(f"/proc/{first}/cmdline")
+    finally:
+        writer.stop()
