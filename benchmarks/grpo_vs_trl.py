@@ -111,7 +111,8 @@ What a step is:
   loop with a KV cache on the actor's own module, one forward per token), decode, score, reference log-probs (with KL), advantages, then the
   update: one forward with grad (which also gives the old log-probs: the step is exactly on-policy, so
   there is no separate old-log-prob pass), backward, grad clip and AdamW step inside DeepSpeed
-  (world of one, gloo: the configured ZeRO-2 trains at stage 0 there, without partitioning). Writing the metrics row is not in it.
+  (world of one, gloo: the configured ZeRO-2 trains at stage 0 there, without partitioning). Writing the
+  metrics row is not in it.
 - TRL: wall time from `on_step_begin` to `on_step_end` of a `TrainerCallback`: `Trainer.training_step`
   (`_prepare_inputs` -> `_generate_and_score_completions`: tokenize, HF `generate`, decode, reward,
   reference log-probs with KL, advantages; then `compute_loss`: one forward with grad, which likewise
@@ -1335,8 +1336,8 @@ def main() -> None:
         print(f"TRL settings as its trainer saw them ({where}):")
         print("  " + ", ".join(f"{k}={v}" for k, v in d.items()))
     print(
-        "Not identical by design: rlctl trains in DeepSpeed (ZeRO-2 configured, stage 0 in a world of one), TRL in plain PyTorch via "
-        "accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
+        "Not identical by design: rlctl trains in DeepSpeed (ZeRO-2 configured, stage 0 in a world of one), "
+        "TRL in plain PyTorch via accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
         "distribution, different draws and lengths); see the module docstring."
     )
     print(f"total {total:.0f} s")
