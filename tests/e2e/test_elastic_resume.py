@@ -92,8 +92,19 @@ def one_rank(tmp_path_factory):
     assert manifest_of(run, 1)["zero_stage"] == 0
     actor = step_dir(run, 1) / "actor"
     weights = stage0_fp32_state_dict(str(actor))
-    trained = torch.load(actor / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
-    return run, weights_digest((name, weights[name]) for group in trained for name in group)  # (a tied one once)
+    names = parameter_names(torch.load(actor / "mp_rank_00_model_states.pt", weights_only=False))
+    return run, weights_digest((name, weights[name]) for name in names)
+
+
+def parameter_names(saved) -> list[str]:
+    """The names of the parameters of a stage-0 checkpoint's model states ``saved``, in the module's order
+    (the order of its optimizer's state), a tied one once (as ``named_parameters`` gives them)."""
+    module, buffers = saved["module"], set(saved["buffer_names"])
+    first = {}
+    for name, tensor in module.items():
+        if name not in buffers:
+            first.setdefault(tensor.data_ptr(), name)
+    return list(first.values())
 
 
 def step_dir(run, step):
@@ -123,9 +134,9 @@ def engine_state(run, step, tmp):
 
 def stage0_engine_state(actor):
     """``engine_state`` of a stage-0 (fp32) snapshot's actor directory: its module's parameters are the
-    masters; torch's AdamW state numbers them in the order of DeepSpeed's ``param_shapes``."""
+    masters; torch's AdamW state numbers them in the module's order."""
     saved = torch.load(actor / "mp_rank_00_model_states.pt", weights_only=False)
-    names = [name for group in saved["param_shapes"] for name in group]
+    names = parameter_names(saved)
     optimizer = saved["optimizer"]["state"]
     state = {}
     for i, name in enumerate(names):
