@@ -43,7 +43,7 @@ def set_optimizer_state(zero, saved: dict, path: str) -> None:
 
     inner = saved.get("optimizer_state_dict", saved)  # (bf16: the wrapper holds torch's state dict)
     masters = saved.get("fp32_groups")
-    groups = zero.bit16_groups
+    groups = zero.bit16_groups if hasattr(zero, "bit16_groups") else zero.bf16_groups  # (BF16_Optimizer: ZeRO-1)
     if len(inner["param_groups"]) != len(groups):
         raise RuntimeError(
             f"the optimizer of {path} has {len(inner['param_groups'])} parameter groups, not {len(groups)}"
