@@ -76,8 +76,8 @@ Identical on both sides:
 - one process computing, one intra-op thread (`OMP_NUM_THREADS=1`, `torch.set_num_threads(1)`), CPU;
 - precision (`--dtype`): fp32 on both sides by default; bf16 runs rlctl with `model.dtype=bf16` and TRL
   with `bf16=True` (TRL's own default). Both then multiply in bf16 and keep fp32 master weights and
-  AdamW states, each in its own way: rlctl holds the module in bf16 inside DeepSpeed's bf16 ZeRO-2
-  optimizer, TRL keeps an fp32 module under accelerate's bf16 autocast.
+  AdamW states, each in its own way: rlctl holds the module in bf16 inside DeepSpeed's bf16 stage-0
+  wrapper, TRL keeps an fp32 module under accelerate's bf16 autocast.
 
 Two workloads. Identical work (models tiny and 25M): both sides do the same thing, every micro-batch the
 whole batch. Variable lengths (var): the 25M model with 128 new tokens. Its random weights end a
@@ -110,8 +110,9 @@ What a step is:
 - rlctl: `timing_s/step` from RUN_DIR/metrics.jsonl: draw prompts, generate (rlctl's batched decode
   loop with a KV cache on the actor's own module, one forward per token), decode, score, reference log-probs (with KL), advantages, then the
   update: one forward with grad (which also gives the old log-probs: the step is exactly on-policy, so
-  there is no separate old-log-prob pass), backward, grad clip and AdamW step inside DeepSpeed ZeRO-2
-  (world of one, gloo). Writing the metrics row is not in it.
+  there is no separate old-log-prob pass), backward, grad clip and AdamW step inside DeepSpeed
+  (world of one, gloo: the configured ZeRO-2 trains at stage 0 there, without partitioning). Writing the
+  metrics row is not in it.
 - TRL: wall time from `on_step_begin` to `on_step_end` of a `TrainerCallback`: `Trainer.training_step`
   (`_prepare_inputs` -> `_generate_and_score_completions`: tokenize, HF `generate`, decode, reward,
   reference log-probs with KL, advantages; then `compute_loss`: one forward with grad, which likewise
@@ -124,8 +125,9 @@ What a step is:
 
 What differs, by design of each tool:
 
-- rlctl trains inside a DeepSpeed ZeRO-2 engine (its only mode); TRL here runs plain PyTorch through
-  accelerate (no DeepSpeed, no DDP), its default for one process;
+- rlctl trains inside a DeepSpeed engine (actor.zero_stage 2, which a world of one trains at stage 0:
+  the torch AdamW unpartitioned); TRL here runs plain PyTorch through accelerate (no DeepSpeed, no DDP),
+  its default for one process;
 - rlctl samples with a per-sequence seeded Gumbel-max logits processor (reproducible per sequence);
   TRL uses transformers' multinomial sampling from the global generator. Same distribution, different
   draws, so the completions and their lengths differ;
@@ -1068,7 +1070,7 @@ def main_device(args) -> None:
     wall = time.monotonic() - T0
     print(
         f"model: {facts['params'] / 1e6:.1f}M parameters ({facts['matmul_params'] / 1e6:.1f}M in matrix products), "
-        f"bf16 on both sides (rlctl: a bf16 module in DeepSpeed's bf16 ZeRO-2 optimizer; TRL: bf16=True, autocast "
+        f"bf16 on both sides (rlctl: a bf16 module in DeepSpeed's stage-0 bf16 wrapper; TRL: bf16=True, autocast "
         f"over an fp32 module). total {wall:.0f} s of the {args.budget:.0f} s budget"
     )
     if args.json:
@@ -1334,8 +1336,8 @@ def main() -> None:
         print(f"TRL settings as its trainer saw them ({where}):")
         print("  " + ", ".join(f"{k}={v}" for k, v in d.items()))
     print(
-        "Not identical by design: rlctl trains in DeepSpeed ZeRO-2 (world of one), TRL in plain PyTorch via "
-        "accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
+        "Not identical by design: rlctl trains in DeepSpeed (ZeRO-2 configured, stage 0 in a world of one), "
+        "TRL in plain PyTorch via accelerate; rlctl samples with per-sequence seeded Gumbel-max, TRL with multinomial sampling (same "
         "distribution, different draws and lengths); see the module docstring."
     )
     print(f"total {total:.0f} s")

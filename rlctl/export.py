@@ -2,7 +2,8 @@
 
 The weights are consolidated in fp32 from the DeepSpeed files of any ZeRO stage with DeepSpeed's own
 ``zero_to_fp32`` reader (no engine, no process group), or at stage 0, which has no partitions to
-consolidate, from the model states file (``stage0_fp32_state_dict``); the model's config and tokenizer come from the
+consolidate (what a world of one writes, whatever stage its config names), from the model states file
+(``stage0_fp32_state_dict``); the model's config and tokenizer come from the
 snapshot's ``hf/`` copy, so the export needs nothing but the snapshot. Checksums are verified first.
 A LoRA run's snapshot holds the adapter alone: its base weights come from the run's model directory
 (``model.path``, or the built-in model in RUN_DIR/model), and the adapter is merged into them (a plain
@@ -22,7 +23,7 @@ from rlctl.checkpoint.manifest import checksum_problem
 from rlctl.errors import ConfigError, SnapshotError
 from rlctl.rundir.directory import load_run_config
 from rlctl.rundir.selection import select
-from rlctl.rundir.snapshots import snapshot_catalog
+from rlctl.rundir.snapshots import ACTOR_STAGE, snapshot_catalog
 from rlctl.storage import Storage
 
 
@@ -65,7 +66,7 @@ def export_snapshot(
         if problem:
             raise SnapshotError(f"snapshot {info.name} is not usable: {problem}")
         hf = os.path.join(local, "hf")
-        if cfg.actor.zero_stage == 0:  # (the catalog refuses a snapshot of another stage)
+        if (info.manifest or {}).get(ACTOR_STAGE) == 0:  # (a stage-2 run of one rank trains at stage 0)
             state = stage0_fp32_state_dict(os.path.join(local, "actor"))
         else:
             with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's reader prints progress to stdout

@@ -51,16 +51,23 @@ def parse_step_spec(spec: str, option: str = "--from") -> int | str:
 class Topology:
     """One fact besides the world size that a snapshot's files are laid out for (a directory-Stateful's
     topology, e.g. how an engine partitions its state): recorded in the manifest under ``key``; a
-    snapshot that recorded another value is not usable, and ``mismatch`` (formatted with ``recorded``
-    and ``value``) says why."""
+    snapshot that recorded another value (nor one of ``also``) is not usable, and ``mismatch`` (formatted
+    with ``recorded`` and ``value``) says why."""
 
     key: str
     value: Any
     mismatch: str
+    also: tuple[Any, ...] = ()  # other recorded values the run loads too (converting the files as it loads)
+    absent: Any = None  # what a manifest without the key recorded (one written before the key was)
+
+    def recorded(self, manifest: dict[str, Any]) -> Any:
+        return manifest.get(self.key, self.absent)
 
     def problem(self, manifest: dict[str, Any]) -> str | None:
-        recorded = manifest.get(self.key)
-        return None if recorded == self.value else self.mismatch.format(recorded=recorded, value=self.value)
+        recorded = self.recorded(manifest)
+        if recorded == self.value or recorded in self.also:
+            return None
+        return self.mismatch.format(recorded=recorded, value=self.value)
 
 
 @dataclass

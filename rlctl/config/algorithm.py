@@ -181,7 +181,9 @@ class ActorConfig(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(
         2,
         description="DeepSpeed ZeRO stage of the actor; 0: no partitioning (each rank holds the whole "
-        "optimizer state; several ranks are plain data parallelism; not with model.dtype fp16).",
+        "optimizer state; several ranks are plain data parallelism; not with model.dtype fp16). A run of one "
+        "rank trains stage 1 or 2 at stage 0 (unless fp16, or resumed from a snapshot of its stage), and its "
+        "snapshots resume onto more ranks at this stage.",
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient norm to this value.")
     mini_batch_size: int | None = Field(
@@ -224,7 +226,9 @@ class CriticConfig(Strict):
     )
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        2, description="DeepSpeed ZeRO stage of the critic; 0: no partitioning (not with model.dtype fp16)."
+        2,
+        description="DeepSpeed ZeRO stage of the critic; 0: no partitioning (not with model.dtype fp16). One "
+        "rank trains stage 1 or 2 at stage 0, as actor.zero_stage.",
     )
     grad_clip: float = Field(1.0, gt=0, description="Clip the critic's gradient norm to this value.")
     cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")

@@ -68,12 +68,15 @@ class Actor(DSModule):
         *,
         collectives: Collectives | None = None,
         fence: Callable[[], None] | None = None,
+        zero_stage: int | None = None,
     ):
+        """``zero_stage``: the ZeRO stage the engine trains at (``rlctl.rundir.snapshots.trained_stages``;
+        None: actor.zero_stage)."""
         self.cfg = cfg
         mini = rank_mini_batch(cfg)
         spec = EngineSpec(
             lr=cfg.actor.lr,
-            zero_stage=cfg.actor.zero_stage,
+            zero_stage=cfg.actor.zero_stage if zero_stage is None else zero_stage,
             grad_clip=cfg.actor.grad_clip,
             mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini,

@@ -50,12 +50,15 @@ class Critic(DSModule):
         *,
         collectives: Collectives | None = None,
         fence: Callable[[], None] | None = None,
+        zero_stage: int | None = None,
     ):
+        """``zero_stage``: the ZeRO stage the engine trains at (``rlctl.rundir.snapshots.trained_stages``;
+        None: critic.zero_stage)."""
         self.cfg = cfg
         mini = rank_mini_batch(cfg)
         spec = EngineSpec(
             lr=cfg.critic.lr,
-            zero_stage=cfg.critic.zero_stage,
+            zero_stage=cfg.critic.zero_stage if zero_stage is None else zero_stage,
             grad_clip=cfg.critic.grad_clip,
             mini_batch=mini,
             micro_batch=cfg.actor.micro_batch_size or mini,

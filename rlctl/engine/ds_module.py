@@ -2,7 +2,7 @@
 and a warm-up schedule (``DSModule``), what it is built from (``EngineSpec``, ``ds_config``), the
 checkpoint engine that hands serialization to the snapshot manager's background writer, and what a
 snapshot needs to know of DeepSpeed's files: which rank alone reads each one. (That their layout is
-the ZeRO stage's is a fact of the run's config: ``rlctl.rundir.snapshots.zero_topology``.)
+the ZeRO stage's is a fact of the run's snapshots: ``rlctl.rundir.snapshots.zero_topology``.)
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ class DSModule:
         """Load the engine's state from its checkpoint directory ``path``, written by ``saved_world`` ranks,
         into this world of another size (an elastic resume: ``rlctl.checkpoint.elastic``): its ZeRO
         partitions through DeepSpeed's universal checkpoint (``rlctl.engine.universal``: weights and
-        optimizer state bit-identical); a ZeRO-0 checkpoint, which has none, as it is."""
+        optimizer state bit-identical); a ZeRO-0 checkpoint, which has none, as ``load_from_dir`` does."""
         from rlctl.engine.universal import load_resharded, saved_partitions
 
         if saved_partitions(path) is None:
@@ -348,6 +348,18 @@ class DSModule:
             load_resharded(self.engine, path, strict=not self.frozen)
 
     def load_from_dir(self, path: str) -> None:
+        """Load the engine's state from its checkpoint directory ``path``: DeepSpeed's own load, or for a
+        stage-0 checkpoint (no ZeRO partitions: a world of one's) into a ZeRO-1/2 engine,
+        ``rlctl.engine.stage0``. A partitioned checkpoint does not load into a stage-0 engine."""
+        from rlctl.engine.universal import saved_partitions
+
+        partitioned = saved_partitions(path) is not None
+        if not partitioned and self.zero_stage in (1, 2):
+            from rlctl.engine.stage0 import load_stage0
+
+            return load_stage0(self.engine, path, strict=not self.frozen)
+        if partitioned and self.zero_stage == 0:
+            raise RuntimeError(f"{path} was written by a ZeRO-partitioned engine; this engine trains at stage 0")
         parent, tag = os.path.split(path.rstrip("/"))
         loaded, _ = self.engine.load_checkpoint(
             parent,

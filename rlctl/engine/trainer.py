@@ -45,6 +45,7 @@ from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
 from rlctl.rundir.selection import ResumePlan
+from rlctl.rundir.snapshots import ZeroStages, trained_stages
 from rlctl.storage import Storage
 
 
@@ -81,12 +82,12 @@ class Trainer:
         on_step: StepCallback | None = None,
         on_event: EventCallback | None = None,
         fence: Callable[[], None] | None = None,
+        stages: ZeroStages | None = None,
     ):
-        """``rank``: this process set up as a rank of the run (``open_rank``); ``snapshots`` was built
-        with its collectives; ``guard``: the run's policies (``cfg.policies``), built once for the rank;
-        ``fence`` (the lease's check) is called before every metrics row."""
-        self.cfg, self.run, self.snapshots, self.on_step = cfg, run, snapshots, on_step
-        self.fence = fence
+        """``rank``: this process as a rank of the run (``open_rank``); ``snapshots``: built with its
+        collectives; ``guard``: the run's policies, built once for the rank; ``fence`` (the lease's check):
+        called before every metrics row; ``stages``: the engines' ZeRO stages (None: a fresh start's)."""
+        self.cfg, self.run, self.snapshots, self.on_step, self.fence = cfg, run, snapshots, on_step, fence
         self.emit = on_event or (lambda event: None)
         fired = faults.fired_in(read_rows(run, EVENTS)) if cfg.faults else ()  # (the log read for drills only)
         faults.configure(cfg.faults, fired, self.emit)  # once in the run
@@ -108,7 +109,7 @@ class Trainer:
         prompts = load_prompts(cfg, self.tokenizer, schemas)  # filtered before the cursor numbers the rows
         prompts.announce(self.emit, self.dist.is_main)
         self.data = PromptCursor(prompts.train, cfg.seed, cfg.data.shuffle)
-        self._build_models()
+        self._build_models(stages or trained_stages(cfg, self.runtime.dtype == torch.float16))
         self.experience = Experience(
             cfg, self.data, self.rollout, reward_fn, self.tokenizer.pad_token_id, self.dist, tokenizer=self.tokenizer
         )
@@ -137,16 +138,18 @@ class Trainer:
         loaded as each batch starts (``engine.ahead``), not pushed after every update."""
         return self.ahead is not None and self.cfg.rollout.backend == "vllm"
 
-    def _build_models(self) -> None:
-        """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend.
-        No optimizer step while a snapshot still reads the weights: the modules wait at its fence."""
+    def _build_models(self, stages: ZeroStages) -> None:
+        """The actor, the reference (when a KL term needs it), the critic (PPO) and the rollout backend, the
+        engines at the ZeRO ``stages``. No optimizer step while a snapshot still reads the weights: the
+        modules wait at its fence."""
         cfg, fence = self.cfg, self.snapshots.wait_staged if self.snapshots is not None else None
-        self.actor = Actor(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
+        at = {"collectives": self.dist, "fence": fence}
+        self.actor = Actor(cfg, self.model_dir, self.runtime, **at, zero_stage=stages.actor)
         self.ref = None
         if may_exceed(cfg, "algorithm.kl_coef", 0.0):  # a warm-up from 0: loaded before it rises
             self.ensure_reference()
         self.critic = (
-            Critic(cfg, self.model_dir, self.runtime, collectives=self.dist, fence=fence)
+            Critic(cfg, self.model_dir, self.runtime, **at, zero_stage=stages.critic)
             if cfg.algorithm.name == "ppo"
             else None
         )

@@ -6,8 +6,9 @@ joins the partitions into one file per parameter and state (fp32 master weight, 
 ``exp_avg_sq``) plus the optimizer's common state; the engine then loads that with universal loading
 (``"checkpoint": {"load_universal": true}``), each rank taking its new partition. Joining and cutting are
 copies: what loads is bit-identical to what was saved. Verified on DeepSpeed 0.19.8 for ZeRO 1, 2 and 3,
-2 ranks onto 1 and 3 and back. A ZeRO-0 checkpoint holds its whole optimizer in the model states file and
-loads into any world size as it is.
+2 ranks onto 1 and 3 and back. A ZeRO-0 checkpoint (a world of one's) holds its whole optimizer in the
+model states file: it loads into a stage-0 engine of any world size as it is, and into a ZeRO-1/2 engine
+through ``rlctl.engine.stage0``.
 
 Each rank converts the snapshot's engine directory (its local copy) into a temporary directory of its own,
 loads from it and removes it: a rank on another node needs no shared disk.

@@ -31,7 +31,7 @@ from rlctl.ranks.stops import STOPS, on_stop_signals
 from rlctl.rundir.layout import METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.rundir.selection import ResumePlan
-from rlctl.rundir.snapshots import checkpoint_storage, snapshot_manager
+from rlctl.rundir.snapshots import ZeroStages, checkpoint_storage, snapshot_manager, trained_stages
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 from rlctl.yamlsrc import SAVED, load_yaml
@@ -76,7 +76,7 @@ def train_rank(
 
 def _session(run, cfg, events, reporter, plan, rank, fence, trackers) -> dict[str, Any]:
     main = rank == 0
-    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence, trackers)
+    trainer, snapshots = _build_trainer(cfg, run, events, reporter, rank, fence, trackers, plan)
     STOPS.keep()  # from here a stop waits for the trainer: it snapshots where it is, then stops
     try:
         if plan is not None:
@@ -100,10 +100,12 @@ def _build_trainer(
     rank: int,
     fence: Fence | None,
     trackers: Trackers | None = None,
+    plan: ResumePlan | None = None,
 ):
     """This process as a rank of the run: its snapshot writer process first (unless it runs already:
     ``start_snapshot_writer``), then device, threads, seeds and process group, its policies (built
-    once: the snapshot manager keeps what they may roll back to, the trainer judges by them), its
+    once: the snapshot manager keeps what they may roll back to, the trainer judges by them), the ZeRO
+    stages its engines train at (``trained_stages``: those of the snapshot ``plan`` resumes), its
     snapshot manager (with the rank's collectives and the fence), then the trainer. Rank 0's events
     also reach the reporter (a failed snapshot is said at once) and its rows the trackers; the fence is
     checked before every step."""
@@ -112,6 +114,7 @@ def _build_trainer(
     from rlctl.engine.trainer import Trainer
 
     context = open_rank(cfg)
+    stages = _engine_stages(cfg, context.runtime.dtype, plan, reporter if rank == 0 else None)
     guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
     reach = guard.max_steps_back if guard is not None else 0
     shown = ReportedEvents(events, reporter) if events is not None else None
@@ -124,6 +127,7 @@ def _build_trainer(
         max_steps_back=reach,
         rollback_best=guard.best_metrics if guard is not None else (),
         fence=fence,
+        stages=stages,
     )
 
     def on_step(row: dict[str, Any]) -> None:
@@ -135,9 +139,34 @@ def _build_trainer(
 
     on_event = shown.emit if shown is not None else None
     trainer = Trainer(
-        cfg, run, context, snapshots=snapshots, guard=guard, on_step=on_step, on_event=on_event, fence=fence
+        cfg,
+        run,
+        context,
+        snapshots=snapshots,
+        guard=guard,
+        on_step=on_step,
+        on_event=on_event,
+        fence=fence,
+        stages=stages,
     )
     return trainer, snapshots
+
+
+def _engine_stages(cfg: RunConfig, dtype, plan: ResumePlan | None, reporter: Reporter | None) -> ZeroStages:
+    """The ZeRO stages the run's engines train at (``trained_stages``), for its ``dtype`` and the snapshot
+    ``plan`` resumes; an engine that trains at another stage than its config says is said once (to
+    ``reporter``: rank 0's)."""
+    import torch
+
+    stages = trained_stages(cfg, dtype == torch.float16, plan.stages if plan is not None and plan.names else None)
+    configured = {"actor": cfg.actor.zero_stage, "critic": cfg.critic.zero_stage}
+    for section, stage in (("actor", stages.actor), ("critic", stages.critic)):
+        if stage is not None and stage != configured[section] and reporter is not None:
+            reporter.note(
+                f"{section}.zero_stage {configured[section]} trains at ZeRO stage {stage}: a world of one rank "
+                "needs no partitioning (its snapshots still resume onto more ranks at the configured stage)"
+            )
+    return stages
 
 
 def start_snapshot_writer(run: Storage, cfg: RunConfig) -> bool:

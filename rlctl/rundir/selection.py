@@ -17,6 +17,7 @@ from typing import Any
 
 from rlctl.checkpoint.catalog import Catalog, SnapshotInfo, parse_step_spec
 from rlctl.errors import SnapshotError
+from rlctl.rundir.snapshots import ACTOR_STAGE, CRITIC_STAGE
 
 Note = Callable[[str], None]
 
@@ -100,18 +101,29 @@ class ResumePlan:
     names: tuple[str, ...] = ()  # the usable snapshots to try, best first; none: the run starts over
     from_step: int = 0  # the first one's step: where the run goes on unless that one fails to load
     changes: dict[str, Any] = field(default_factory=dict)  # resume --set: {dotted key: {"from", "to"}}
+    # the first one's ZeRO stages as its manifest records them ({manifest key: stage}): the engines are
+    # built for them (``rlctl.rundir.snapshots.trained_stages``); none: the run starts over
+    stages: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, selection: Selection, changes: dict[str, Any]) -> ResumePlan:
         usable = selection.usable
-        return cls(selection.wanted, tuple(i.name for i in usable), usable[0].step if usable else 0, changes)
+        first = (usable[0].manifest or {}) if usable else {}
+        stages = {key: first[key] for key in (ACTOR_STAGE, CRITIC_STAGE) if key in first}
+        return cls(selection.wanted, tuple(i.name for i in usable), usable[0].step if usable else 0, changes, stages)
 
     def as_data(self) -> dict[str, Any]:
-        return {"wanted": self.wanted, "names": list(self.names), "from_step": self.from_step, "changes": self.changes}
+        return {
+            "wanted": self.wanted,
+            "names": list(self.names),
+            "from_step": self.from_step,
+            "changes": self.changes,
+            "stages": self.stages,
+        }
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> ResumePlan:
-        return cls(data["wanted"], tuple(data["names"]), data["from_step"], data["changes"])
+        return cls(data["wanted"], tuple(data["names"]), data["from_step"], data["changes"], data["stages"])
 
     def snapshots(self, catalog: Catalog) -> list[SnapshotInfo]:
         """The planned snapshots as this rank finds them, best first; a SnapshotError when none of them

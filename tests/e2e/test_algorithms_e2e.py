@@ -4,6 +4,7 @@ DeepSpeed: the runs of the CLI in subprocesses are the other e2e tests')."""
 
 import math
 
+import orjson
 import pytest
 
 from helpers import metrics_of, run_cli, start_here
@@ -83,7 +84,8 @@ def test_variant_learns(tmp_path, name):
 
 def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
     """The critic engine and the adaptive KL coefficient are in every snapshot: a resume from the middle
-    reproduces the uninterrupted run's weights and every step's kl_coef and value loss."""
+    reproduces the uninterrupted run's weights and every step's kl_coef and value loss (the actor at ZeRO-3,
+    the critic at the stage 0 one rank trains its configured ZeRO-2 at)."""
     sets = [
         "trainer.total_steps=6",
         "checkpoint.every=3",
@@ -100,6 +102,9 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
     r = start_here(run, *[a for s in sets for a in ("--set", s)])  # resumed below in a process of its own
     assert r.returncode == 0, r.stderr
     first = metrics_of(run)
+    manifest = orjson.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_bytes())
+    # each engine's stage as it trained: ZeRO-3 kept, the critic's configured 2 at stage 0 on one rank
+    assert (manifest["zero_stage"], manifest["critic_zero_stage"]) == (3, 0)
     r = run_cli("resume", str(run), "--from", "step-3")
     assert r.returncode == 0, r.stderr
     again = metrics_of(run)

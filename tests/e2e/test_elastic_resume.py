@@ -3,8 +3,10 @@ RUN --set trainer.nproc=K`) through DeepSpeed's universal checkpoint. The weight
 2-rank snapshot's (their sha256, against DeepSpeed's own zero_to_fp32 reader); the resumed step draws the
 same prompts (the data cursor and counters of its snapshot equal the uninterrupted run's) and samples the
 same tokens; its weights and Adam moments equal the uninterrupted 2-rank run's within TOLERANCE (the
-gradient is all-reduced over another number of ranks: float rounding only). A change of ZeRO stage, and a
-snapshot of another world size in a run whose snapshots hold batches generated ahead, are refused."""
+gradient is all-reduced over another number of ranks: float rounding only). A 1-rank run, which trains its
+configured ZeRO-2 at stage 0, resumes onto 2 ranks at ZeRO-2 the same way (``rlctl.engine.stage0`` loads
+its snapshot); a 1-rank resume of a ZeRO-2 snapshot keeps stage 2. A change of ZeRO stage, and a snapshot
+of another world size in a run whose snapshots hold batches generated ahead, are refused."""
 
 import glob
 import os
@@ -18,7 +20,7 @@ from rlctl.errors import ExitCode
 from helpers import events_of, invoke, metrics_of, run_cli, start
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
-SHARED_FIXTURES = ("two_ranks",)
+SHARED_FIXTURES = ("two_ranks", "one_rank")
 
 # 6 prompts: a share for each of 1, 2 and 3 ranks; a snapshot after each of the 2 steps, both kept
 ARGS = [
@@ -78,14 +80,45 @@ def two_ranks(tmp_path_factory, request):
     return run, weights_digest(weights.items())
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The uninterrupted 1-rank run of ``RUNS["zero2"]`` (trained at stage 0), and the sha256 of its
+    step-1 weights as its snapshot's model states file holds them."""
+    from rlctl.engine.ds_module import stage0_fp32_state_dict, weights_digest
+
+    run = tmp_path_factory.mktemp("elastic-one") / "one"
+    r = start(run, *ARGS, *RUNS["zero2"])
+    assert r.returncode == 0, r.stderr
+    assert manifest_of(run, 1)["zero_stage"] == 0
+    actor = step_dir(run, 1) / "actor"
+    weights = stage0_fp32_state_dict(str(actor))
+    names = parameter_names(torch.load(actor / "mp_rank_00_model_states.pt", weights_only=False))
+    return run, weights_digest((name, weights[name]) for name in names)
+
+
+def parameter_names(saved) -> list[str]:
+    """The names of the parameters of a stage-0 checkpoint's model states ``saved``, in the module's order
+    (the order of its optimizer's state), a tied one once (as ``named_parameters`` gives them)."""
+    module, buffers = saved["module"], set(saved["buffer_names"])
+    first = {}
+    for name, tensor in module.items():
+        if name not in buffers:
+            first.setdefault(tensor.data_ptr(), name)
+    return list(first.values())
+
+
 def step_dir(run, step):
     return run / "checkpoints" / f"step-{step:06d}"
 
 
 def engine_state(run, step, tmp):
     """The actor's state in a snapshot, whatever its world size: {(param, fp32|exp_avg|exp_avg_sq|step):
-    tensor}, and the lr schedule, read from the universal checkpoint DeepSpeed makes of it."""
-    from rlctl.engine.universal import to_universal
+    tensor}, and the lr schedule, read from the universal checkpoint DeepSpeed makes of it (a stage-0
+    snapshot's from its model states file)."""
+    from rlctl.engine.universal import saved_partitions, to_universal
+
+    if saved_partitions(str(step_dir(run, step) / "actor")) is None:
+        return stage0_engine_state(step_dir(run, step) / "actor")
 
     out = tmp / f"universal-{run.name}-{step}" / "actor"
     to_universal(str(step_dir(run, step) / "actor"), str(out))
@@ -97,6 +130,32 @@ def engine_state(run, step, tmp):
     states = sorted((step_dir(run, step) / "actor").glob("*mp_rank_00_model_states.pt"))  # (ZeRO-3: per rank)
     model_states = torch.load(states[0], weights_only=False)
     return state, model_states["lr_scheduler"]
+
+
+def stage0_engine_state(actor):
+    """``engine_state`` of a stage-0 (fp32) snapshot's actor directory: its module's parameters are the
+    masters; torch's AdamW state numbers them in the module's order."""
+    saved = torch.load(actor / "mp_rank_00_model_states.pt", weights_only=False)
+    names = parameter_names(saved)
+    optimizer = saved["optimizer"]["state"]
+    state = {}
+    for i, name in enumerate(names):
+        state[(name, "fp32")] = saved["module"][name].detach()
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            state[(name, key)] = optimizer[i][key].detach()
+    return state, saved["lr_scheduler"]
+
+
+def close_to(mine, theirs):
+    """Weights and Adam moments within TOLERANCE, the optimizer's step exactly (2)."""
+    assert mine.keys() == theirs.keys() and len(mine) > 20
+    for key, want in theirs.items():
+        got = mine[key]
+        if key[1] == "step":
+            assert got == want == 2, key
+            continue
+        bound = TOLERANCE * float(want.abs().max()) + 1e-12
+        assert float((got - want).abs().max()) <= bound, key
 
 
 @pytest.mark.parametrize(
@@ -126,25 +185,50 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_ranks, tmp_path, 
     states = [torch.load(step_dir(r, 2) / "state.pt", weights_only=False) for r in (run, two)]
     for key in ("data", "trainer", "kl_ctrl"):
         assert states[0][key] == states[1][key], key
-    assert manifest_world(run, 2) == ranks
+    assert manifest_of(run, 2)["world_size"] == ranks
+    # a snapshot of the configured stage keeps it, on one rank too (a run begun at stage 2 goes on at 2)
+    assert manifest_of(run, 2)["zero_stage"] == manifest_of(two, 2)["zero_stage"] != 0
 
     # weights and Adam moments within TOLERANCE, the optimizer's step and the lr schedule exactly
     (mine, my_lr), (theirs, their_lr) = engine_state(run, 2, tmp_path), engine_state(two, 2, tmp_path)
-    assert mine.keys() == theirs.keys() and len(mine) > 20
     assert my_lr == their_lr
-    for key, want in theirs.items():
-        got = mine[key]
-        if key[1] == "step":
-            assert got == want == 2, key
-            continue
-        bound = TOLERANCE * float(want.abs().max()) + 1e-12
-        assert float((got - want).abs().max()) <= bound, key
+    close_to(mine, theirs)
 
 
-def manifest_world(run, step) -> int:
+def test_a_one_rank_run_at_stage_0_resumes_on_two_ranks_at_its_configured_stage(one_rank, tmp_path):
+    """A 1-rank run configured for ZeRO-2 trains at stage 0; its snapshot loads into two ZeRO-2 ranks
+    exactly (the weights' sha256), and the resumed step takes the same prompts and samples as the
+    uninterrupted 1-rank run, with weights and Adam moments within TOLERANCE of its own."""
+    one, loaded_sha = one_rank
+    run = tmp_path / "resumed"
+    shutil.copytree(one, run)
+    r = run_cli("resume", str(run), "--from", "step-1", "--set", "trainer.nproc=2")
+    assert r.returncode == 0, r.stderr
+    assert "step-000001 was written by 1 rank(s); it loads on 2: an elastic resume" in r.stderr
+    assert "trains at ZeRO stage 0" not in r.stderr  # (two ranks: the configured stage)
+
+    resume = events_of(run, "resume")[-1]
+    assert resume["ranks"] == {"from": 1, "to": 2}
+    assert resume["weights_sha256"] == loaded_sha  # the load is exact
+    mine, theirs = metrics_of(run)[-1], metrics_of(one)[-1]
+    assert {k: mine[k] for k in SAME} == {k: theirs[k] for k in SAME}
+    for key in CLOSE:
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    states = [torch.load(step_dir(r, 2) / "state.pt", weights_only=False) for r in (run, one)]
+    for key in ("data", "trainer", "kl_ctrl"):
+        assert states[0][key] == states[1][key], key
+    m = manifest_of(run, 2)
+    assert (m["world_size"], m["zero_stage"]) == (2, 2) and manifest_of(one, 2)["zero_stage"] == 0
+
+    (mine, my_lr), (theirs, their_lr) = engine_state(run, 2, tmp_path), engine_state(one, 2, tmp_path)
+    assert my_lr == their_lr
+    close_to(mine, theirs)
+
+
+def manifest_of(run, step) -> dict:
     import orjson
 
-    return orjson.loads((step_dir(run, step) / "manifest.json").read_bytes())["world_size"]
+    return orjson.loads((step_dir(run, step) / "manifest.json").read_bytes())
 
 
 @pytest.mark.parametrize("two_ranks", ["zero2"], indirect=True)

@@ -85,7 +85,7 @@ def manifest(run, step):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    """1-rank reference runs, ZeRO-2 and ZeRO-3."""
+    """1-rank reference runs, actor.zero_stage 2 (which one rank trains at stage 0) and ZeRO-3."""
     out = {}
     for stage in (2, 3):
         run = tmp_path_factory.mktemp("one") / f"z{stage}"

@@ -31,13 +31,14 @@ from helpers import (
 SHARED_FIXTURES = ("finished",)
 
 
-@pytest.mark.parametrize("stage", [3, 0])
+@pytest.mark.parametrize("stage", [3, 2])
 def test_sigkill_and_resume_is_exact(tmp_path, stage):
     """An uninterrupted run and one killed with SIGKILL after step 4 (last snapshot: 3) and resumed end
     with bit-identical weights and identical per-step metrics. ZeRO-3, whose parameters are partitioned,
-    and stage 0, DeepSpeed without partitioning (no ZeRO files: the model states file holds it all);
-    ZeRO-2 resumes exactly in test_run_and_snapshots_on_s3 and after SIGKILL with two ranks (test_multirank.py),
-    and is exported bit for bit in test_resume_set_only_safe_keys_and_lr_change_is_applied."""
+    and actor.zero_stage 2 (the default), which one rank trains at stage 0, DeepSpeed without partitioning
+    (no ZeRO files: the model states file holds it all; an explicit stage 0 trains the same engine), and
+    keeps on resume; ZeRO-2 itself resumes exactly after SIGKILL with two ranks (test_multirank.py), and a
+    1-rank ZeRO-2 snapshot keeps its stage on resume (test_elastic_resume.py)."""
     common = [
         *SMALL,
         "--set",
@@ -48,7 +49,11 @@ def test_sigkill_and_resume_is_exact(tmp_path, stage):
         f"actor.zero_stage={stage}",
     ]
     ref = tmp_path / "ref"
-    assert start_here(ref, *common).returncode == 0
+    r = start_here(ref, *common)
+    assert r.returncode == 0
+    trained = 0 if stage == 2 else stage
+    if stage == 2:
+        assert "actor.zero_stage 2 trains at ZeRO stage 0: a world of one rank needs no partitioning" in r.stderr
 
     run = tmp_path / "killed"
     r = kill_and_resume(run, common, 4)
@@ -61,6 +66,10 @@ def test_sigkill_and_resume_is_exact(tmp_path, stage):
     assert abandoned[0]["abandoned"]["event"] == "resume" and abandoned[0]["abandoned"]["from_step"] == 3
     resume = [e for e in events_of(run) if e["event"] == "resume"][-1]
     assert resume["step"] == 3 and resume["snapshot"] == "step-000003" and resume["abandoned_metric_rows"] == 1
+    for step in (3, 6):  # the stage trained, before the kill and after the resume, and its files
+        m = orjson.loads((run / "checkpoints" / f"step-{step:06d}" / "manifest.json").read_bytes())
+        assert m["zero_stage"] == trained, m
+        assert any("zero_pp_rank" in f for f in m["files"]) == (trained != 0), sorted(m["files"])
 
     # export consolidates ZeRO-3's partitioned weights (stage 0's whole ones) into a Hugging Face directory, bit for bit
     out = tmp_path / "hf"
@@ -183,7 +192,8 @@ def test_resume_set_only_safe_keys_and_lr_change_is_applied(finished, tmp_path):
     assert [row["actor/lr"] for row in rows] == [2e-3] * 6 + [5e-4] * 2  # the demo's lr, then the new one
     assert "lr: 0.0005" in (run / "config.yaml").read_text()
 
-    # export consolidates ZeRO-2's weights (the default stage) into a Hugging Face directory, bit for bit
+    # export consolidates the weights of the default stage (2, trained at stage 0 on one rank) into a
+    # Hugging Face directory, bit for bit
     out = tmp_path / "hf"
     r = run_cli("export", str(run), str(out))
     assert r.returncode == 0 and r.stdout == f"{out}\n", r.stderr
