@@ -31,6 +31,7 @@ everything else runs in the writer.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -68,6 +69,7 @@ class WriterProcess:
         self._conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
         self._started_in: int | None = None  # the environment the running writer was started in
+        self._at_exit = False
 
     @property
     def pid(self) -> int | None:
@@ -94,6 +96,9 @@ class WriterProcess:
                 self._stop()
             self._close_conn()
             self._started_in = started_in
+            if not self._at_exit:  # stopped at this process's exit, at once: not left to die with it
+                self._at_exit = True
+                atexit.register(self.stop)
             ours, theirs = socket.socketpair()
             parent, preload = os.getpid(), [REDUCTIONS, *preload]
             variables = {**(env or {}), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
