@@ -177,14 +177,7 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_ranks, tmp_path, 
     assert resume["weights_sha256"] == loaded_sha  # the load is exact
     assert resume["changes"] == {"trainer.nproc": {"from": 2, "to": ranks}} and not resume["replays_exactly"]
 
-    # the same prompts in the same order, the same samples: the resumed step's row and snapshot counters
-    mine, theirs = metrics_of(run)[-1], metrics_of(two)[-1]
-    assert {k: mine[k] for k in SAME} == {k: theirs[k] for k in SAME}
-    for key in CLOSE:
-        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    states = [torch.load(step_dir(r, 2) / "state.pt", weights_only=False) for r in (run, two)]
-    for key in ("data", "trainer", "kl_ctrl"):
-        assert states[0][key] == states[1][key], key
+    same_step(run, two)
     assert manifest_of(run, 2)["world_size"] == ranks
     # a snapshot of the configured stage keeps it, on one rank too (a run begun at stage 2 goes on at 2)
     assert manifest_of(run, 2)["zero_stage"] == manifest_of(two, 2)["zero_stage"] != 0
@@ -193,6 +186,19 @@ def test_a_two_rank_run_resumes_on_another_number_of_ranks(two_ranks, tmp_path, 
     (mine, my_lr), (theirs, their_lr) = engine_state(run, 2, tmp_path), engine_state(two, 2, tmp_path)
     assert my_lr == their_lr
     close_to(mine, theirs)
+
+
+def same_step(run, uninterrupted) -> None:
+    """The resumed step 2 took the same prompts in the same order and the same samples as the
+    uninterrupted run's: its row (counters equal, losses close) and its snapshot's data, trainer and KL
+    states."""
+    mine, theirs = metrics_of(run)[-1], metrics_of(uninterrupted)[-1]
+    assert {k: mine[k] for k in SAME} == {k: theirs[k] for k in SAME}
+    for key in CLOSE:
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    states = [torch.load(step_dir(r, 2) / "state.pt", weights_only=False) for r in (run, uninterrupted)]
+    for key in ("data", "trainer", "kl_ctrl"):
+        assert states[0][key] == states[1][key], key
 
 
 def test_a_one_rank_run_at_stage_0_resumes_on_two_ranks_at_its_configured_stage(one_rank, tmp_path):
@@ -210,13 +216,7 @@ def test_a_one_rank_run_at_stage_0_resumes_on_two_ranks_at_its_configured_stage(
     resume = events_of(run, "resume")[-1]
     assert resume["ranks"] == {"from": 1, "to": 2}
     assert resume["weights_sha256"] == loaded_sha  # the load is exact
-    mine, theirs = metrics_of(run)[-1], metrics_of(one)[-1]
-    assert {k: mine[k] for k in SAME} == {k: theirs[k] for k in SAME}
-    for key in CLOSE:
-        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    states = [torch.load(step_dir(r, 2) / "state.pt", weights_only=False) for r in (run, one)]
-    for key in ("data", "trainer", "kl_ctrl"):
-        assert states[0][key] == states[1][key], key
+    same_step(run, one)
     m = manifest_of(run, 2)
     assert (m["world_size"], m["zero_stage"]) == (2, 2) and manifest_of(one, 2)["zero_stage"] == 0
 
