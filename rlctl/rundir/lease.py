@@ -22,7 +22,7 @@ may then take the run over); ``Lease.check()`` raises from then on, so the write
 write: LeaseError (exit 10) when lease.json was read and names another writer, or was removed, or no
 renewal was even tried; StorageError (exit 12) when the renewals failed because the storage did (an
 outage, not a takeover). ``check()`` also raises StorageError once any store this process writes to has
-been failing for longer than the run's retry budget (``rlctl.storage.failures.OUTAGES``: one deadline
+been failing for longer than the run's retry budget (``rlctl.storage.outages.OUTAGES``: one deadline
 for the heartbeat, the metrics and events, and the snapshot commits alike).
 """
 
@@ -44,7 +44,7 @@ from rlctl.errors import LeaseError, StorageError
 from rlctl.numbers import is_number
 from rlctl.rundir.layout import LEASE_FILE, beat_file, takeover_file
 from rlctl.storage import Storage, describe
-from rlctl.storage.failures import OUTAGES
+from rlctl.storage.outages import OUTAGES
 
 FIELDS = {"owner": str, "host": str, "pid": int, "heartbeat": float}
 JOB_FIELDS = {"scheduler": str, "cluster": str, "id": str, "restart": int}  # lease.json's optional "job"

@@ -1,18 +1,14 @@
-"""What a storage failure is: transient (worth retrying) or permanent, the cause in a few words, the
-retry loop that turns any backend's failure into one ``StorageError`` sentence, and the outage clock
-that every writer of the process shares.
+"""What a storage failure is: transient (worth retrying) or permanent, the cause in a few words, and
+the retry loop that turns any backend's failure into one ``StorageError`` sentence.
 
 A permanent failure is either a refusal (``is_refusal``: the bucket does not exist, access is denied, the
 credentials are bad; ``StorageRefused``, exit 13, which no requeue mends) or another failure that may
 pass (a full disk: ``StorageError``, exit 12, as is an outage that outlasts its budget).
 
-An outage of a store (an object store's bucket: scheme and host of the URL; local paths have none)
-begins with the first attempt that fails transiently (at that attempt's start, never before the store
-last answered) and ends with the store's next answer (a success, a missing file, a refusal). Every
-retry loop gives up once its budget has passed since the outage began, so writers that meet the same
-outage one after another (a heartbeat, a metrics flush, a snapshot commit, the flushes on the way out)
-never add up their budgets. ``OUTAGES.overdue(budget)`` says when one has lasted the run's budget: the
-run's fence then ends it (exit 12).
+Every retry loop gives up once its budget has passed since its store's outage began (the clock every
+writer of the process shares: ``rlctl.storage.outages``), so writers that meet the same outage one
+after another (a heartbeat, a metrics flush, a snapshot commit, the flushes on the way out) never add
+up their budgets, and an attempt still waiting for an answer then is given up too.
 """
 
 from __future__ import annotations
@@ -22,11 +18,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 from rlctl.errors import RlctlError, StorageError, StorageRefused
+from rlctl.storage.outages import OUTAGES, Outage, store_of
 
 T = TypeVar("T")
 _JITTER = random.Random()  # our own backoff jitter, never the global stream
@@ -271,7 +267,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         attempt += 1
         tried = time.monotonic()
         try:
-            result = fn()
+            result = _attempt(fn, url, budget)
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough as exc:
@@ -279,6 +275,8 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
             if missing_bucket(exc):  # (s3fs and adlfs say a missing bucket as a missing file)
                 raise refused(action, url, exc) from exc
             raise
+        except _Abandoned as hung:
+            raise _gave_up_waiting(action, url, hung.outage, budget, (start, attempt)) from None
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise  # a bug in rlctl (a TypeError in a storage call...): exit 1 with its traceback
@@ -293,6 +291,49 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         else:
             OUTAGES.answered(url)
             return result
+
+
+def _attempt(fn: Callable[[], T], url: str, budget: float) -> T:
+    """``fn()``; on an object store, in a thread of its own that the caller stops waiting for once the
+    store's outage (``OUTAGES``, begun by any writer's failure) has lasted ``budget``: a request that gets
+    no answer waits for its client's read timeout (60 s), and an upload on a new connection for the
+    server's "100 Continue" with none at all, and neither may hold a writer past the deadline. An attempt
+    with no outage open is never cut short, however long it takes (a large upload, a slow link). The
+    abandoned attempt goes on in its thread until its client gives up; the run ends at the deadline."""
+    store = store_of(url)
+    if store is None or budget <= 0:
+        return fn()
+    outcome: list = []
+    answered = threading.Event()
+
+    def attempt() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # (handed to the caller's thread, traceback and all)
+            outcome.append((False, exc))
+        finally:
+            answered.set()
+
+    threading.Thread(target=attempt, name=f"rlctl-storage {store}", daemon=True).start()
+    while not answered.wait(ABANDON_POLL):
+        outage = OUTAGES.current(store)
+        if outage is not None and time.monotonic() - outage.since >= budget:
+            raise _Abandoned(outage)
+    ok, value = outcome[0]
+    if ok:
+        return value
+    raise value
+
+
+ABANDON_POLL = 0.1  # seconds between looks at the outage clock while an attempt waits for its answer
+
+
+class _Abandoned(Exception):
+    """An attempt still without an answer when its store's outage had lasted the budget."""
+
+    def __init__(self, outage: Outage):
+        super().__init__(outage)
+        self.outage = outage
 
 
 WRITE_MODES = {"wb", "ab", "xb"}
@@ -339,107 +380,16 @@ def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times
     raise error from exc
 
 
-# -- the outage clock --------------------------------------------------------------------------------
-
-LOCAL_SCHEMES = {"", "file", "local", "memory"}
-
-
-def store_of(url: str) -> str | None:
-    """The store a URL lies in, as the outage clock counts it (``s3://bucket``); None for a local
-    path and memory:// (no service that can go away)."""
-    parts = urlsplit(url)
-    if parts.scheme in LOCAL_SCHEMES or not parts.netloc:
-        return None
-    return f"{parts.scheme}://{parts.netloc}"
-
-
-@dataclass(frozen=True)
-class Outage:
-    """A store that has failed since ``since`` without answering (``time.monotonic``, one clock for
-    every process of the host); ``last``: its latest failure, ``failure``: that failure's sentence."""
-
-    store: str
-    since: float
-    last: float
-    failure: str
-
-    def began(self) -> str:
-        """When it began, on the wall clock (UTC)."""
-        return time.strftime("%H:%M:%SZ", time.gmtime(time.time() - (time.monotonic() - self.since)))
-
-    def error(self, budget: float, budget_name: str = "the retry budget") -> StorageError:
-        """The sentence that ends a run: what failed, since when, and that the budget is spent."""
-        lasted = time.monotonic() - self.since
-        return StorageError(
-            f"storage outage: {self.store} has failed for {lasted:.0f} s since {self.began()}, longer than "
-            f"{budget_name} ({budget:g} s); its last failure: {self.failure}; stopped before the next write, "
-            "resume the run once the storage is back"
-        )
-
-
-FORGOTTEN_AFTER = 600.0  # seconds without a failure after which a store's next failure begins a new outage
-
-
-class Outages:
-    """This process's open outages, one per store: begun by the first transient failure, ended by the
-    store's first answer. Thread-safe."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._open: dict[str, Outage] = {}
-        self._answered: dict[str, float] = {}  # when each store last answered
-
-    def failed(self, url: str, failure: str, tried: float) -> Outage | None:
-        """A transient failure of ``url`` in an attempt begun at ``tried``: its store's outage (None for a
-        local path), begun then unless one is open, and never before the store's last answer (an
-        attempt that took minutes did not meet an outage that long)."""
-        store = store_of(url)
-        if store is None:
-            return None
-        began = max(tried, self._answered.get(store, tried))
-        with self._lock:
-            known = self._open.get(store)
-            if known is not None and tried - known.last > FORGOTTEN_AFTER:
-                known = None  # met again after a long silence: a new outage (a test's, a notebook's)
-            since = min(known.since, began) if known else began
-            outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
-        return outage
-
-    def answered(self, url: str) -> None:
-        """The store of ``url`` answered: its outage, if any, is over."""
-        store = store_of(url)
-        if store is None:
-            return
-        self._answered[store] = time.monotonic()
-        if store in self._open:  # (a cheap look first: this runs on every success)
-            with self._lock:
-                self._open.pop(store, None)
-
-    def note(self, outage: Outage) -> None:
-        """An outage another process saw (the snapshot writer's, carried by its error): this process's
-        writers count from its start too."""
-        with self._lock:
-            known = self._open.get(outage.store)
-            if known is not None:
-                latest = outage if outage.last >= known.last else known
-                outage = replace(latest, since=min(known.since, outage.since))
-            self._open[outage.store] = outage
-
-    def overdue(self, budget: float) -> Outage | None:
-        """The oldest open outage that has lasted ``budget`` seconds or more, or None."""
-        now = time.monotonic()
-        with self._lock:
-            late = [o for o in self._open.values() if now - o.since >= budget]
-        return min(late, key=lambda o: o.since, default=None)
-
-    def clear(self) -> None:
-        """Forget every outage (a run's lease counts from its own start)."""
-        with self._lock:
-            self._open.clear()
-            self._answered.clear()
-
-
-OUTAGES = Outages()  # the process's
+def _gave_up_waiting(action: str, url: str, outage: Outage, budget: float, began: tuple) -> StorageError:
+    """The sentence of an attempt abandoned without an answer (``_attempt``), as ``_wait_or_give_up``'s."""
+    start, attempt = began
+    count = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
+    error = StorageError(
+        f"cannot {action} {url}: no answer from {outage.store} (its outage has lasted the budget of "
+        f"{budget:g} s since {outage.began()}; its last failure: {outage.failure}); gave up after {count}"
+    )
+    error.outage = outage
+    return error
 
 
 def note_outage(exc: BaseException) -> None:

@@ -5,7 +5,7 @@ stream is never touched; the CLI exits 12 with one line and no traceback.
 
 A run on S3 whose server is killed at one of several moments (mid-step, mid-commit, during a metrics
 flush, during a heartbeat) ends with exit 12 within ``checkpoint.retry_timeout`` plus a step of the kill,
-whatever was writing then: one outage clock for every writer of the process (rlctl/storage/failures.py),
+whatever was writing then: one outage clock for every writer of the process (rlctl/storage/outages.py),
 a lease whose renewals the storage failed is an outage, not a takeover. The server records every request
 (moto's recorder), so that it can come back with its objects, as a real store would, and the run resume."""
 
