@@ -21,7 +21,7 @@ A commit either happens or the run hears about it: every failed snapshot is a ``
 event (``rlctl.checkpoint.failure_count``), ``max_failures`` in a row end the run with a StorageError, and
 ``wait()`` says whether the last snapshot was committed. A snapshot that failed because its store has
 been out for the retry budget (in the writer process, too) counts as the process's outage
-(``rlctl.storage.failures.OUTAGES``): the run's fence ends the run at its next check. Whatever the
+(``rlctl.storage.outages.OUTAGES``): the run's fence ends the run at its next check. Whatever the
 background commit raises, and what the ``fence`` raises right before a manifest would be written (a
 lost lease), reaches the training thread at its next ``save()`` or ``wait()``.
 """
@@ -250,7 +250,7 @@ class SnapshotManager:
         that lives as long as the run); nothing to do without one."""
         if self.writer == "process":
             with contextlib.suppress(OSError):  # (the first snapshot tries again, and says what fails)
-                writer().start()
+                writer().start(preload=None)  # (one started for the run already is the run's)
 
     def _hand_over(self, work: WriteJob) -> Payload | None:
         """The job pickled for the writer process (started here, on the training thread, if it is not

@@ -63,8 +63,8 @@ class WriterDied(RuntimeError):
 class WriterProcess:
     """The parent's handle on one writer process: ``run`` one pickled job at a time."""
 
-    def __init__(self, on_start: Callable[[int], None] | None = None):
-        self._on_start = on_start
+    def __init__(self):
+        self.started = 0  # writer processes this handle started (one per run, or one for many)
         self._proc: subprocess.Popen | Forked | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
@@ -78,7 +78,9 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, preload: Sequence[str] = (), env: Mapping[str, str] | None = None, fork: bool = False) -> None:
+    def start(
+        self, preload: Sequence[str] | None = (), env: Mapping[str, str] | None = None, fork: bool = False
+    ) -> None:
         """Start the writer unless it runs (call on a thread that lives as long as the run: the writer
         dies with the thread that started it). Before its first job it imports torch's reductions and
         ``preload``: modules (``package.module``) or functions to call (``package.module:function``),
@@ -86,10 +88,14 @@ class WriterProcess:
         it runs with besides this process's. ``fork``: the caller allows forking it from this process
         (``rlctl.checkpoint.forked``: what ``env`` sets must not have been read here already), which
         happens where that is safe. A writer that runs was started for an earlier run of this process:
-        it is kept when it was started in this same environment (variables, import path, ``preload`` and
-        ``env``), which it holds from then on, and otherwise replaced."""
-        started_in = _environment(preload, env)
+        it is kept when it was started in this same environment (variables but ``RUN_SCOPED``'s,
+        ``preload`` and ``env``), which it holds from then on, and otherwise replaced; ``preload`` None:
+        any writer that runs is kept. The import path is not its environment: each job brings it."""
         with self._lock:
+            if preload is None and self.alive():
+                return
+            preload = preload or ()
+            started_in = _environment(preload, env)
             if self.alive() and started_in == self._started_in:
                 return
             if self.alive():
@@ -118,8 +124,7 @@ class WriterProcess:
             theirs.close()
             self._conn = multiprocessing.connection.Connection(ours.detach())
             self._conn.send_bytes(bytes(multiprocessing.current_process().authkey))
-            if self._on_start is not None:
-                self._on_start(self._proc.pid)
+            self.started += 1
 
     def run(self, payload: Payload, stage_copy: bool, staged: Callable[[], None], hold: float = 0.0) -> Written | None:
         """Send one pickled job and wait for its outcome (on the manager's commit thread: waiting
@@ -136,7 +141,7 @@ class WriterProcess:
                 conn = self._conn
                 if conn is None or not self.alive():
                     raise WriterDied("the snapshot writer process is not running")
-                self._send(conn, (stage_copy, hold, payload.data))
+                self._send(conn, (stage_copy, hold, tuple(sys.path), payload.data))
                 while True:
                     kind, value = self._receive(conn)
                     if kind == "staged":
@@ -207,10 +212,33 @@ class WriterProcess:
                 self._proc = None
 
 
+# variables a process sets for itself as it trains a run, which a writer started before they were set
+# may lack: its rank and process group, its temp folder (ranks/tmpdir.py), its threads and accelerator
+# (the writer sets its own: ``start``'s variables); the writer reads none of the others
+RUN_SCOPED = frozenset(
+    {
+        "TMPDIR",
+        "RLCTL_MACHINE_TMPDIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "OMP_NUM_THREADS",
+        "DS_ACCELERATOR",
+        "TOKENIZERS_PARALLELISM",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+    }
+)
+
+
 def _environment(preload: Sequence[str], env: Mapping[str, str] | None) -> int:
-    """What a writer started now would run in: this process's variables and import path, ``preload`` and
-    ``env`` (a hash, to tell one from another)."""
-    return hash((frozenset(os.environ.items()), tuple(sys.path), tuple(preload), frozenset((env or {}).items())))
+    """What a writer started now would run in: this process's variables but ``RUN_SCOPED``'s, ``preload``
+    and ``env`` (a hash, to tell one from another)."""
+    variables = frozenset((k, v) for k, v in os.environ.items() if k not in RUN_SCOPED)
+    return hash((variables, tuple(preload), frozenset((env or {}).items())))
 
 
 _writer: WriterProcess | None = None
@@ -312,7 +340,8 @@ def _serve(conn) -> None:
         if message is None:  # (the run ended: ``rest``)
             buffers = _StagingBuffers()
             continue
-        stage_copy, hold, payload = message
+        stage_copy, hold, path, payload = message
+        sys.path.extend(p for p in path if p not in sys.path)  # (what the training process imports from)
         try:
             time.sleep(hold)  # (the write_delay drill: before the live state is read)
             job = _Unpickler(payload, buffers if stage_copy else None).load()

@@ -121,3 +121,21 @@ def test_no_storage_moves_into_shared_memory_under_a_snapshot_a_thread_writes(tm
     assert storage.is_shared()  # (then the writer process's manager moved it)
     digests = [{i.step: i.manifest["files"]["t/tensors.pt"]["sha256"] for i in m.catalog.scan()} for m in managers]
     assert digests == [{1: hashlib.sha256(expected.getvalue()).hexdigest()}] * 2
+
+
+def test_a_run_and_the_next_in_its_process_start_one_writer_between_them(tmp_path):
+    """The writer a run starts before its imports is the one that writes its snapshots, although the run
+    sets variables of its own since (its temp folder, its rank's process group, its threads) and its
+    reward module adds to the import path; the process's next run keeps it (each job brings the import
+    path). It used to be replaced twice in every run: three interpreters' imports for one run's writer."""
+    from rlctl.checkpoint.writer import writer
+
+    from helpers import start_here
+
+    before = writer().started
+    for name in ("first", "second"):
+        r = start_here(tmp_path / name, *RUN, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2")
+        assert r.returncode == 0, r.stderr
+        assert [e["step"] for e in events_of(tmp_path / name, "snapshot_committed")] == [2, 4]
+    assert writer().started - before <= 1  # (none when this test's environment had one at rest already)
+    assert writer().alive()
