@@ -22,14 +22,22 @@ wait_for_lease_option = click.option(
     "run elsewhere (a lease of an earlier run of the same Slurm job is taken over without it).",
 )
 
-format_option = click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(FORMATS),
-    default="table",
-    show_default=True,
-    help="table for people; json, jsonl or csv for scripts.",
-)
+
+def format_choice(*formats: str):
+    """The --format option of a command that prints ``formats`` (table first: the default)."""
+    scripts = [f for f in formats if f != "table"]
+    for_scripts = f"{', '.join(scripts[:-1])} or {scripts[-1]}" if len(scripts) > 1 else scripts[0]
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(formats),
+        default="table",
+        show_default=True,
+        help=f"table for people; {for_scripts} for scripts.",
+    )
+
+
+format_option = format_choice(*FORMATS)
 
 
 SNAPSHOT = "latest|last-good|best|step-N|N"  # what a snapshot option (--from, export's --step) takes

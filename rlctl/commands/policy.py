@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import click
 
-from rlctl.commands.options import format_option, timeout_option
+from rlctl.commands.options import format_choice, format_option, timeout_option
 from rlctl.errors import ConfigError
 
 
@@ -34,7 +34,7 @@ def policy() -> None:
     is_flag=True,
     help="Metric names no run writes (or RUN never wrote) are an error (exit code 3), not a warning.",
 )
-@format_option
+@format_choice("table", "json")
 def check(files: tuple[str, ...], together: bool, run_url: str | None, strict: bool, fmt: str) -> None:
     """Validate each policy FILE and explain its rules in plain words, one block per rule.
 

@@ -724,6 +724,9 @@ def test_policy_check_several_files_and_json():
     [doc] = json.loads(as_json.output)
     assert doc["file"] == "policies/warn-only.yaml"
     assert doc["rules"][1]["trigger"] == {"kind": "threshold", "metric": "actor/ppo_kl", "op": ">", "value": 0.05}
+    for fmt in ("jsonl", "csv"):  # offered once, and the table printed for them
+        refused = CliRunner().invoke(policy, ["check", "--format", fmt, "policies/warn-only.yaml"])
+        assert refused.exit_code == 2 and f"'{fmt}' is not one of 'table', 'json'" in refused.output, refused.output
 
 
 def test_policy_check_bad_file_raises_the_config_error(tmp_path):
