@@ -8,14 +8,13 @@ pass (a full disk: ``StorageError``, exit 12, as is an outage that outlasts its 
 Every retry loop gives up once its budget has passed since its store's outage began (the clock every
 writer of the process shares: ``rlctl.storage.outages``), so writers that meet the same outage one
 after another (a heartbeat, a metrics flush, a snapshot commit, the flushes on the way out) never add
-up their budgets, and an attempt still waiting for an answer then is given up too.
+up their budgets.
 """
 
 from __future__ import annotations
 
 import errno
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -267,7 +266,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         attempt += 1
         tried = time.monotonic()
         try:
-            result = _attempt(fn, url, budget)
+            result = fn()
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough as exc:
@@ -275,8 +274,6 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
             if missing_bucket(exc):  # (s3fs and adlfs say a missing bucket as a missing file)
                 raise refused(action, url, exc) from exc
             raise
-        except _Abandoned as hung:
-            raise _gave_up_waiting(action, url, hung.outage, budget, (start, attempt)) from None
         except Exception as exc:
             if not is_storage_failure(exc):
                 raise  # a bug in rlctl (a TypeError in a storage call...): exit 1 with its traceback
@@ -291,49 +288,6 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         else:
             OUTAGES.answered(url)
             return result
-
-
-def _attempt(fn: Callable[[], T], url: str, budget: float) -> T:
-    """``fn()``; on an object store, in a thread of its own that the caller stops waiting for once the
-    store's outage (``OUTAGES``, begun by any writer's failure) has lasted ``budget``: a request that gets
-    no answer waits for its client's read timeout (60 s), and an upload on a new connection for the
-    server's "100 Continue" with none at all, and neither may hold a writer past the deadline. An attempt
-    with no outage open is never cut short, however long it takes (a large upload, a slow link). The
-    abandoned attempt goes on in its thread until its client gives up; the run ends at the deadline."""
-    store = store_of(url)
-    if store is None or budget <= 0:
-        return fn()
-    outcome: list = []
-    answered = threading.Event()
-
-    def attempt() -> None:
-        try:
-            outcome.append((True, fn()))
-        except BaseException as exc:  # (handed to the caller's thread, traceback and all)
-            outcome.append((False, exc))
-        finally:
-            answered.set()
-
-    threading.Thread(target=attempt, name=f"rlctl-storage {store}", daemon=True).start()
-    while not answered.wait(ABANDON_POLL):
-        outage = OUTAGES.current(store)
-        if outage is not None and time.monotonic() - outage.since >= budget:
-            raise _Abandoned(outage)
-    ok, value = outcome[0]
-    if ok:
-        return value
-    raise value
-
-
-ABANDON_POLL = 0.1  # seconds between looks at the outage clock while an attempt waits for its answer
-
-
-class _Abandoned(Exception):
-    """An attempt still without an answer when its store's outage had lasted the budget."""
-
-    def __init__(self, outage: Outage):
-        super().__init__(outage)
-        self.outage = outage
 
 
 WRITE_MODES = {"wb", "ab", "xb"}
@@ -378,18 +332,6 @@ def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times
     error = StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {count}{earlier}")
     error.outage = outage
     raise error from exc
-
-
-def _gave_up_waiting(action: str, url: str, outage: Outage, budget: float, began: tuple) -> StorageError:
-    """The sentence of an attempt abandoned without an answer (``_attempt``), as ``_wait_or_give_up``'s."""
-    start, attempt = began
-    count = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
-    error = StorageError(
-        f"cannot {action} {url}: no answer from {outage.store} (its outage has lasted the budget of "
-        f"{budget:g} s since {outage.began()}; its last failure: {outage.failure}); gave up after {count}"
-    )
-    error.outage = outage
-    return error
 
 
 def note_outage(exc: BaseException) -> None:

@@ -78,10 +78,6 @@ class Outages:
             outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
         return outage
 
-    def current(self, store: str) -> Outage | None:
-        """The open outage of ``store`` (``store_of``'s name), or None."""
-        return self._open.get(store)
-
     def answered(self, url: str) -> None:
         """The store of ``url`` answered: its outage, if any, is over."""
         store = store_of(url)
