@@ -120,6 +120,17 @@ def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
         start_snapshot_writer(run_storage(url, cfg), cfg)
 
 
+def resume_snapshot_writer_early(url: str, overrides: list[str]) -> None:
+    """``start_snapshot_writer_early`` for `rlctl resume`, before its progress display starts a thread (a
+    process of one thread forks its writer, which then imports nothing again): nothing when the run is
+    complete, or its config cannot be read (``resume_run`` says why)."""
+    with contextlib.suppress(RlctlError, OSError):
+        run = Storage(url)
+        cfg, _ = apply_resume_overrides(load_run_config(run), list(overrides))
+        if _completed_step(run, cfg) is None:
+            start_snapshot_writer_early(cfg, url)
+
+
 @contextlib.contextmanager
 def _snapshot_writer(run: Storage, cfg: RunConfig, unless: bool = False) -> Iterator[None]:
     """For a run trained in this process (one rank), its snapshot writer process started at once

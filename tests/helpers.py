@@ -60,6 +60,9 @@ def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
     from rlctl import faults
     from rlctl.cli import main
 
+    # (without pytest's per-test variable: a run here keeps the snapshot writer that an earlier test's run
+    # put to rest, as one process's runs do, rather than start one per test)
+    env = {"PYTEST_CURRENT_TEST": None, **(env or {})}
     with CliRunner().isolation(env=env) as (out, err, _):
         try:
             main(list(args))

@@ -39,8 +39,9 @@ def resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool, wa
 
 def _resume(run_dir: str, from_: str, overrides: tuple[str, ...], force: bool, wait_for_lease: bool) -> None:
     from rlctl.commands.progress import StepProgress
-    from rlctl.run import resume_run
+    from rlctl.run import resume_run, resume_snapshot_writer_early
 
+    resume_snapshot_writer_early(run_dir, list(overrides))  # it imports torch beside this process
     with StepProgress(run_dir) as progress:
         summary = resume_run(
             run_dir, from_, list(overrides), force=force, wait_for_lease=wait_for_lease, reporter=progress
