@@ -117,7 +117,7 @@ def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
     process imports torch (``start_snapshot_writer``); ``start_run`` puts it to rest when the run ends. For a
     command that imports the engine before it calls ``start_run``."""
     if cfg.world_size == 1:
-        start_snapshot_writer(run_storage(url, cfg), cfg)
+        start_snapshot_writer(url, cfg)  # (no storage opened: an object store's client starts a thread)
 
 
 def resume_snapshot_writer_early(url: str, overrides: list[str]) -> None:

@@ -169,20 +169,28 @@ def _engine_stages(cfg: RunConfig, dtype, plan: ResumePlan | None, reporter: Rep
     return stages
 
 
-def start_snapshot_writer(run: Storage, cfg: RunConfig) -> bool:
+def start_snapshot_writer(run: Storage | str, cfg: RunConfig) -> bool:
     """Start this process's snapshot writer process now, before the rank is set up, when the run's
     snapshots are written there (it snapshots, with checkpoint.writer process, to storage that other
     processes see): it imports torch and DeepSpeed (``WRITER_PRELOAD``) while this process imports its
-    own and loads the models, not in the first snapshot's time. Whether it runs; one that cannot start
-    now is tried again at the first snapshot, which says what fails."""
+    own and loads the models, not in the first snapshot's time. ``run``: the run's storage, or its URL
+    before any storage is opened (an object store's client starts a thread, and a writer is forked
+    only from a process of one thread). Whether it runs; one that cannot start now is tried again at
+    the first snapshot, which says what fails."""
     c = cfg.checkpoint
-    if not c.every or c.writer != "process" or checkpoint_storage(run, cfg).in_process:
+    in_process = _in_memory(c.dir or run) if isinstance(run, str) else checkpoint_storage(run, cfg).in_process
+    if not c.every or c.writer != "process" or in_process:
         return False
     try:
         snapshot_writer().start(WRITER_PRELOAD, WRITER_ENV, fork=_writer_env_still_read())
     except OSError:
         return False
     return True
+
+
+def _in_memory(url: str) -> bool:
+    """Whether ``url`` (chained links too) lies in this process's memory (memory://), read from the URL."""
+    return any(part.split("://", 1)[0] == "memory" for part in str(url).split("::") if "://" in part)
 
 
 def _writer_env_still_read() -> bool:
