@@ -218,7 +218,7 @@ def small_tmpfs(path, size="64k"):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-class Counter:
+class Number:
     """The smallest Stateful: one versioned number."""
 
     VERSION = 1

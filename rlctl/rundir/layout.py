@@ -24,12 +24,13 @@ CHECKPOINTS = "checkpoints"
 TOOL_CALLS = "tools"
 TOOL_RESULTS = f"{TOOL_CALLS}/results"
 TRAJECTORIES = "trajectories"
+TRACKERS = "trackers.json"
 # a file of one step and rank under TOOL_CALLS or TRAJECTORIES: step-000012.rank-0.jsonl
 STEP_RANK_FILE = re.compile(r"step-(\d{6})\.rank-(\d+)\.jsonl")
 
 
 # What each name holds, in the order a person reads them; a description may go on over rows of its own.
-# The trackers' files are named by rlctl/trackers, which the floors keep below this module.
+# The trackers' own folders and databases are named by each tracker (rlctl/trackers, on a floor above).
 TREE = [
     (CONFIG, "the resolved config: every key, defaults included (updated by `resume --set`)"),
     (f"{MODEL}/", "the built-in model and tokenizer (save_pretrained; reload with any HF tool) when"),
@@ -49,7 +50,7 @@ TREE = [
     ("", f"their answers by sha256 ({TOOL_RESULTS}/): replayed when a step runs again"),
     (f"{TRAJECTORIES}/", "a multi-turn run's conversations by step and rank (`rlctl trajectories`)"),
     ("tensorboard/ wandb/", "trackers' files (trainer.loggers); mlflow.db and mlartifacts/ for MLflow"),
-    ("trackers.json", "the W&B and MLflow runs a resume continues"),
+    (TRACKERS, "the W&B and MLflow runs a resume continues"),
 ]
 
 

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-FILE = "trackers.json"
+from rlctl.rundir.layout import TRACKERS as FILE
+
 VERSION = 1
 
 

@@ -18,7 +18,7 @@ from rlctl.errors import SnapshotError
 from rlctl.rundir.snapshots import snapshot_catalog, snapshot_manager
 from rlctl.storage import Storage
 
-from helpers import Counter
+from helpers import Number
 
 SCORE = "val/score/mean"
 LENGTH = "val/response_length/mean"
@@ -31,7 +31,7 @@ def save(manager, step, score=None, val_step=None, good=True, **more):
     metrics = {SCORE: score} if score is not None else {}
     metrics.update({k.replace("__", "/"): v for k, v in more.items()})
     meta = {"val": {"step": step if val_step is None else val_step, "metrics": metrics}} if metrics else None
-    manager.save(step, {"counter": Counter(step)}, {}, good=good, meta=meta)
+    manager.save(step, {"counter": Number(step)}, {}, good=good, meta=meta)
     assert manager.wait() is True
 
 
@@ -162,7 +162,7 @@ def test_a_malformed_val_makes_the_manifest_unreadable_and_quarantined(storage, 
 def test_saving_a_malformed_val_is_refused_before_anything_is_written(storage):
     m = SnapshotManager(storage)
     with pytest.raises(ValueError, match="cannot record this validation: its val step is '3'"):
-        m.save(3, {"counter": Counter(3)}, {}, good=True, meta={"val": {"step": "3", "metrics": {}}})
+        m.save(3, {"counter": Number(3)}, {}, good=True, meta={"val": {"step": "3", "metrics": {}}})
     assert m.catalog.scan() == []
 
 

@@ -23,7 +23,7 @@ from rlctl.rundir.lease import Lease, read_lease
 from rlctl.rundir.snapshots import zero_topology
 from rlctl.storage import Storage
 
-from helpers import Counter, small_tmpfs
+from helpers import Number, small_tmpfs
 
 
 class Blob:
@@ -50,7 +50,7 @@ def storage(request, tmp_path):
 
 
 def save(manager, step, value, good=True):
-    manager.save(step, {"counter": Counter(value)}, {"blob": Blob(bytes([value]) * 1000)}, good=good)
+    manager.save(step, {"counter": Number(value)}, {"blob": Blob(bytes([value]) * 1000)}, good=good)
     manager.wait()
 
 
@@ -63,7 +63,7 @@ def test_commit_then_restore(storage):
     manifest = info.manifest
     assert set(manifest["files"]) == {"blob/blob.bin", "state.pt"}
     assert manifest["world_size"] == 1 and manifest["rlctl_version"] and manifest["total_bytes"] > 1000
-    counter, blob = Counter(), Blob()
+    counter, blob = Number(), Blob()
     m.restore(info, {"counter": counter}, {"blob": blob})
     assert counter.value == 7 and blob.data == bytes([7]) * 1000
     assert [e["event"] for e in events] == ["snapshot_committed"]
@@ -88,9 +88,9 @@ def test_corrupt_file_is_caught_by_checksum_and_latest_falls_back(storage):
     storage.write_bytes(path, b"X" * 1000)  # same size, other bytes
     newest = m.catalog.candidates("latest")[0]
     with pytest.raises(SnapshotError, match="blob/blob.bin does not match its sha256"):
-        m.restore(newest, {"counter": Counter()}, {"blob": Blob()})
+        m.restore(newest, {"counter": Number()}, {"blob": Blob()})
     older = m.catalog.candidates("latest")[1]
-    counter = Counter()
+    counter = Number()
     m.restore(older, {"counter": counter}, {"blob": Blob()})
     assert counter.value == 1
 
@@ -110,9 +110,9 @@ def test_missing_file_wrong_size_and_wrong_topology(storage):
     picked = m.catalog.scan(files=False)
     assert [i.problem for i in picked] == [None, None, None]
     with pytest.raises(SnapshotError, match="file state.pt is missing"):
-        m.restore(picked[0], {"counter": Counter()}, {"blob": Blob()})
+        m.restore(picked[0], {"counter": Number()}, {"blob": Blob()})
     with pytest.raises(SnapshotError, match="blob/blob.bin does not match its sha256"):
-        m.restore(picked[1], {"counter": Counter()}, {"blob": Blob()})
+        m.restore(picked[1], {"counter": Number()}, {"blob": Blob()})
     two_ranks = Catalog(storage, world_size=2)  # (the read side alone)
     assert two_ranks.scan()[2].problem == "written by 1 rank(s); this run has 2"
     stage3 = Catalog(storage, topology=[zero_topology(3)])
@@ -140,7 +140,7 @@ def test_manifest_is_created_exclusively(storage):
     m = SnapshotManager(storage)
     save(m, 4, 4)
     with pytest.raises(SnapshotError, match="committed snapshot of step 4 already exists"):
-        m.save(4, {"counter": Counter(9)}, {}, good=True)
+        m.save(4, {"counter": Number(9)}, {}, good=True)
     with pytest.raises(FileExistsError):
         storage.write_bytes(f"{step_name(4)}/{MANIFEST}", b"{}", exclusive=True)
 
@@ -150,10 +150,10 @@ def test_async_save_returns_before_commit_and_never_overlaps(storage, monkeypatc
     events = []
     m = SnapshotManager(storage, on_event=events.append)
     t0 = time.perf_counter()
-    m.save(1, {"counter": Counter(1)}, {}, good=True)
+    m.save(1, {"counter": Number(1)}, {}, good=True)
     assert time.perf_counter() - t0 < 0.4  # training went on while the commit waited
     assert not storage.exists("step-000001", MANIFEST)
-    m.save(2, {"counter": Counter(2)}, {}, good=True)  # waits for step 1 first
+    m.save(2, {"counter": Number(2)}, {}, good=True)  # waits for step 1 first
     assert storage.exists("step-000001", MANIFEST)
     m.close()
     assert [e["step"] for e in events if e["event"] == "snapshot_committed"] == [1, 2]
@@ -185,7 +185,7 @@ def test_failed_upload_is_reported_and_never_half_visible(tmp_path):
     storage = Unwritable(f"memory://fail-{uuid.uuid4().hex}/ckpt")
     events = []
     m = SnapshotManager(storage, on_event=events.append)
-    m.save(3, {"counter": Counter(3)}, {}, good=True)
+    m.save(3, {"counter": Number(3)}, {}, good=True)
     assert m.wait() is False
     (failed,) = events
     assert failed["event"] == "snapshot_failed" and failed["step"] == 3
@@ -244,14 +244,14 @@ def test_enospc_drill_fails_every_snapshot_from_its_step_and_max_failures_ends_t
     m = SnapshotManager(storage, on_event=events.append, max_failures=3)
     save(m, 1, 1)
     for step in (2, 3):
-        m.save(step, {"counter": Counter(step)}, {"blob": Blob(b"x" * 10)}, good=True)
+        m.save(step, {"counter": Number(step)}, {"blob": Blob(b"x" * 10)}, good=True)
         assert m.wait() is False
     failed = [e for e in events if e["event"] == "snapshot_failed"]
     assert [(e["step"], e["consecutive"], e["max_failures"]) for e in failed] == [(2, 1, 3), (3, 2, 3)]
     assert all("no space left on device" in e["error"] for e in failed)
     assert [i.step for i in m.catalog.scan()] == [1]  # nothing half-visible, no litter
     with pytest.raises(StorageError) as caught:
-        m.save(4, {"counter": Counter(4)}, {}, good=True)
+        m.save(4, {"counter": Number(4)}, {}, good=True)
     message = caught.value.message
     assert "3 snapshots in a row failed" in message and "of step 4" in message and storage.url in message
     assert "no space left on device" in message and "the last committed snapshot is step 1" in message
@@ -269,10 +269,10 @@ def test_snapshots_refused_by_the_store_end_the_run_13_not_12(tmp_path):
         m = SnapshotManager(Storage(str(disk / "ckpt")), max_failures=2)
         save(m, 1, 1)
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
-        m.save(2, {"counter": Counter(2)}, {"blob": Blob(b"x" * 10)}, good=True)
+        m.save(2, {"counter": Number(2)}, {"blob": Blob(b"x" * 10)}, good=True)
         assert m.wait() is False
         with pytest.raises(StorageRefused) as caught:
-            m.save(3, {"counter": Counter(3)}, {}, good=True)
+            m.save(3, {"counter": Number(3)}, {}, good=True)
     assert caught.value.exit_code == ExitCode.STORAGE_REFUSED == 13
     assert "2 snapshots in a row failed" in caught.value.message and "read-only file system" in caught.value.message
 
@@ -288,12 +288,12 @@ def test_background_write_failure_is_counted_and_a_commit_resets_the_count(tmp_p
     events = []
     m = SnapshotManager(storage, on_event=events.append, max_failures=2)
     monkeypatch.setenv("RLCTL_FAULTS", "enospc@1")
-    m.save(1, {"counter": Counter(1)}, {}, good=True)  # fails while staging, on this thread
+    m.save(1, {"counter": Number(1)}, {}, good=True)  # fails while staging, on this thread
     assert m.wait() is False
     monkeypatch.setenv("RLCTL_FAULTS", "")
-    m.save(2, {"counter": Counter(2)}, {"blob": DeferredBlob(b"y" * 100)}, good=True)
+    m.save(2, {"counter": Number(2)}, {"blob": DeferredBlob(b"y" * 100)}, good=True)
     assert m.wait() is True and m.failures.consecutive == 0
-    m.save(3, {"counter": Counter(3)}, {"blob": OverQuota()}, good=True)  # fails in the background
+    m.save(3, {"counter": Number(3)}, {"blob": OverQuota()}, good=True)  # fails in the background
     m.wait_staged()  # training is released even so
     assert m.wait() is False
     failed = [e for e in events if e["event"] == "snapshot_failed"]
@@ -345,13 +345,13 @@ def test_fence_failure_commits_nothing_and_reaches_the_training_thread(tmp_path)
     m = SnapshotManager(storage, on_event=events.append, fence=fence)
     save(m, 1, 1)
     lost.append(True)
-    m.save(2, {"counter": Counter(2)}, {"blob": Blob(b"x")}, good=True)  # the fence is only asked at commit
+    m.save(2, {"counter": Number(2)}, {"blob": Blob(b"x")}, good=True)  # the fence is only asked at commit
     with pytest.raises(LeaseError, match="taken over"):
         m.wait()
     assert not storage.exists("step-000002", MANIFEST)
     assert storage.exists("step-000002", "state.pt")  # left for the new owner to tidy: we may not write
     with pytest.raises(LeaseError):
-        m.save(3, {"counter": Counter(3)}, {}, good=True)
+        m.save(3, {"counter": Number(3)}, {}, good=True)
     assert [e["event"] for e in events] == ["snapshot_committed"]
 
 
@@ -361,10 +361,10 @@ def test_an_exception_of_the_commit_thread_reaches_the_training_thread(tmp_path)
             raise RuntimeError("events.jsonl is gone")
 
     m = SnapshotManager(Storage(str(tmp_path / "ckpt")), on_event=on_event)
-    m.save(1, {"counter": Counter(1)}, {}, good=True)
+    m.save(1, {"counter": Number(1)}, {}, good=True)
     with pytest.raises(RuntimeError, match="events.jsonl is gone"):
         m.wait()
-    m.save(2, {"counter": Counter(2)}, {}, good=True)  # the thread lives on
+    m.save(2, {"counter": Number(2)}, {}, good=True)  # the thread lives on
     with pytest.raises(RuntimeError, match="events.jsonl is gone"):
         m.close()
 
@@ -539,7 +539,7 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
     managers = [SnapshotManager(storage, world_size=2, rank=r, collectives=Local(meet.wait)) for r in (0, 1)]
 
     def save_rank(r):
-        managers[r].save(1, {"counter": Counter(10 + r)}, {"blob": Blob(b"\x01" * 100)}, good=True)  # same bytes
+        managers[r].save(1, {"counter": Number(10 + r)}, {"blob": Blob(b"\x01" * 100)}, good=True)  # same bytes
         managers[r].wait()
 
     threads = [threading.Thread(target=save_rank, args=(r,)) for r in (0, 1)]
@@ -563,18 +563,16 @@ def test_each_rank_fetches_and_checks_only_shared_files_and_its_own(tmp_path, mo
         "get_file",
         lambda src, dst, **kw: (fetched.append(src.rsplit("step-000001/", 1)[-1]), get_file(src, dst, **kw)),
     )
-    counters = [Counter(), Counter()]
+    counters = [Number(), Number()]
     managers[0].restore(info, {"counter": counters[0]}, {"blob": Blob()})
     assert sorted(fetched) == files_of_rank(files, 0)
     managers[1].restore(managers[1].catalog.scan()[0], {"counter": counters[1]}, {"blob": Blob()})
     assert [c.value for c in counters] == [10, 11]
 
     storage.write_bytes("step-000001/state.rank-1.pt", b"X" * info.manifest["files"]["state.rank-1.pt"]["size"])
-    managers[0].restore(
-        managers[0].catalog.scan()[0], {"counter": Counter()}, {"blob": Blob()}
-    )  # rank 0 never reads it
+    managers[0].restore(managers[0].catalog.scan()[0], {"counter": Number()}, {"blob": Blob()})  # rank 0 never reads it
     with pytest.raises(SnapshotError, match="state.rank-1.pt does not match its sha256"):
-        managers[1].restore(managers[1].catalog.scan()[0], {"counter": Counter()}, {"blob": Blob()})
+        managers[1].restore(managers[1].catalog.scan()[0], {"counter": Number()}, {"blob": Blob()})
 
 
 def test_device_tensors_go_to_the_writer_as_host_copies_that_keep_their_views():
@@ -670,7 +668,7 @@ def test_the_writer_process_leaves_stop_signals_to_the_trainer(tmp_path):
         os.kill(pid, sig)
     time.sleep(0.5)
     assert writer().alive() and writer().pid == pid
-    m.save(1, {"counter": Counter(1)}, {"blob": DeferredBlob(b"x" * 100)}, good=True)
+    m.save(1, {"counter": Number(1)}, {"blob": DeferredBlob(b"x" * 100)}, good=True)
     assert m.wait() is True and writer().pid == pid
 
 
@@ -685,10 +683,10 @@ def test_state_that_does_not_fit_in_shared_memory_is_written_in_the_thread_and_s
         m = SnapshotManager(Storage(str(tmp_path / "ckpt")), on_event=events.append)
         for step in (1, 2):
             blob = DeferredBlob(bytes([step]) * (256 << 10))
-            m.save(step, {"counter": Counter(step)}, {"blob": blob}, good=True)
+            m.save(step, {"counter": Number(step)}, {"blob": blob}, good=True)
             assert m.wait() is True
         fallbacks = [e for e in events if e["event"] == "snapshot_writer_fallback"]
         assert len(fallbacks) == 1 and f"{shm} has 0 MiB free" in fallbacks[0]["reason"]
         restored = DeferredBlob()
-        m.restore(m.catalog.scan()[-1], {"counter": Counter()}, {"blob": restored})
+        m.restore(m.catalog.scan()[-1], {"counter": Number()}, {"blob": restored})
         assert restored.data == bytes([2]) * (256 << 10)

@@ -15,7 +15,7 @@ from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.errors import SnapshotError
 from rlctl.storage import Storage
 
-from helpers import Counter
+from helpers import Number
 
 FILES = [
     "actor/mp_rank_00_model_states.pt",
@@ -88,7 +88,7 @@ def two_rank_snapshot(storage):
     ]
 
     def save(r):
-        managers[r].save(1, {"counter": Counter(10 + r)}, {"engine": Shards(r, 2)}, good=True)
+        managers[r].save(1, {"counter": Number(10 + r)}, {"engine": Shards(r, 2)}, good=True)
         managers[r].wait()
 
     threads = [threading.Thread(target=save, args=(r,)) for r in (0, 1)]
@@ -109,14 +109,14 @@ def test_a_two_rank_snapshot_restores_on_one_and_three_ranks(tmp_path, url):
             m = SnapshotManager(storage, world_size=world, rank=rank, elastic=True)
             (info,) = m.catalog.scan()
             assert info.usable
-            counter, engine = Counter(), Shards(rank, world)
+            counter, engine = Number(), Shards(rank, world)
             m.restore(info, {"counter": counter}, {"engine": engine})
             assert engine.loaded == ("resharded", [0, 1])
             assert counter.value == (11 if rank == 1 else 10)  # its own state, or rank 0's
         with pytest.raises(SnapshotError, match="Plain cannot load a snapshot of 2 rank"):
-            m.restore(info, {"counter": Counter()}, {"engine": Plain()})
+            m.restore(info, {"counter": Number()}, {"engine": Plain()})
 
     m = SnapshotManager(storage, world_size=2, rank=1, elastic=True)  # the same world: as before
     engine = Shards(1, 2)
-    m.restore(m.catalog.scan()[0], {"counter": Counter()}, {"engine": engine})
+    m.restore(m.catalog.scan()[0], {"counter": Number()}, {"engine": engine})
     assert engine.loaded == ("same world", [1])

@@ -19,14 +19,14 @@ from rlctl.metrics import encode_row, read_rows
 from rlctl.rundir.selection import ResumePlan, rollback_candidates, select
 from rlctl.storage import Storage
 
-from helpers import Counter
+from helpers import Number
 
 SCORE = "val/score/mean"
 
 
 def save(manager, step, score=None, good=True):
     meta = {"val": {"step": step, "metrics": {SCORE: score}}} if score is not None else None
-    manager.save(step, {"counter": Counter(step)}, {}, good=good, meta=meta)
+    manager.save(step, {"counter": Number(step)}, {}, good=good, meta=meta)
     assert manager.wait() is True
 
 

@@ -14,7 +14,7 @@ from rlctl.rundir.history import ever_committed
 from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog, snapshot_manager
 from rlctl.storage import Storage
 
-from helpers import Counter
+from helpers import Number
 
 
 class Notes:
@@ -45,7 +45,7 @@ def commit(run: Storage, cfg: RunConfig, step: int) -> None:
     """A real committed snapshot of ``step`` (its manifest written last), and its event."""
     events = EventLog(run)
     manager = snapshot_manager(run, cfg, events)
-    manager.save(step, {"counter": Counter(step)}, {}, good=True)
+    manager.save(step, {"counter": Number(step)}, {}, good=True)
     assert manager.wait() is True
     manager.close()
     events.close()
