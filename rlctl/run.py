@@ -48,6 +48,7 @@ from rlctl.rundir.selection import ResumePlan, select
 from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
+from rlctl.storage.clients import url_problem
 
 
 def start_run(
@@ -116,6 +117,8 @@ def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
     """Start the snapshot writer process of a run that this process will train (one rank) before this
     process imports torch (``start_snapshot_writer``); ``start_run`` puts it to rest when the run ends. For a
     command that imports the engine before it calls ``start_run``."""
+    if (problem := url_problem(url)) is not None:  # (what opening the storage would say, before any output)
+        raise ConfigError(problem)
     if cfg.world_size == 1:
         start_snapshot_writer(url, cfg)  # (no storage opened: an object store's client starts a thread)
 
