@@ -65,6 +65,28 @@ _HEADER = struct.Struct("!I")
 # -- the server ------------------------------------------------------------------------------------------
 
 
+# what a run imports as it goes (the commands, the rollout, the model's classes, transformers' quantizers
+# as it loads a model, the progress display): imported once here, not in every child's run
+FIRST_RUN_IMPORTS = (
+    "rlctl.commands.start",
+    "rlctl.commands.resume",
+    "rlctl.commands.progress",
+    "rlctl.preflight",
+    "rlctl.algos.kl",
+    "rlctl.engine.rollout.hf",
+    "rlctl.engine.reward.builtin",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.quantizers.auto",
+    "rich.progress",
+    "rich.live",
+    "deepspeed.ops.op_builder.all_ops",  # (setuptools with it: DeepSpeed's op builders, as an engine is made)
+    "deepspeed.module_inject.auto_ep_layer",
+    "deepspeed.ops.triton_ops",
+    "setuptools",
+)
+
+
 def _preload() -> None:
     """What `rlctl start` imports, the way it imports it (DeepSpeed through rlctl's own importer)."""
     import rlctl.cli  # noqa: F401
@@ -74,6 +96,10 @@ def _preload() -> None:
     from rlctl.engine.runtime import import_deepspeed
 
     import_deepspeed()
+    import importlib
+
+    for name in FIRST_RUN_IMPORTS:  # (each child would import them again in its first, and only, run)
+        importlib.import_module(name)
     import gc
 
     gc.freeze()
