@@ -453,13 +453,14 @@ class SnapshotManager:
 
     def abandon_after(self, step: int, tag: str) -> list[int]:
         """Move committed snapshots later than ``step`` to abandoned/<tag>/ (a resume turned away from
-        them; they are kept, not deleted)."""
-        moved = []
-        for at, name in self.catalog.step_dirs():
-            if at > step:
-                self.storage.move_dir(name, abandoned_name(tag, name))
-                moved.append(at)
-        return moved
+        them; kept, not deleted), or <tag>-2/ (-3...) where an earlier turn of the same second holds it."""
+        later = [(at, name) for at, name in self.catalog.step_dirs() if at > step]
+        free, n = tag, 1
+        while any(self.storage.exists(abandoned_name(free, name)) for _, name in later):
+            n, free = n + 1, f"{tag}-{n + 1}"
+        for _, name in later:
+            self.storage.move_dir(name, abandoned_name(free, name))
+        return [at for at, _ in later]
 
     # -- restoring ---------------------------------------------------------------------------------
     def restore(self, info: SnapshotInfo, states: dict[str, Stateful], dirs: dict[str, DirStateful]) -> None:

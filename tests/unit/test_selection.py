@@ -112,6 +112,23 @@ def test_the_plan_travels_as_data_and_pickled_and_finds_its_snapshots(manager):
     assert ResumePlan("latest").snapshots(manager.catalog) == []  # none planned: the run starts over
 
 
+def test_two_turns_of_one_second_keep_both_branches_apart(manager):
+    """A turn's tag is its time to the second: two resumes that turn away from step 4's snapshot within one
+    second (a fast resume of a tiny run does) kept it under the same folder, and the second move failed
+    ("directory not empty", exit 12). The second goes beside the first, and nothing is lost."""
+    save(manager, 2)
+    for _ in range(3):
+        save(manager, 4)
+        assert manager.abandon_after(2, "2026-11-29T073646Z") == [4]
+    assert sorted(manager.storage.listdir("abandoned")) == [
+        "2026-11-29T073646Z",
+        "2026-11-29T073646Z-2",
+        "2026-11-29T073646Z-3",
+    ]
+    for tag in manager.storage.listdir("abandoned"):
+        assert manager.storage.exists(f"abandoned/{tag}/step-000004/manifest.json")
+
+
 # -- the one turn ------------------------------------------------------------------------------------------
 class Host:
     """The trainer as recovery sees it: one rank, a restore that fails for the steps in ``broken``."""
