@@ -126,7 +126,11 @@ def start_snapshot_writer_early(cfg: RunConfig, url: str) -> None:
 def resume_snapshot_writer_early(url: str, overrides: list[str]) -> None:
     """``start_snapshot_writer_early`` for `rlctl resume`, before its progress display starts a thread (a
     process of one thread forks its writer, which then imports nothing again): nothing when the run is
-    complete, or its config cannot be read (``resume_run`` says why)."""
+    complete, or its config cannot be read (``resume_run`` says why), or it lies on an object store (its
+    client's thread would keep the writer from being forked, and a store that is down would be waited
+    for twice)."""
+    if "://" in url and not url.startswith("file://"):
+        return
     with contextlib.suppress(RlctlError, OSError):
         run = Storage(url)
         cfg, _ = apply_resume_overrides(load_run_config(run), list(overrides))
