@@ -49,6 +49,7 @@ from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 from rlctl.storage.clients import url_problem
+from rlctl.storage.outages import store_of
 
 
 def start_run(
@@ -129,7 +130,7 @@ def resume_snapshot_writer_early(url: str, overrides: list[str]) -> None:
     complete, or its config cannot be read (``resume_run`` says why), or it lies on an object store (its
     client's thread would keep the writer from being forked, and a store that is down would be waited
     for twice)."""
-    if "://" in url and not url.startswith("file://"):
+    if store_of(url) is not None:
         return
     with contextlib.suppress(RlctlError, OSError):
         run = Storage(url)
