@@ -182,10 +182,23 @@ def start_snapshot_writer(run: Storage | str, cfg: RunConfig) -> bool:
     if not c.every or c.writer != "process" or in_process:
         return False
     try:
-        snapshot_writer().start(WRITER_PRELOAD, WRITER_ENV, fork=_writer_env_still_read())
+        snapshot_writer().start(_writer_preload(cfg), WRITER_ENV, fork=_writer_env_still_read())
     except OSError:
         return False
     return True
+
+
+def _writer_preload(cfg: RunConfig) -> tuple[str, ...]:
+    """What the run's writer imports as it starts: DeepSpeed (``WRITER_PRELOAD``) when the state dicts it
+    will unpickle name DeepSpeed's classes, those of engines that ZeRO partitions or that scale an fp16
+    loss. A fresh world of one trains at stage 0 (``trained_stages``), whose state dicts name only
+    torch's: its writer is spared DeepSpeed's import (about 1 s of CPU per writer that cannot be forked
+    from this process). A resume of a snapshot of another stage, or a dtype ``auto`` that the device
+    turns to fp16, has the writer import DeepSpeed at its first job instead (pickle imports what it
+    meets)."""
+    fp16 = cfg.model.dtype == "fp16"
+    stages = trained_stages(cfg, fp16)
+    return WRITER_PRELOAD if fp16 or stages.actor or stages.critic else ()
 
 
 def _in_memory(url: str) -> bool:

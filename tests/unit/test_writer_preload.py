@@ -159,3 +159,22 @@ def test_a_writer_at_rest_serves_the_next_run_of_its_environment_and_another_get
         assert writer.alive() and writer.pid != first and not os.path.exists(f"/proc/{first}/cmdline")
     finally:
         writer.stop()
+
+
+def test_only_a_run_whose_state_names_deepspeed_has_its_writer_import_deepspeed():
+    """A fresh world of one trains at ZeRO stage 0: its state dicts name only torch's classes, so its
+    writer starts without DeepSpeed (about 1 s of CPU for a writer that cannot be forked). Two ranks
+    (partitioned) and fp16 (a loss scaler) keep the preload; PPO's critic counts as the actor does."""
+    from rlctl.config import validate_config
+    from rlctl.ranks.worker import WRITER_PRELOAD, _writer_preload
+
+    def preload(nproc=1, stage=2, dtype="auto", algorithm="grpo", critic=2):
+        data = {"trainer": {"nproc": nproc}, "actor": {"zero_stage": stage}, "model": {"dtype": dtype}}
+        data |= {"algorithm": {"name": algorithm}, "critic": {"zero_stage": critic}}
+        return _writer_preload(validate_config(data))
+
+    assert preload() == () and preload(stage=1, dtype="bf16") == () and preload(algorithm="ppo") == ()
+    assert preload(nproc=2) == WRITER_PRELOAD and preload(nproc=2, stage=0) == ()
+    assert preload(dtype="fp16") == WRITER_PRELOAD
+    assert preload(stage=3) == WRITER_PRELOAD  # (ZeRO-3 is never trained at stage 0)
+    assert preload(stage=0, algorithm="ppo", critic=3) == WRITER_PRELOAD
