@@ -47,6 +47,27 @@ def test_stage_0_in_fp32_reports_the_norm_it_clips(runtime):
     assert module.engine.get_global_grad_norm() == pytest.approx(expected, rel=1e-5) and expected > 1.0
 
 
+def test_stage_0_in_a_world_of_one_skips_deepspeeds_reduction_and_steps_on_autograds_gradients(runtime):
+    """DeepSpeed's reduction after each backward (flatten, all-reduce over one rank, copy back) is the
+    identity in a world of one: a stage-0 engine there never runs it, and its optimizer steps on exactly
+    the gradients autograd left. A ZeRO-1 engine keeps its own reduction."""
+    module = DSModule(tied_model(), SPEC, runtime)
+    calls = []
+    module.engine.allreduce_gradients = lambda *a, **k: calls.append(a)
+    x = torch.ones(2, 8)
+    plain = tied_model()
+    plain(x).sum().backward()
+    module.engine.backward(module.engine(x).sum(), scale_wrt_gas=False)
+    grads = [p.grad for p in module.module.parameters()]
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, plain.parameters(), strict=True))
+    module.engine.step()
+    assert calls == [] and module.engine.global_steps == 1
+    zero1 = DSModule(
+        tied_model(), EngineSpec(lr=1e-2, zero_stage=1, grad_clip=1.0, mini_batch=1, micro_batch=1), runtime
+    )
+    assert zero1.engine.enable_backward_allreduce is True
+
+
 def test_stage_0_in_bf16_keeps_fp32_masters_that_resume_and_export(runtime, tmp_path):
     bf16 = Runtime(runtime.device, torch.bfloat16, runtime.backend, runtime.kind)
     x = torch.ones(2, 8, dtype=torch.bfloat16)
