@@ -62,6 +62,7 @@ from rlctl.engine.trainer import Trainer
 from rlctl.metrics import JsonlLog
 from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
+from rlctl.rundir.handle import RunDir
 from rlctl.rundir.snapshots import snapshot_manager
 from rlctl.storage import Storage
 
@@ -97,7 +98,7 @@ def build(root: str, overrides: list[str], events: Events, workload: list[str] =
     guard = PolicyGuard(load_policies(cfg.policies)) if cfg.policies else None
     reach = guard.max_steps_back if guard is not None else 0
     snapshots = snapshot_manager(run, cfg, events, collectives=rank.dist, max_steps_back=reach)
-    return Trainer(cfg, run, rank, snapshots=snapshots, guard=guard, on_event=events.emit)
+    return Trainer(cfg, RunDir(run), rank, snapshots=snapshots, guard=guard, on_event=events.emit)
 
 
 def steady_steps(trainer: Trainer, steps: int) -> tuple[list[dict[str, Any]], float]:

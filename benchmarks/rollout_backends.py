@@ -38,6 +38,7 @@ def main() -> None:
     from rlctl.engine.model import load_tokenizer, prepare_model_dir
     from rlctl.engine.rollout import make_backend
     from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.rundir.handle import RunDir
     from rlctl.storage import Storage
 
     cfg = RunConfig.model_validate(
@@ -53,7 +54,7 @@ def main() -> None:
     )
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)
-    model_dir = prepare_model_dir(cfg, Storage(tempfile.mkdtemp(prefix="rlctl-bench-")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(tempfile.mkdtemp(prefix="rlctl-bench-"))))
     actor = Actor(cfg, model_dir, rt)
     tok = load_tokenizer(model_dir)
     rows = PromptCursor(load_rows(cfg.data, 0), 0, True).next_batch(args.prompts)

@@ -109,8 +109,9 @@ def _lora_model(cfg, run: Storage, state: dict, name: str):
 
     from rlctl.engine.lora import apply_lora
     from rlctl.engine.model import load_causal_lm, prepare_model_dir
+    from rlctl.rundir.handle import RunDir
 
-    base = load_causal_lm(prepare_model_dir(cfg, run), torch.float32, cfg.model.trust_remote_code)
+    base = load_causal_lm(prepare_model_dir(cfg, RunDir(run)), torch.float32, cfg.model.trust_remote_code)
     model = apply_lora(base, cfg.actor.lora, cfg.seed)
     missing, unexpected = model.load_state_dict(state, strict=False)
     adapter_missing = [k for k in missing if ".lora_" in k]

@@ -139,9 +139,10 @@ def tiny_model_dir(tmp_path_factory):
     (the same function): a Hugging Face directory that a config can name as model.path. Read only."""
     from rlctl.config import RunConfig
     from rlctl.engine.model import prepare_model_dir
+    from rlctl.rundir.handle import RunDir
     from rlctl.storage import Storage
 
-    return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("tiny-model"))))
+    return prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path_factory.mktemp("tiny-model")))))
 
 
 def _server(argv: list[str], name: str, env: dict | None = None):

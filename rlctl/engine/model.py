@@ -3,9 +3,7 @@
 The tiny model is a Llama- or Qwen2-style transformer with head_dim 32 (vLLM's CPU attention backend
 needs it), built from a transformers config with seeded random weights and saved with
 ``save_pretrained`` into the run directory, so a run is self-contained and any HF tool can reload it.
-It is never seen half-written: on a local disk it is written into a temporary sibling and renamed into
-place; on object storage a completion marker (``.rlctl-complete``) is written last, and a directory
-without it is checked, and moved aside and built again (from the seed) when it does not load.
+It is never seen half-written there (``rlctl.rundir.model_store``, through the run's handle).
 
 A model directory that does not load (no or a broken config.json, no weights, no tokenizer) is an
 InputError naming the directory and the cause.
@@ -13,13 +11,7 @@ InputError naming the directory and the cause.
 
 from __future__ import annotations
 
-import atexit
-import os
-import secrets
-import shutil
 import string
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,8 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from rlctl.config import BuiltinModelConfig, RunConfig
 from rlctl.engine.dist import Dist
 from rlctl.errors import InputError
-from rlctl.rundir.layout import MODEL, MODEL_COMPLETE, MODEL_TEMPORARY, set_aside
-from rlctl.storage import Storage, fsync_path
+from rlctl.rundir.handle import RunDir
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list(string.ascii_lowercase + string.digits + " =+-*/:.,?!#")
@@ -138,7 +129,7 @@ def build_tiny_model(spec: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFas
     return model
 
 
-def prepare_model_dir_once(cfg: RunConfig, run: Storage, dist: Dist) -> Path:
+def prepare_model_dir_once(cfg: RunConfig, run: RunDir, dist: Dist) -> Path:
     """``prepare_model_dir`` on every rank, rank 0 first: it builds the built-in model into the run once;
     the others read it when it is complete."""
     if not dist.is_main:
@@ -149,76 +140,12 @@ def prepare_model_dir_once(cfg: RunConfig, run: Storage, dist: Dist) -> Path:
     return model_dir
 
 
-def prepare_model_dir(cfg: RunConfig, run: Storage) -> Path:
-    """A local directory the actor (and reference) load from: `model.path`, or the built-in model kept in
-    RUN_DIR/model (created once; a resumed run reuses it). For a remote run directory the built-in model
-    is built or fetched into a local temporary directory."""
+def prepare_model_dir(cfg: RunConfig, run: RunDir) -> Path:
+    """A local directory the actor (and reference) load from: `model.path`, or the built-in model the run
+    keeps (``RunDir.model_dir``: built once from the seed; a resumed run reuses it)."""
     if cfg.model.path is not None:
         return Path(cfg.model.path).expanduser()
-    if run.is_local:
-        return _builtin_local(cfg, run, Path(run.path(MODEL)))
-    out = Path(tempfile.mkdtemp(prefix="rlctl-model-"))
-    atexit.register(shutil.rmtree, out, True)
-    return _builtin_remote(cfg, run, out)
-
-
-def _builtin_local(cfg: RunConfig, run: Storage, out: Path) -> Path:
-    """RUN_DIR/model, written whole into a temporary sibling and renamed into place (one atomic step):
-    it exists complete or not at all. Temporaries of a writer that was killed are removed."""
-    if (out / MODEL_COMPLETE).exists():
-        return out
-    for stale in out.parent.glob(f"{MODEL_TEMPORARY}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if out.exists():
-        if _adopted(run, out):
-            return out
-        _quarantine(run, out.name)
-    tmp = out.parent / f"{MODEL_TEMPORARY}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir(parents=True)  # with the umask's permissions, as the directory it becomes
-    try:
-        _save_builtin(cfg, tmp)
-        _write_durably(tmp / MODEL_COMPLETE, b"")
-        for f in tmp.iterdir():
-            fsync_path(f)
-        os.rename(tmp, out)
-        fsync_path(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _builtin_remote(cfg: RunConfig, run: Storage, out: Path) -> Path:
-    """The built-in model in ``out``, fetched from RUN_DIR/model when its completion marker (written
-    last) is there, else built and uploaded, the marker last: object stores have no atomic rename."""
-    if run.exists(MODEL, MODEL_COMPLETE):
-        run.get_dir(str(out), MODEL)
-        return out
-    if run.listdir(MODEL):
-        run.get_dir(str(out), MODEL)
-        if _adopted(run, out):
-            return out
-        _quarantine(run, MODEL)
-        shutil.rmtree(out)
-        out.mkdir()
-    _save_builtin(cfg, out)
-    run.put_dir(str(out), MODEL)
-    run.write_bytes(f"{MODEL}/{MODEL_COMPLETE}", b"")
-    return out
-
-
-def _adopted(run: Storage, local: Path) -> bool:
-    """A built-in model directory without the completion marker (written by an rlctl that wrote none,
-    or cut off): when every file of it loads, it is whole and gets its marker; else False."""
-    problem = builtin_problem(local)
-    if problem is not None:
-        print(f"warning: {run.url_of(MODEL)} is incomplete ({problem}); building the model again", file=sys.stderr)
-        return False
-    if run.is_local:
-        _write_durably(local / MODEL_COMPLETE, b"")
-    else:
-        run.write_bytes(f"{MODEL}/{MODEL_COMPLETE}", b"")
-    return True
+    return run.model_dir(lambda out: _save_builtin(cfg, out), builtin_problem)
 
 
 def builtin_problem(model_dir: Path) -> str | None:
@@ -237,20 +164,6 @@ def builtin_problem(model_dir: Path) -> str | None:
     except Exception as exc:  # any way a cut-off file fails to load
         return one_line(exc)
     return None
-
-
-def _quarantine(run: Storage, name: str) -> None:
-    """Move an unreadable RUN_DIR/<name> aside (nothing is deleted) and say where."""
-    aside = set_aside(name)
-    run.move_dir(name, aside)
-    print(f"warning: moved it aside to {run.url_of(aside)}", file=sys.stderr)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _save_builtin(cfg: RunConfig, out: Path) -> None:

@@ -38,17 +38,14 @@ from rlctl.engine.data import PromptCursor
 from rlctl.engine.dist import Dist
 from rlctl.errors import Halted, SnapshotError, StorageError
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.history import policy_acted_after, turn_away_after, turn_tag
-from rlctl.rundir.layout import CONFIG, POLICY_STATE
-from rlctl.rundir.selection import ResumePlan, rollback_candidates
-from rlctl.storage import Storage
+from rlctl.rundir.handle import ResumePlan, RunDir, rollback_candidates, turn_tag
 
 
 class Host(Protocol):
     """What recovery needs of the trainer it acts on."""
 
     cfg: RunConfig
-    run: Storage
+    run: RunDir
     guard: PolicyGuard
     snapshots: SnapshotManager | None
     dist: Dist
@@ -107,7 +104,7 @@ class Recovery:
         h = self.host
         h.guard.knobs = knob_settings(h.cfg)
         if h.dist.is_main:
-            h.run.write_bytes(POLICY_STATE, orjson.dumps({"step": h.state.step, **h.guard.state_dict()}))
+            h.run.write_policy_state(h.state.step, h.guard.state_dict())
 
     def carry_policy_state(self, step: int, keep_knobs: Collection[str] = ()) -> None:
         """After a resume restored the snapshot of ``step`` (and its policy state): take the state of
@@ -148,9 +145,8 @@ class Recovery:
     def _read_policy_state(self) -> tuple[int, dict[str, Any]] | None:
         """(the step it belongs to, the policy state) from RUN_DIR/policy_state.json; None when there is
         none or it cannot be read (said)."""
-        try:
-            raw = self.host.run.read_bytes(POLICY_STATE)
-        except FileNotFoundError:
+        raw = self.host.run.read_policy_state()
+        if raw is None:
             return None
         try:
             saved = orjson.loads(raw)
@@ -165,7 +161,7 @@ class Recovery:
 
     def _ignore_policy_state(self, reason: str) -> None:
         h = self.host
-        url = h.run.url_of(POLICY_STATE)
+        url = h.run.policy_state_url
         h.emit({"event": events.POLICY_STATE_IGNORED, "file": url, "reason": reason})
         if h.dist.is_main:
             print(f"warning: ignoring {url}: {reason}; the snapshot's policy state is used", file=sys.stderr)
@@ -202,7 +198,7 @@ class Recovery:
             changes[adj.key] = {"from": first, "to": after, **({"held": note} if note else {})}
         h.guard.adjustments.append({"step": verdict.step, "changes": changes})
         if h.dist.is_main:
-            h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())
+            h.run.write_config(h.cfg)
         h.apply_knobs()
         h.emit({"event": events.ADJUST, "step": verdict.step, "changes": changes})
 
@@ -264,13 +260,13 @@ class Recovery:
         step = info.step if info is not None else 0
         resharded = self._resharded(info)
         if h.dist.is_main:
-            h.run.write_bytes(CONFIG, h.cfg.to_yaml().encode())  # only once the restore has succeeded
+            h.run.write_config(h.cfg)  # only once the restore has succeeded
             h.emit(
                 {
                     "event": events.RESUME,
                     "from": plan.wanted,
                     "step": step,
-                    "replays_exactly": not plan.changes and not policy_acted_after(h.run, step),
+                    "replays_exactly": not plan.changes and not h.run.policy_acted_after(step),
                     "snapshot": info.name if info else None,
                     "location": h.snapshots.storage.url_of(info.name) if info else None,
                     "changes": plan.changes,
@@ -330,7 +326,7 @@ class Recovery:
         h.dist.barrier()
         with h.metrics_closed():
             if h.dist.is_main:
-                moved = turn_away_after(h.run, h.snapshots, step, tag)
+                moved = h.run.turn_away_after(h.snapshots, step, tag)
             h.dist.barrier()
         return moved
 

@@ -13,7 +13,7 @@ from rlctl.engine.tools.budget import ToolRetryBudget
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
-from rlctl.storage import Storage
+from rlctl.rundir.handle import RunDir
 
 
 class Rollouts:
@@ -22,7 +22,7 @@ class Rollouts:
     (tool_retry_budget; past it, the run stops as a preemption does). Without multi_turn all three are
     None."""
 
-    def __init__(self, cfg: RunConfig, run: Storage, rank: int, world: int, model_dir: Path):
+    def __init__(self, cfg: RunConfig, run: RunDir, rank: int, world: int, model_dir: Path):
         self.cfg, self.run, self.rank, self.world, self.model_dir = cfg, run, rank, world, model_dir
         mt = cfg.rollout.multi_turn
         self.tools = load_tools(mt) if mt is not None else None

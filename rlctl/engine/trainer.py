@@ -41,12 +41,9 @@ from rlctl.engine.rollouts import Rollouts
 from rlctl.engine.runtime import RankContext
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
-from rlctl.metrics import JsonlLog, NullLog, read_rows, row_is_finite, timed
+from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
 from rlctl.policies.guard import PolicyGuard
-from rlctl.rundir.layout import CONFIG, EVENTS, METRICS
-from rlctl.rundir.selection import ResumePlan
-from rlctl.rundir.snapshots import ZeroStages, trained_stages
-from rlctl.storage import Storage
+from rlctl.rundir.handle import ResumePlan, RunDir, ZeroStages, trained_stages
 
 
 def faulted(row: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +71,7 @@ class Trainer:
     def __init__(
         self,
         cfg: RunConfig,
-        run: Storage,
+        run: RunDir,
         rank: RankContext,
         *,
         snapshots: SnapshotManager | None = None,
@@ -89,7 +86,7 @@ class Trainer:
         called before every metrics row; ``stages``: the engines' ZeRO stages (None: a fresh start's)."""
         self.cfg, self.run, self.snapshots, self.on_step, self.fence = cfg, run, snapshots, on_step, fence
         self.emit = on_event or (lambda event: None)
-        fired = faults.fired_in(read_rows(run, EVENTS)) if cfg.faults else ()  # (the log read for drills only)
+        fired = faults.fired_in(run.events()) if cfg.faults else ()  # (the log read for drills only)
         faults.configure(cfg.faults, fired, self.emit)  # once in the run
         self.guard = guard
         if self.guard is not None and self.guard.rolls_back and (snapshots is None or not cfg.checkpoint.every):
@@ -188,7 +185,7 @@ class Trainer:
         generates, so that its row shows the values it used); RUN_DIR/config.yaml shows the new values."""
         if self.cfg.schedules:
             if follow_schedules(self.cfg, step) and self.dist.is_main:
-                self.run.write_bytes(CONFIG, self.cfg.to_yaml().encode())
+                self.run.write_config(self.cfg)
             self.apply_knobs()
 
     # -- state ---------------------------------------------------------------------------------------
@@ -243,7 +240,7 @@ class Trainer:
             self.stateful(),
             self.dir_stateful(),
             good=good,
-            extra_files={CONFIG: self.cfg.to_yaml().encode(), **self._hf_files},
+            extra_files={**self.run.files_in_snapshot(self.cfg), **self._hf_files},
             meta={
                 "metrics_offset": self.metrics.tell(),
                 "tokens_seen": self.state.tokens_seen,
@@ -360,7 +357,7 @@ class Trainer:
             raise StorageError(f"the run is not complete: {s.outcome(step)}. Resume with: rlctl resume {self.run.url}")
 
     def _metrics_log(self):
-        return JsonlLog(self.run, METRICS, fence=self.fence) if self.dist.is_main else NullLog()
+        return self.run.metrics_log(self.fence) if self.dist.is_main else NullLog()
 
     @contextmanager
     def metrics_closed(self):

@@ -28,6 +28,7 @@ from rlctl.policies import load_policies
 from rlctl.policies.guard import PolicyGuard
 from rlctl.ranks.report import ReportedEvents, Reporter, SilentReporter
 from rlctl.ranks.stops import STOPS, on_stop_signals
+from rlctl.rundir.handle import RunDir
 from rlctl.rundir.layout import METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.rundir.selection import ResumePlan
@@ -140,7 +141,7 @@ def _build_trainer(
     on_event = shown.emit if shown is not None else None
     trainer = Trainer(
         cfg,
-        run,
+        RunDir(run),
         context,
         snapshots=snapshots,
         guard=guard,

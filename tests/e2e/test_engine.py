@@ -10,6 +10,7 @@ from rlctl.engine.actor import Actor, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout import sample_seed
 from rlctl.engine.rollout.hf import HFRollout, SeededGumbelSampler, response_mask_for, sampler_for
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -33,7 +34,7 @@ def make_cfg(**sets) -> RunConfig:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("run"))))
+    return prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path_factory.mktemp("run")))))
 
 
 def test_tiny_model_reloads_with_any_hf_tool(model_dir):

@@ -82,6 +82,7 @@ def test_vllm_samples_the_merged_adapter_after_a_sync(runtime, tmp_path):
     from rlctl.engine.actor import Actor
     from rlctl.engine.model import load_tokenizer, prepare_model_dir
     from rlctl.engine.rollout import make_backend
+    from rlctl.rundir.handle import RunDir
     from rlctl.storage import Storage
 
     cfg = RunConfig.model_validate(
@@ -92,7 +93,7 @@ def test_vllm_samples_the_merged_adapter_after_a_sync(runtime, tmp_path):
             "actor": {"lr": 5e-2, "lora": {"rank": 4}},
         }
     )
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path / "run")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path / "run"))))
     actor = Actor(cfg, model_dir, runtime)
     rollout = make_backend("vllm", cfg=cfg, actor=actor, tokenizer=load_tokenizer(model_dir))
     try:

@@ -17,6 +17,7 @@ from rlctl.engine.rollout import make_backend
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.rollout.vllm import VLLMRollout, process_state_kept
 from rlctl.errors import ConfigError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -45,7 +46,7 @@ def setup(runtime, tmp_path_factory):
     """A ZeRO-3 actor (its parameters are partitioned: sync must gather them) and its vLLM engine."""
     import torch.distributed as dist
 
-    model_dir = prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("run"))))
+    model_dir = prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path_factory.mktemp("run")))))
     cfg = make_cfg()
     actor = Actor(cfg, model_dir, runtime)
     tokenizer = load_tokenizer(model_dir)

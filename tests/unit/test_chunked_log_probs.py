@@ -16,6 +16,7 @@ from rlctl.engine.actor import Actor, read_once, sequence_log_probs
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.token_budget import GRAIN, device_token_budget, token_budget
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -215,7 +216,7 @@ def tiny_actor(runtime, tmp_path_factory, **actor):
             "actor": {"lr": 1e-6, **actor},
         }
     )
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path_factory.mktemp("run"))))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path_factory.mktemp("run")))))
     actor = Actor(cfg, model_dir, runtime)
     seqs = HFRollout(cfg, actor, load_tokenizer(model_dir)).generate(
         ["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], 1

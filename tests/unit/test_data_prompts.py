@@ -21,6 +21,7 @@ from rlctl.engine.data import (
 )
 from rlctl.engine.model import build_char_tokenizer, load_tokenizer
 from rlctl.errors import ConfigError, ExitCode, InputError
+from rlctl.rundir.handle import RunDir
 
 # Roles by their first letter, each message ended by '.', and the assistant's turn opened by 'a:'.
 TEMPLATE = (
@@ -221,7 +222,7 @@ def test_the_rollout_gives_the_model_the_system_prompt_as_load_prompts_measures_
     from rlctl.storage import Storage
 
     cfg = RunConfig.model_validate({"data": {"system_prompt": "sys", "max_prompt_length": 14}})
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path / "run")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path / "run"))))
     tok = load_tokenizer(model_dir)
     tok.chat_template = TEMPLATE
     tok.save_pretrained(model_dir)

@@ -21,6 +21,7 @@ from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -129,11 +130,11 @@ def test_a_stateful_tool_keeps_its_state_and_a_step_run_again_rebuilds_it(made, 
 
     run = Storage(str(tmp_path / "run"))
     try:
-        first = run_step(ToolRecord(run, 0))
+        first = run_step(ToolRecord(RunDir(run), 0))
         assert [a.split(" in ")[0] for a in first] == ["total 12", "total 15"]
         lines = (tmp_path / "run" / "tools" / "step-000005.rank-0.jsonl").read_bytes().splitlines()
         (tmp_path / "run" / "tools" / "step-000005.rank-0.jsonl").write_bytes(lines[0] + b"\n")  # killed then
-        again = run_step(ToolRecord(run, 0))  # resumed: the first call replayed, the object made anew
+        again = run_step(ToolRecord(RunDir(run), 0))  # resumed: the first call replayed, the object made anew
         assert again[0] == first[0] and again[1].split(" in ")[0] == "total 15"
     finally:
         rollout.record = None

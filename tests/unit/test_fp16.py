@@ -21,6 +21,7 @@ from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.runtime import Runtime, cpu_fp16, resolve_dtype
 from rlctl.errors import ConfigError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 from helpers import metrics_of, run_cli
@@ -95,7 +96,7 @@ def test_an_fp32_engine_reports_no_scaling_and_no_metrics(runtime, tmp_path):
 def actor_and_batch(cfg: RunConfig, runtime: Runtime, tmp_path):
     """A real tiny actor of ``cfg`` (fresh model directory, same seed) and one rollout batch of 4 sequences."""
     torch.manual_seed(0)
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path / "model")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path / "model"))))
     actor = Actor(cfg, model_dir, runtime)
     seqs = HFRollout(cfg, actor, load_tokenizer(model_dir)).generate(
         ["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], 1

@@ -152,6 +152,15 @@ def test_engine_never_imports_trackers():
     assert imports_between(import_graph(), "rlctl.engine", "rlctl.trackers") == {}
 
 
+def test_the_engine_reaches_the_run_directory_only_through_its_handle():
+    """The engine is handed the run as one handle (``rlctl.rundir.handle.RunDir``): it opens no storage
+    and imports no other module of ``rundir/``, so every file of a run is named and written on that floor."""
+    graph = import_graph()
+    assert imports_between(graph, "rlctl.engine", "rlctl.storage") == {}
+    reached = {t for targets in imports_between(graph, "rlctl.engine", "rlctl.rundir").values() for t in targets}
+    assert reached == {"rlctl.rundir.handle"}
+
+
 def test_no_function_over_60_lines():
     long = []
     for path in PKG.rglob("*.py"):

@@ -16,6 +16,7 @@ from rlctl.engine.ds_module import weights_digest
 from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.errors import ConfigError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 
@@ -37,7 +38,7 @@ def small_cfg(rank: int = 4, zero_stage: int = 2, **actor) -> RunConfig:
 
 
 def build(cfg: RunConfig, runtime, tmp_path) -> tuple[Actor, HFRollout, os.PathLike]:
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path / "model")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path / "model"))))
     actor = Actor(cfg, model_dir, runtime)
     return actor, HFRollout(cfg, actor, load_tokenizer(model_dir)), model_dir
 
@@ -78,7 +79,7 @@ def test_a_target_module_matching_nothing_is_a_located_config_error(runtime, tmp
 
 def test_the_adapter_is_seeded_and_leaves_the_global_rng_alone(runtime, tmp_path):
     cfg = small_cfg()
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path / "model")))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path / "model"))))
     state = torch.get_rng_state()
     a = named(lora.apply_lora(load_causal_lm(model_dir, torch.float32), cfg.actor.lora, 7))
     assert torch.equal(torch.get_rng_state(), state)

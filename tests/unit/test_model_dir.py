@@ -13,6 +13,7 @@ import torch
 from rlctl.config import RunConfig
 from rlctl.engine.model import load_causal_lm, load_tokenizer, prepare_model_dir
 from rlctl.errors import InputError
+from rlctl.rundir.handle import RunDir
 from rlctl.rundir.layout import MODEL_COMPLETE
 from rlctl.storage import Storage
 
@@ -27,12 +28,12 @@ def digest(model_dir) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The built-in model of seed 0, built once into its own run directory."""
-    return prepare_model_dir(RunConfig(), Storage(str(tmp_path_factory.mktemp("ref") / "run")))
+    return prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path_factory.mktemp("ref") / "run"))))
 
 
 def test_a_fresh_build_is_published_whole_with_its_marker(tmp_path, reference):
     run = tmp_path / "run"
-    out = prepare_model_dir(RunConfig(), Storage(str(run)))
+    out = prepare_model_dir(RunConfig(), RunDir(Storage(str(run))))
     assert out == run / "model" and (out / MODEL_COMPLETE).exists()
     assert digest(out) == digest(reference)  # deterministic from the seed
     assert sorted(p.name for p in run.iterdir()) == ["model"]  # no temporary left beside it
@@ -45,7 +46,7 @@ def test_a_half_written_model_dir_is_moved_aside_and_rebuilt(tmp_path, reference
     model = tmp_path / "run" / "model"
     model.mkdir(parents=True)
     (model / "config.json").write_bytes((reference / "config.json").read_bytes())
-    out = prepare_model_dir(RunConfig(), Storage(str(tmp_path / "run")))
+    out = prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path / "run"))))
     assert (out / MODEL_COMPLETE).exists() and digest(out) == digest(reference)
     [aside] = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("model.incomplete-")]
     assert [p.name for p in aside.iterdir()] == ["config.json"]  # kept, not deleted
@@ -61,7 +62,7 @@ def test_truncated_weights_are_not_taken_for_whole(tmp_path, reference):
             (model / f.name).write_bytes(f.read_bytes())
     data = (reference / "model.safetensors").read_bytes()
     (model / "model.safetensors").write_bytes(data[: len(data) // 2])
-    out = prepare_model_dir(RunConfig(), Storage(str(tmp_path / "run")))
+    out = prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path / "run"))))
     assert digest(out) == digest(reference)
 
 
@@ -72,7 +73,7 @@ def test_a_whole_dir_without_marker_from_an_older_rlctl_is_kept(tmp_path, refere
         if f.name != MODEL_COMPLETE:
             (model / f.name).write_bytes(f.read_bytes())
     inode = (model / "model.safetensors").stat().st_ino
-    out = prepare_model_dir(RunConfig(), Storage(str(tmp_path / "run")))
+    out = prepare_model_dir(RunConfig(), RunDir(Storage(str(tmp_path / "run"))))
     assert (out / MODEL_COMPLETE).exists() and (
         out / "model.safetensors"
     ).stat().st_ino == inode  # adopted, not rebuilt
@@ -89,15 +90,16 @@ def test_a_kill_while_writing_leaves_no_model_dir_and_the_next_start_builds_it(t
         from transformers import PreTrainedTokenizerFast
         from rlctl.config import RunConfig
         from rlctl.engine.model import prepare_model_dir
+        from rlctl.rundir.handle import RunDir
         from rlctl.storage import Storage
         PreTrainedTokenizerFast.save_pretrained = lambda self, out: os._exit(9)
-        prepare_model_dir(RunConfig(), Storage({str(run)!r}))
+        prepare_model_dir(RunConfig(), RunDir(Storage({str(run)!r})))
         """
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 9
     [tmp] = list(run.iterdir())
     assert tmp.name.startswith(".model.tmp-") and (tmp / "model.safetensors").exists()
-    out = prepare_model_dir(RunConfig(), Storage(str(run)))
+    out = prepare_model_dir(RunConfig(), RunDir(Storage(str(run))))
     assert digest(out) == digest(reference) and sorted(p.name for p in run.iterdir()) == ["model"]
 
 
@@ -105,11 +107,11 @@ def test_object_storage_uses_a_marker_written_last(tmp_path, reference):
     url = f"memory://{tmp_path.name}/run"
     run = Storage(url)
     run.write_bytes("model/config.json", (reference / "config.json").read_bytes())  # half an upload
-    out = prepare_model_dir(RunConfig(), run)
+    out = prepare_model_dir(RunConfig(), RunDir(run))
     assert digest(out) == digest(reference)
     assert run.exists("model", MODEL_COMPLETE) and run.exists("model", "model.safetensors")
     assert any(name.startswith("model.incomplete-") for name in run.listdir())
-    again = prepare_model_dir(RunConfig(), run)  # complete: fetched as it is
+    again = prepare_model_dir(RunConfig(), RunDir(run))  # complete: fetched as it is
     assert again != out and digest(again) == digest(reference)
 
 

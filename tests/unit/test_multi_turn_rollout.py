@@ -17,6 +17,7 @@ from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError, InputError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -116,11 +117,11 @@ def test_a_step_run_again_replays_its_recorded_answers_and_asks_again_after_an_o
     down = '<tool_call>{"name": "down", "arguments": {}}</tool_call>'
     run = Storage(str(tmp_path / "run"))
     try:
-        rollout.record = ToolRecord(run, 0)
+        rollout.record = ToolRecord(RunDir(run), 0)
         rollout.record.begin(3)
         first, stats = _turn(rollout, [tick, tick, down], 3)
         assert first[0] != first[1] and stats.replayed == 0
-        rollout.record = ToolRecord(run, 0)  # the resumed process
+        rollout.record = ToolRecord(RunDir(run), 0)  # the resumed process
         rollout.record.begin(3)
         again, stats = _turn(rollout, [tick, tick, down], 3)
         assert again[:2] == first[:2] and stats.replayed == 2 and stats.unavailable == 1
@@ -132,13 +133,13 @@ def test_a_step_run_again_replays_its_recorded_answers_and_asks_again_after_an_o
         lines = (tmp_path / "run" / "tools" / "step-000003.rank-0.jsonl").read_bytes().splitlines()
         assert len(lines) == 2  # the two clock calls, as each ended (either first); the outage is not recorded
         (tmp_path / "run" / "tools" / "step-000003.rank-0.jsonl").write_bytes(lines[0] + b"\n" + lines[1][:20])
-        rollout.record = ToolRecord(run, 0)
+        rollout.record = ToolRecord(RunDir(run), 0)
         rollout.record.begin(3)
         torn, stats = _turn(rollout, [tick, tick], 3)
         assert stats.replayed == 1 and sum(t == f for t, f in zip(torn, first)) == 1  # the torn line's: asked again
         for blob in (tmp_path / "run" / "tools" / "results").iterdir():
             blob.unlink()
-        rollout.record = ToolRecord(run, 0)
+        rollout.record = ToolRecord(RunDir(run), 0)
         rollout.record.begin(3)
         assert _turn(rollout, [tick], 3)[1].replayed == 0  # its answer lost: asked again
     finally:
@@ -155,11 +156,11 @@ def test_under_a_tool_outage_drill_every_call_is_unavailable_and_nothing_is_aske
     run = Storage(str(tmp_path / "run"))
     record = tmp_path / "run" / "tools" / "step-000005.rank-0.jsonl"
     try:
-        rollout.record = ToolRecord(run, 0)
+        rollout.record = ToolRecord(RunDir(run), 0)
         rollout.record.begin(5)
         _turn(rollout, [tick], 5)
         lines = record.read_bytes()
-        rollout.record = ToolRecord(run, 0)  # the step run again, now in the outage
+        rollout.record = ToolRecord(RunDir(run), 0)  # the step run again, now in the outage
         rollout.record.begin(5)
         rollout._outage = True
         said, stats = _turn(rollout, [tick, lookup, "<tool_call>not json</tool_call>"], 5)

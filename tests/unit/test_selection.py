@@ -16,6 +16,7 @@ from rlctl.config import RunConfig
 from rlctl.engine.recovery import Recovery
 from rlctl.errors import SnapshotError
 from rlctl.metrics import encode_row, read_rows
+from rlctl.rundir.handle import RunDir
 from rlctl.rundir.selection import ResumePlan, rollback_candidates, select
 from rlctl.storage import Storage
 
@@ -134,7 +135,7 @@ class Host:
     """The trainer as recovery sees it: one rank, a restore that fails for the steps in ``broken``."""
 
     def __init__(self, tmp_path, manager, broken=()):
-        self.cfg, self.run, self.snapshots = RunConfig(), Storage(str(tmp_path / "run")), manager
+        self.cfg, self.run, self.snapshots = RunConfig(), RunDir(Storage(str(tmp_path / "run"))), manager
         self.dist = SimpleNamespace(is_main=True, world=1, barrier=lambda: None)
         self.state, self.kl_ctrl, self.guard = SimpleNamespace(step=9), SimpleNamespace(value=0.5), None
         self.broken, self.restored, self.events, self.knobs_applied = set(broken), [], [], 0

@@ -18,6 +18,7 @@ from rlctl.engine.experience import METRICS, Experience, repeated_token
 from rlctl.engine.model import build_char_tokenizer, load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.errors import ConfigError
+from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
@@ -192,7 +193,7 @@ def tiny(runtime, tmp_path_factory):
             "actor": {"lr": 1e-6, "micro_batch_size": 1},
         }
     )
-    model_dir = prepare_model_dir(cfg, Storage(str(tmp_path_factory.mktemp("run"))))
+    model_dir = prepare_model_dir(cfg, RunDir(Storage(str(tmp_path_factory.mktemp("run")))))
     actor = Actor(cfg, model_dir, runtime)
     seqs = HFRollout(cfg, actor, load_tokenizer(model_dir)).generate(
         ["abc=", "de="] * 2, [(0, 0), (1, 0), (0, 1), (1, 1)], 1

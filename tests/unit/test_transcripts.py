@@ -3,6 +3,7 @@ one file per step and rank, read back by prompt and sample whatever the ranks, a
 step trained again replacing its file."""
 
 from rlctl.engine.rollout.transcript import TranscriptLog, segments
+from rlctl.rundir.handle import RunDir
 from rlctl.rundir.transcripts import read_step, recorded_steps
 from rlctl.storage import Storage
 
@@ -25,7 +26,7 @@ def _conv(prompt_index: int, sample_index: int, score: float) -> dict:
 
 def test_ranks_files_are_read_by_prompt_and_sample_and_a_step_trained_again_replaces_its_own(tmp_path):
     run = Storage(str(tmp_path))
-    zero, one = TranscriptLog(run, 0), TranscriptLog(run, 1)
+    zero, one = TranscriptLog(RunDir(run), 0), TranscriptLog(RunDir(run), 1)
     zero.add(3, _conv(2, 0, 1.0))
     zero.add(3, _conv(0, 1, 0.0))
     one.add(3, _conv(0, 0, 0.5))

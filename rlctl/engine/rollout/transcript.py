@@ -16,8 +16,7 @@ from typing import Any
 
 import orjson
 
-from rlctl.rundir.transcripts import step_file
-from rlctl.storage import Storage
+from rlctl.rundir.handle import RunDir
 
 
 def segments(ids: list[int], model: list[bool], trained: bool, decode) -> list[dict[str, Any]]:
@@ -42,7 +41,7 @@ def segments(ids: list[int], model: list[bool], trained: bool, decode) -> list[d
 class TranscriptLog:
     """One rank's transcripts of the step it trains, written when the step's rollout is over."""
 
-    def __init__(self, run: Storage, rank: int):
+    def __init__(self, run: RunDir, rank: int):
         self.run, self.rank = run, rank
         self._lines: list[bytes] = []
         self._step = -1
@@ -55,5 +54,5 @@ class TranscriptLog:
     def write(self) -> None:
         """The step's transcripts on storage (replacing an earlier run's of the same step)."""
         if self._lines:
-            self.run.write_bytes(step_file(self._step, self.rank), b"".join(self._lines))
+            self.run.write_transcripts(self._step, self.rank, b"".join(self._lines))
             self._lines = []

@@ -17,7 +17,6 @@ unavailable tool) is not recorded either: the call runs again, since the outage 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -25,8 +24,7 @@ from typing import Any
 
 import orjson
 
-from rlctl.rundir.layout import TOOL_CALLS, TOOL_RESULTS, step_rank_file
-from rlctl.storage import Storage
+from rlctl.rundir.handle import RunDir
 
 
 def call_key(step: int, prompt: str, seed: tuple[int, int], turn: int, position: int, name: str, args: Any) -> str:
@@ -45,7 +43,7 @@ class Recorded:
 class ToolRecord:
     """One rank's record of the calls of the step it runs (``begin``), and the answers recorded before."""
 
-    def __init__(self, run: Storage, rank: int, world: int = 1):
+    def __init__(self, run: RunDir, rank: int, world: int = 1):
         self.run, self.rank, self.world = run, rank, world
         self.step = -1
         self._known: dict[str, Recorded] = {}
@@ -71,18 +69,16 @@ class ToolRecord:
     def flush(self) -> None:
         """The calls added since the last flush on storage: their texts, then their lines."""
         for sha, text in self._texts.items():
-            with contextlib.suppress(FileExistsError):  # (the same answer, given before)
-                self.run.write_bytes(f"{TOOL_RESULTS}/{sha}", text.encode(), exclusive=True)
+            self.run.add_tool_answer(sha, text.encode())  # (the same answer given before is kept)
         if self._lines:
-            self.run.append_bytes(step_rank_file(TOOL_CALLS, self.step, self.rank), b"".join(self._lines))
+            self.run.append_tool_calls(self.step, self.rank, b"".join(self._lines))
         self._texts, self._lines = {}, []
 
     def _read(self, step: int) -> dict[str, Recorded]:
         known: dict[str, Recorded] = {}
         for rank in range(self.world):
-            try:
-                data = self.run.read_bytes(step_rank_file(TOOL_CALLS, step, rank))
-            except FileNotFoundError:  # (a step that never ran a call on that rank)
+            data = self.run.tool_calls(step, rank)
+            if data is None:  # (a step that never ran a call on that rank)
                 continue
             for raw in data.splitlines():
                 line = _parse(raw)
@@ -94,11 +90,8 @@ class ToolRecord:
         return known
 
     def _text(self, sha: str) -> str | None:
-        try:
-            data = self.run.read_bytes(TOOL_RESULTS, sha)
-        except FileNotFoundError:
-            return None
-        return data.decode() if hashlib.sha256(data).hexdigest() == sha else None
+        data = self.run.tool_answer(sha)
+        return data.decode() if data is not None and hashlib.sha256(data).hexdigest() == sha else None
 
 
 def _parse(raw: bytes) -> dict[str, Any] | None:
