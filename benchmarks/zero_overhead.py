@@ -1,10 +1,11 @@
 """What DeepSpeed ZeRO costs in a world of one: forward, backward and the optimizer step of the 25.8M
 Llama from grpo_vs_trl.py (hidden 512, 8 layers, MLP 1408, head_dim 64) on one CPU thread, plain
 PyTorch against DeepSpeed without partitioning (ZeRO stage 0: DeepSpeed's engine and its data-parallel
-allreduce around the torch optimizer), ZeRO-1 and ZeRO-2 (and ZeRO-2 with other bucket settings), all
+allreduce around the torch optimizer), stage 0 as rlctl trains a world of one (the engine without that
+allreduce, the identity over one rank: ``DSModule``), ZeRO-1 and ZeRO-2 (and ZeRO-2 with other bucket settings), all
 with torch's fused AdamW and grad-norm clipping at 1.0; with --unfused, also the unfused AdamW.
 
-    .venv/bin/python benchmarks/zero_overhead.py [--batch 32] [--seq 38] [--steps 6] [--unfused]
+    .venv/bin/python benchmarks/zero_overhead.py [--batch 32] [--seq 38] [--steps 6] [--unfused] [--stage0]
 
 Every setup holds its own copy of the same model in this one process, and the setups take turns, one
 step each, so that machine noise lands on all of them alike. Two warm-up turns; the table shows medians.
@@ -22,12 +23,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
+RLCTL_STAGE0 = "ZeRO-0, no reduction (rlctl, 1 rank)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=38)
     ap.add_argument("--steps", type=int, default=6, help="measured turns per setup (after 2 warm-up turns)")
     ap.add_argument("--unfused", action="store_true", help="also plain and ZeRO-2 with the unfused AdamW")
+    ap.add_argument("--stage0", action="store_true", help="only plain PyTorch and the two ZeRO-0 setups")
     args = ap.parse_args()
 
     import torch
@@ -52,12 +57,15 @@ def main() -> None:
     setups = [
         ("plain PyTorch", None, True),
         ("ZeRO-0 (no partitioning)", {"stage": 0}, True),
+        (RLCTL_STAGE0, {"stage": 0}, True),
         ("ZeRO-1", {"stage": 1}, True),
         ("ZeRO-2", {"stage": 2}, True),
         ("ZeRO-2 non-contiguous", {"stage": 2, "contiguous_gradients": False}, True),
         ("ZeRO-2 500M buckets", {"stage": 2, "reduce_bucket_size": int(5e8)}, True),
         ("ZeRO-2 overlap_comm", {"stage": 2, "overlap_comm": True}, True),
     ]
+    if args.stage0:
+        setups = setups[:3]
     if args.unfused:
         setups += [("plain PyTorch", None, False), ("ZeRO-2", {"stage": 2}, False)]
 
@@ -97,6 +105,8 @@ def main() -> None:
                 "steps_per_print": 2**31 - 1,
             }
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+            if _name == RLCTL_STAGE0:  # (as rlctl.engine.ds_module.DSModule sets it in a world of one)
+                engine.enable_backward_allreduce = False
 
             def step(engine=engine):
                 t0 = time.perf_counter()
@@ -117,12 +127,12 @@ def main() -> None:
                 times[i].append(t)
 
     print(f"25.8M Llama, batch {args.batch}x{args.seq}, one thread, median of {args.steps} alternating turns")
-    print(f"{'setup':40} {'forward s':>9} {'backward s':>10} {'opt step ms':>11} {'total s':>8}")
+    print(f"{'setup':44} {'forward s':>9} {'backward s':>10} {'opt step ms':>11} {'total s':>8}")
     for (name, _, fused), ts in zip(setups, times):
         fwd, bwd, opt = (statistics.median(t[k] for t in ts) for k in range(3))
         total = statistics.median(sum(t) for t in ts)
         label = f"{name} ({'fused' if fused else 'unfused'})"
-        print(f"{label:40} {fwd:9.3f} {bwd:10.3f} {opt * 1e3:11.0f} {total:8.3f}")
+        print(f"{label:44} {fwd:9.3f} {bwd:10.3f} {opt * 1e3:11.0f} {total:8.3f}")
 
 
 if __name__ == "__main__":
