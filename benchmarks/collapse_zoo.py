@@ -24,7 +24,8 @@ score over the last 20 steps trained: the echo reward, logged beside a hacked re
 the last validation score, whether that final reward is no worse than the best 20-step stretch before
 the collapse (``>best``), and whether a person would have had to act (the run halted, exit 20, or
 nothing rolled it back: the collapse ran its course). ``--controls`` runs the base config without a collapse (sync, one_step_off, async 4
-ahead): the reward a healthy run reaches by the same step, and the firings on healthy overlapped runs.
+ahead, and 4 updates a batch, lr-diverge's healthy twin): the reward a healthy run reaches by the same
+step, and the firings on healthy overlapped runs and on a run whose ``actor/ppo_kl`` is not 0.
 
 A run already finished under --out is read, not run again.
 """
@@ -145,6 +146,8 @@ CONTROLS = (
     Collapse(
         "control-async-4", "async 4 ahead, lr 2e-3", {"rollout": {"mode": "async", "max_staleness": 4}}, ("", ">"), 0
     ),
+    # lr-diverge's healthy twin: 4 optimizer steps a batch at the base lr (a run whose actor/ppo_kl is not 0)
+    Collapse("control-4-updates", "4 updates a batch, lr 2e-3", {"actor": {"mini_batch_size": 32}}, ("", ">"), 0),
 )
 VARIANTS = ("none", "warn-only", "default", "conservative", "calibrated")
 RUN_VARIANTS = ("none", "default", "conservative", "calibrated", "warn-only")  # warn-only: with --prove-replay

@@ -88,14 +88,16 @@ class WriterProcess:
         it runs with besides this process's. ``fork``: the caller allows forking it from this process
         (``rlctl.checkpoint.forked``: what ``env`` sets must not have been read here already), which
         happens where that is safe. A writer that runs was started for an earlier run of this process:
-        it is kept when it was started in this same environment (variables but ``RUN_SCOPED``'s,
-        ``preload`` and ``env``), which it holds from then on, and otherwise replaced; ``preload`` None:
-        any writer that runs is kept. The import path is not its environment: each job brings it."""
+        it is kept when it was started in this same environment (variables but ``RUN_SCOPED``'s, and
+        ``env``), which it holds from then on, and otherwise replaced; ``preload`` None: any writer that
+        runs is kept. Neither the import path nor ``preload`` is its environment: each job brings the
+        path, and a kept writer started with another preload imports what a job names as it unpickles
+        it (a preload only moves imports ahead of the first job)."""
         with self._lock:
             if preload is None and self.alive():
                 return
             preload = preload or ()
-            started_in = _environment(preload, env)
+            started_in = _environment(env)
             if self.alive() and started_in == self._started_in:
                 return
             if self.alive():
@@ -234,11 +236,11 @@ RUN_SCOPED = frozenset(
 )
 
 
-def _environment(preload: Sequence[str], env: Mapping[str, str] | None) -> int:
-    """What a writer started now would run in: this process's variables but ``RUN_SCOPED``'s, ``preload``
-    and ``env`` (a hash, to tell one from another)."""
+def _environment(env: Mapping[str, str] | None) -> int:
+    """What a writer started now would run in: this process's variables but ``RUN_SCOPED``'s, and ``env``
+    (a hash, to tell one from another)."""
     variables = frozenset((k, v) for k, v in os.environ.items() if k not in RUN_SCOPED)
-    return hash((variables, tuple(preload), frozenset((env or {}).items())))
+    return hash((variables, frozenset((env or {}).items())))
 
 
 _writer: WriterProcess | None = None

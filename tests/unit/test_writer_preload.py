@@ -132,8 +132,9 @@ def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
 def test_a_writer_at_rest_serves_the_next_run_of_its_environment_and_another_gets_its_own(tmp_path, monkeypatch):
     """Runs trained one after another in one process (`start_run` called again, as the suite and a sweep do)
     share one writer process: put to rest at a run's end (``rest``), it frees its staging buffers and
-    serves the next run's snapshots without a new interpreter's imports; started again in another
-    environment (here a variable set between the runs), it is replaced by a writer that has it."""
+    serves the next run's snapshots without a new interpreter's imports, whatever preload the next run
+    asks for; started again in another environment (here a variable set between the runs), it is
+    replaced by a writer that has it."""
     import torch
 
     from rlctl.checkpoint.handover import pickle_job
@@ -154,6 +155,8 @@ def test_a_writer_at_rest_serves_the_next_run_of_its_environment_and_another_get
             writer.rest()
             writer.start()
             assert writer.pid == first and writer.alive()
+        writer.start(["json"])  # another preload is no other environment: a job imports what it names
+        assert writer.pid == first and writer.alive()
         monkeypatch.setenv("RLCTL_TEST_WRITER_ENV", "another")
         writer.start()
         assert writer.alive() and writer.pid != first and not os.path.exists(f"/proc/{first}/cmdline")
