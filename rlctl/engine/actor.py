@@ -32,7 +32,7 @@ from rlctl.engine.token_budget import device_token_budget
 # How the ranks reduce each metric ``Actor.update`` reports (also how its micro-batches combine: counts
 # add up, extremes take the max or min, the others are means of values weighted so that their mean is
 # the batch's).
-METRICS = {
+REDUCTIONS = {
     "actor/pg_loss": MEAN,
     "actor/kl_loss": MEAN,
     "actor/ppo_kl": MEAN,
@@ -218,7 +218,7 @@ class Actor(DSModule):
                 n_micro += 1
                 real, computed = real + mb.real_size, computed + mb.padded_size
         boundaries = totals.pop("_boundaries", 1.0)
-        out = {k: v / n_micro if METRICS[k] == MEAN else v for k, v in totals.items()}  # counts add up
+        out = {k: v / n_micro if REDUCTIONS[k] == MEAN else v for k, v in totals.items()}  # counts add up
         out["actor/grad_norm"] = totals.get("actor/grad_norm", float("nan")) / boundaries
         out.setdefault("actor/skipped_updates", 0.0)
         out["perf/update_padding_frac"] = 1.0 - real / computed if computed else 0.0
@@ -405,8 +405,8 @@ def accumulate(totals: dict[str, float], stats: dict[str, float]) -> None:
     for key, value in stats.items():
         if key not in totals:
             totals[key] = value
-        elif METRICS.get(key) in (MAX, MIN):
-            totals[key] = combine([totals[key], value], METRICS[key])
+        elif REDUCTIONS.get(key) in (MAX, MIN):
+            totals[key] = combine([totals[key], value], REDUCTIONS[key])
         else:
             totals[key] = totals[key] + value
 

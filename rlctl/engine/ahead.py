@@ -40,7 +40,7 @@ from rlctl.engine.dist import MAX, MEAN
 from rlctl.engine.experience import Experience
 from rlctl.stateful import check_version
 
-STALENESS_METRICS = {"rollout/staleness/mean": MEAN, "rollout/staleness/max": MAX}
+STALENESS_REDUCTIONS = {"rollout/staleness/mean": MEAN, "rollout/staleness/max": MAX}
 SEQ_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs", "turn_rewards")
 
 

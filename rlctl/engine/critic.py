@@ -31,7 +31,7 @@ def load_value_model(path: Path, dtype: torch.dtype, trust_remote_code: bool):
 
 
 # How the ranks reduce each metric ``Critic.update`` reports.
-METRICS = {
+REDUCTIONS = {
     "critic/vf_loss": MEAN,
     "critic/vf_clipfrac": MEAN,
     "critic/grad_norm": MEAN,

@@ -4,7 +4,7 @@ batch metrics.
 Every rank draws the whole batch of prompts and keeps its share. Each prompt is sampled
 ``group_size`` times; the reward function scores every completion, the overlong penalty is added, and
 with DAPO's dynamic sampling groups whose rewards all tie are dropped and more prompts drawn. Each
-metric made here declares how the ranks reduce it (``METRICS``, ``SAMPLING_METRICS``).
+metric made here declares how the ranks reduce it (``REDUCTIONS``, ``SAMPLING_REDUCTIONS``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rlctl.engine.rollout.conversation import add_turn_rewards
 from rlctl.errors import ConfigError
 
 # How the ranks reduce each metric of ``batch_metrics`` and of dynamic sampling.
-METRICS = {
+REDUCTIONS = {
     "critic/score/mean": MEAN,
     "critic/score/max": MAX,
     "critic/score/min": MIN,
@@ -50,7 +50,7 @@ METRICS = {
     "response/longest_run/max": MAX,
     "response/degenerate_frac": MEAN,
 }
-SAMPLING_METRICS = {"dynamic_sampling/rounds": MEAN, "dynamic_sampling/kept_groups": SUM}
+SAMPLING_REDUCTIONS = {"dynamic_sampling/rounds": MEAN, "dynamic_sampling/kept_groups": SUM}
 
 
 class Experience:

@@ -23,17 +23,17 @@ from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
 from rlctl.config.knob_values import follow_schedules, knob_settings, may_exceed
-from rlctl.engine.actor import METRICS as ACTOR_METRICS
+from rlctl.engine.actor import REDUCTIONS as ACTOR_REDUCTIONS
 from rlctl.engine.actor import Actor, sequence_log_probs
-from rlctl.engine.ahead import STALENESS_METRICS, rollout_ahead
+from rlctl.engine.ahead import STALENESS_REDUCTIONS, rollout_ahead
 from rlctl.engine.batch import Sequences
 from rlctl.engine.counters import TrainerState
-from rlctl.engine.critic import METRICS as CRITIC_METRICS
+from rlctl.engine.critic import REDUCTIONS as CRITIC_REDUCTIONS
 from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_prompts
 from rlctl.engine.dist import MAX, MEAN, SUM
-from rlctl.engine.experience import METRICS as BATCH_METRICS
-from rlctl.engine.experience import SAMPLING_METRICS, Experience, advantages_of, batch_metrics
+from rlctl.engine.experience import REDUCTIONS as BATCH_REDUCTIONS
+from rlctl.engine.experience import SAMPLING_REDUCTIONS, Experience, advantages_of, batch_metrics
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir_once
 from rlctl.engine.recovery import Recovery
 from rlctl.engine.reward.sources import load_reward, metrics_of
@@ -58,7 +58,7 @@ StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]
 
 # How the ranks reduce the metrics the trainer itself makes (timings, which are all MAX, aside).
-STEP_METRICS = {
+STEP_REDUCTIONS = {
     "actor/reward_kl_penalty": MEAN,
     "rollout/logprob_diff": MEAN,
     "actor/kl_coef": MEAN,
@@ -466,7 +466,7 @@ class Trainer:
         measurement, and the controller updated with it."""
         if current_kl is not None:
             stats["actor/reward_kl_penalty"] = current_kl
-        how = {**ACTOR_METRICS, **CRITIC_METRICS, **STEP_METRICS}
+        how = {**ACTOR_REDUCTIONS, **CRITIC_REDUCTIONS, **STEP_REDUCTIONS}
         stats = self.dist.reduce_row(stats, how)
         if ref is not None:
             measured = stats.get("actor/reward_kl_penalty", stats.get("actor/kl_loss"))
@@ -478,12 +478,12 @@ class Trainer:
         """The step's row, identical on every rank (the policies decide the same everywhere), and the
         counters advanced."""
         how = {
-            **BATCH_METRICS,
-            **SAMPLING_METRICS,
+            **BATCH_REDUCTIONS,
+            **SAMPLING_REDUCTIONS,
             **metrics_of(self.experience.reward_fn),  # each reward source's mean (reward.sources)
             **self.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
-            **(STALENESS_METRICS if self.ahead is not None else {}),
-            **STEP_METRICS,
+            **(STALENESS_REDUCTIONS if self.ahead is not None else {}),
+            **STEP_REDUCTIONS,
             **{key: MAX for key in rest if key.startswith("timing_s/")},
         }  # a step takes its slowest rank's time
         row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.dist.reduce_row(rest, how)}

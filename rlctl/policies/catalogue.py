@@ -164,7 +164,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     },
 }
 
-METRICS: dict[str, str] = {key: text for keys in SECTIONS.values() for key, text in keys.items() if "<" not in key}
+DESCRIPTIONS: dict[str, str] = {key: text for keys in SECTIONS.values() for key, text in keys.items() if "<" not in key}
 PATTERNS: dict[str, str] = {key: text for keys in SECTIONS.values() for key, text in keys.items() if "<" in key}
 
 
@@ -182,7 +182,7 @@ def _pattern_regex(pattern: str) -> re.Pattern[str]:
 
 def _samples() -> list[str]:
     """Every exact key, and each pattern with its parts named (``timing_s/phase``): what globs match."""
-    return [*METRICS, *(re.sub(r"<([^<>]+)>", r"\1", p) for p in PATTERNS)]
+    return [*DESCRIPTIONS, *(re.sub(r"<([^<>]+)>", r"\1", p) for p in PATTERNS)]
 
 
 def is_glob(name: str) -> bool:
@@ -195,20 +195,20 @@ def known_metric(name: str) -> bool:
     matches some key rlctl writes."""
     if is_glob(name):
         return any(fnmatch.fnmatchcase(sample, name) for sample in _samples())
-    return name in METRICS or any(_pattern_regex(p).match(name) for p in PATTERNS)
+    return name in DESCRIPTIONS or any(_pattern_regex(p).match(name) for p in PATTERNS)
 
 
 def meaning(name: str) -> str | None:
     """The one-line meaning of a key rlctl writes, or None."""
-    if name in METRICS:
-        return METRICS[name]
+    if name in DESCRIPTIONS:
+        return DESCRIPTIONS[name]
     return next((text for p, text in PATTERNS.items() if _pattern_regex(p).match(name)), None)
 
 
 def suggest(name: str, keys: list[str] | None = None) -> str | None:
     """The key nearest to a misspelt ``name``: among ``keys`` (a run's own) when given, else among the
     catalogue's keys and patterns; None when nothing is close."""
-    return closest(name, keys if keys is not None else [*METRICS, *PATTERNS])
+    return closest(name, keys if keys is not None else [*DESCRIPTIONS, *PATTERNS])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from rlctl.config import RunConfig
 from rlctl.numbers import NOT_METRICS
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import (
-    METRICS,
+    DESCRIPTIONS,
     PATTERNS,
     ROW_KEYS,
     SECTIONS,
@@ -25,7 +25,7 @@ NOT_IN_ROWS = {"perf/tokens"}  # Trainer.record folds it into perf/tokens_seen
 
 
 def declared_metrics() -> dict[str, set[str]]:
-    """The string keys of every module-level ``*METRICS`` dict literal in rlctl/engine, by file."""
+    """The string keys of every module-level ``*REDUCTIONS`` dict literal in rlctl/engine, by file."""
     found: dict[str, set[str]] = {}
     for path in ENGINE.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -37,7 +37,7 @@ def declared_metrics() -> dict[str, set[str]]:
                 else []
             )
             names = [t.id for t in targets if isinstance(t, ast.Name)]
-            if any(n.endswith("METRICS") for n in names) and isinstance(node.value, ast.Dict):
+            if any(n.endswith("REDUCTIONS") for n in names) and isinstance(node.value, ast.Dict):
                 keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
                 found.setdefault(path.name, set()).update(keys)
     return found
@@ -56,7 +56,7 @@ def test_every_metric_the_engine_declares_is_catalogued():
 
 def test_every_key_is_in_one_section_and_the_row_keys_are_no_metrics():
     """docs/metrics.md has a table per section: a key given twice would be told twice, one meaning lost."""
-    assert sum(len(keys) for keys in SECTIONS.values()) == len(METRICS) + len(PATTERNS)
+    assert sum(len(keys) for keys in SECTIONS.values()) == len(DESCRIPTIONS) + len(PATTERNS)
     assert all(SECTIONS.values())
     assert set(ROW_KEYS) == NOT_METRICS and not any(known_metric(k) for k in ROW_KEYS)
     assert "critic/score/<name>/truncated_frac" in PATTERNS and known_metric("critic/score/rm/truncated_frac")
@@ -72,8 +72,8 @@ def test_validation_and_timing_keys_match_their_patterns():
     # a data_source is written as the data holds it, slashes included (a Hub name like openai/gsm8k)
     assert known_metric("val/openai/gsm8k/score/mean") and not known_metric("val//score/mean")
     assert meaning("val/openai/gsm8k/score/mean") == PATTERNS["val/<data_source>/score/mean"]
-    assert "use_kl_loss" not in METRICS["actor/kl_loss"] and "algorithm.kl_coef" in METRICS["actor/kl_loss"]
-    assert all(text and "\n" not in text for text in [*METRICS.values(), *PATTERNS.values()])
+    assert "use_kl_loss" not in DESCRIPTIONS["actor/kl_loss"] and "algorithm.kl_coef" in DESCRIPTIONS["actor/kl_loss"]
+    assert all(text and "\n" not in text for text in [*DESCRIPTIONS.values(), *PATTERNS.values()])
 
 
 def test_globs_are_known_when_they_match_something():
@@ -108,7 +108,9 @@ def test_unknown_metrics_of_rules():
 
 def test_the_config_keys_the_meanings_cite_exist():
     cited = {
-        k for text in [*METRICS.values(), *PATTERNS.values()] for k in re.findall(r"\b[a-z_]+\.[a-z_.]*[a-z_]", text)
+        k
+        for text in [*DESCRIPTIONS.values(), *PATTERNS.values()]
+        for k in re.findall(r"\b[a-z_]+\.[a-z_.]*[a-z_]", text)
     }
     assert {"algorithm.kl_coef", "rollout.max_new_tokens"} <= cited
     for key in cited:

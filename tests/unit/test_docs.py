@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from rlctl.config import RunConfig
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
-from rlctl.policies.catalogue import METRICS, PATTERNS, ROW_KEYS
+from rlctl.policies.catalogue import DESCRIPTIONS, PATTERNS, ROW_KEYS
 from rlctl.rundir import layout
 
 from helpers import REPO
@@ -108,7 +108,7 @@ def test_the_metrics_page_is_what_the_catalogue_writes(tmp_path, monkeypatch, ca
     committed = (DOCS / "metrics.md").read_text()
     gen = generator("gen_metrics")
     assert gen.render(committed) == committed, "run .venv/bin/python docs/gen_metrics.py"
-    for key in [*ROW_KEYS, *METRICS, *PATTERNS]:
+    for key in [*ROW_KEYS, *DESCRIPTIONS, *PATTERNS]:
         assert f"| `{key}` |" in committed, key
     page = tmp_path / "metrics.md"
     page.write_text(committed.replace("steps completed (1-based)", "steps done"))

@@ -14,7 +14,7 @@ from rlctl.engine.actor import Actor, accumulate, sequence_log_probs
 from rlctl.engine.batch import Sequences
 from rlctl.engine.degeneration import degeneration_metrics, longest_equal_run, ngram_shares
 from rlctl.engine.dist import reduce_rows
-from rlctl.engine.experience import METRICS, Experience, repeated_token
+from rlctl.engine.experience import REDUCTIONS, Experience, repeated_token
 from rlctl.engine.model import build_char_tokenizer, load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.errors import ConfigError
@@ -135,7 +135,7 @@ def test_batch_metrics_reduce_over_equal_rank_shares_like_the_whole_batch():
     ids, mask = batch(rows)
     whole = degeneration_metrics(ids, mask)
     halves = [degeneration_metrics(ids[i : i + 2], mask[i : i + 2]) for i in (0, 2)]
-    merged = reduce_rows(halves, METRICS)
+    merged = reduce_rows(halves, REDUCTIONS)
     assert merged == pytest.approx(whole)
 
 

@@ -36,7 +36,7 @@ from rlctl.engine.dist import MEAN, SUM
 from rlctl.errors import ConfigError, InputError
 from rlctl.sandbox import Limits, Result, SandboxUnavailable, check, execute
 
-METRICS = {
+REDUCTIONS = {
     "reward/code/tests": SUM,
     "reward/code/pass_frac": MEAN,  # every rank scores an equal share
     "reward/code/timeouts": SUM,
@@ -62,7 +62,7 @@ def _same_output(printed: str, expected: str) -> bool:
 class ScoreMetrics:
     """The tests run since the last ``take``, counted as they end (thread-safe)."""
 
-    reductions = METRICS
+    reductions = REDUCTIONS
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

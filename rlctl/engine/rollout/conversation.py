@@ -20,7 +20,7 @@ from rlctl.errors import InputError
 
 # How the ranks reduce the metrics of a step's conversations (tool/<name>/calls: SUM, the rollout's
 # ``reductions``).
-MULTI_TURN_METRICS = {
+MULTI_TURN_REDUCTIONS = {
     "multi_turn/num_turns/mean": MEAN,
     "multi_turn/num_turns/max": MAX,
     "multi_turn/max_turns_reached_frac": MEAN,
@@ -35,7 +35,7 @@ MULTI_TURN_METRICS = {
     "timing_s/tools": MAX,
 }
 # With an environment: the mean over conversations of the rewards it gave their turns.
-ENVIRONMENT_METRICS = {"multi_turn/turn_reward/mean": MEAN}
+ENVIRONMENT_REDUCTIONS = {"multi_turn/turn_reward/mean": MEAN}
 
 
 @dataclass

@@ -46,8 +46,8 @@ from rlctl.engine.data import prompt_messages
 from rlctl.engine.dist import MAX, MEAN, SUM
 from rlctl.engine.rollout.chat import first_drift, tool_message
 from rlctl.engine.rollout.conversation import (
-    ENVIRONMENT_METRICS,
-    MULTI_TURN_METRICS,
+    ENVIRONMENT_REDUCTIONS,
+    MULTI_TURN_REDUCTIONS,
     Conversation,
     ToolStats,
     batch_of,
@@ -113,9 +113,9 @@ class MultiTurnRollout(HFRollout):
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.call_metrics = tools.call_metrics  # name -> a tool's own metrics of a call (tool/python/*)
         own = {key: how for hook in self.call_metrics.values() for key, how in hook.reductions.items()}
-        self.reductions = {**MULTI_TURN_METRICS, **{f"tool/{name}/calls": SUM for name in schemas}, **own}
+        self.reductions = {**MULTI_TURN_REDUCTIONS, **{f"tool/{name}/calls": SUM for name in schemas}, **own}
         if self.environment is not None:
-            self.reductions.update(ENVIRONMENT_METRICS)
+            self.reductions.update(ENVIRONMENT_REDUCTIONS)
         self._metrics: list[dict[str, float]] = []
         self._outage: bool | None = None  # the tool_outage drill's answer for the step running (None: not asked)
         self._generation = 0  # generate calls so far: the objects of a stateful tool or environment are per call
