@@ -201,3 +201,18 @@ def version(binary: str = "bwrap") -> str | None:
         return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+# -- this process's limits (a tool worker's, set from the run's rollout.multi_turn.sandbox) ---------------
+_limits = Limits()
+
+
+def configure(limits: Limits) -> None:
+    """Set this process's limits (a tool worker's, from the run's ``rollout.multi_turn.sandbox``)."""
+    global _limits
+    _limits = limits
+
+
+def current() -> Limits:
+    """This process's limits (the defaults until ``configure``)."""
+    return _limits

@@ -5,18 +5,6 @@ its signature and docstring and the check of a call's arguments against it (``sc
 ``ToolUnavailable``, which a tool raises when what it stands on (a service, a sandbox) is down: that is
 no mistake of the model's, and the trajectory is left out of the update."""
 
-from __future__ import annotations
-
-
-class ToolUnavailable(Exception):
-    """Raised by a tool whose infrastructure failed (not the model's call): the trajectory that made the
-    call is masked out of the update and counted in ``tool/unavailable_frac``."""
-
-
-class ToolError(Exception):
-    """Raised by a tool to tell the model a failure of its call in the tool's own words (the outcome is an
-    error, counted in ``tool/error_frac``, and the model reads the message as it is: no type name, no place
-    in the tool's source), e.g. the traceback of the code the python tool ran."""
-
+from rlctl.tools.exceptions import ToolError, ToolUnavailable
 
 __all__ = ["ToolError", "ToolUnavailable"]

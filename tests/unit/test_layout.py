@@ -161,6 +161,24 @@ def test_the_engine_reaches_the_run_directory_only_through_its_handle():
     assert reached == {"rlctl.rundir.handle"}
 
 
+def test_packages_only_re_export():
+    """A package's ``__init__.py`` names what the package offers and where it lives; the code lives in its
+    modules (a module-level ``__getattr__``/``__dir__`` that loads names lazily is a re-export too)."""
+    lazy = {"__getattr__", "__dir__"}
+    holding = {
+        str(path.relative_to(PKG.parent)): names
+        for path in PKG.rglob("__init__.py")
+        if (
+            names := [
+                node.name
+                for node in ast.parse(path.read_text()).body
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name not in lazy
+            ]
+        )
+    }
+    assert holding == {}
+
+
 def test_no_function_over_60_lines():
     long = []
     for path in PKG.rglob("*.py"):
