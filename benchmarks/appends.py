@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/appends.py [--sizes-mb 1 10 100] [--stores local s3 gs az]
 
 Starts the suite's servers on loopback (moto's S3, gcp-storage-emulator, Azurite) and puts a proxy that
-counts what the client sends in front of each (tests/byte_counter.py); on a local disk the count is the
+counts what the client sends in front of each (tests/support/byte_counter.py); on a local disk the count is the
 bytes this process passed to write() (``wchar`` in /proc/self/io). For each size: writes the file, then
 times and counts one flush of ten rows (``Storage.append_bytes``: after) and the same flush the
 read-and-rewrite way that GCS and Azure appended with before (``cat_file`` + ``pipe_file``: before). On a
@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the suite's server starters and the counting proxy
-
-from byte_counter import CountingProxy  # noqa: E402
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "support")]  # the suite's server starters, the proxy
 
 from rlctl.storage import Storage  # noqa: E402
+
+from byte_counter import CountingProxy  # noqa: E402
 
 ROW = b'{"step": %d, "actor/pg_loss": 0.0123, "actor/kl_loss": 0.0004, "critic/score/mean": 0.5, "pad": "%s"}\n'
 

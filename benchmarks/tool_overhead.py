@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the tests' chat tokenizer and tools: real, small, built here
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the tests' chat tokenizer and tools: real, small, built here
 
 
 def median_time(fn, repeats: int) -> float:
@@ -39,9 +39,9 @@ def median_time(fn, repeats: int) -> float:
 
 
 def tool_calls(n: int, repeats: int) -> None:
-    import toolbox
-
     from rlctl.engine.tools.pool import ToolPool
+
+    import toolbox
 
     direct = median_time(lambda: [toolbox.add(i, 1.0) for i in range(n)], repeats) / n
     calls = [("toolbox:add", {"a": i, "b": 1.0}) for i in range(n)]
@@ -61,12 +61,12 @@ def tool_calls(n: int, repeats: int) -> None:
 
 def conversations(count: int):
     """``count`` conversations of two tool turns, as the rollout builds them (its ids and messages)."""
-    from chat_tokenizer import build_chat_tokenizer
-    from toolbox import lookup
-
     from rlctl.engine.rollout.chat import ChatIncrements, tool_message
     from rlctl.engine.rollout.multi_turn import Conversation
     from rlctl.tools.schema import function_schema
+
+    from chat_tokenizer import build_chat_tokenizer
+    from toolbox import lookup
 
     tok = build_chat_tokenizer()
     chat = ChatIncrements(tok, [function_schema(lookup, "lookup")], "the benchmark's tokenizer")

@@ -10,7 +10,7 @@ the scheduler honours those marks through pytest-xdist's public hooks alone, no 
 pytest-xdist attribute (pytest-xdist 3.8's own way, an ``@group`` suffix on the node id, is lost under
 pytest 9): the controller names a folder in each worker's ``workerinput`` (``pytest_configure_node``),
 each worker writes its tests' groups there as it collects, and ``pytest_xdist_make_scheduler`` returns
-pytest-xdist's ``LoadGroupScheduling`` reading them (tests/xdist_groups.py). Any other ``--dist`` keeps
+pytest-xdist's ``LoadGroupScheduling`` reading them (tests/support/xdist_groups.py). Any other ``--dist`` keeps
 pytest-xdist's own scheduler, and without workers (``-n0``, or no pytest-xdist) the marks change nothing."""
 
 import json
@@ -115,7 +115,7 @@ def pytest_configure_node(node):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadgroup``, pytest-xdist's LoadGroupScheduling with the groups the workers wrote
-    (tests/xdist_groups.py); any other ``--dist`` keeps pytest-xdist's own scheduler."""
+    (tests/support/xdist_groups.py); any other ``--dist`` keeps pytest-xdist's own scheduler."""
     if _GROUPS not in config.stash:
         return None
     from xdist_groups import SharedModuleScheduling
@@ -250,10 +250,10 @@ def s3_env():
 
 
 def gcs_server(*args: str):
-    """gcp-storage-emulator in memory on loopback, started through tests/gcs_emulator.py (which mends its
+    """gcp-storage-emulator in memory on loopback, started through tests/support/gcs_emulator.py (which mends its
     multipart reader) with this interpreter: (the process, its URL)."""
     _installed(Path(sys.executable).parent / "gcp-storage-emulator", "gcp-storage-emulator")
-    argv = [sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--in-memory", *args]
+    argv = [sys.executable, str(Path(__file__).parent / "support" / "gcs_emulator.py"), "start", "--in-memory", *args]
     return _server([*argv, "--host", "127.0.0.1", "--port", "{port}"], "gcp-storage-emulator")
 
 

@@ -1,4 +1,4 @@
-"""rlctl's runs on the CPU under the watch for device mixes (tests/device_mix.py): no call of rlctl's takes
+"""rlctl's runs on the CPU under the watch for device mixes (tests/support/device_mix.py): no call of rlctl's takes
 a tensor that would be on the GPU beside a CPU tensor of one or more dimensions. The first GPU check
 stopped at step 0 on two such mixes that every CPU test had run through (docs/gpu-check.md); this
 finds both on the code before their fixes. The runs cover the paths the GPU check takes and more."""
@@ -26,7 +26,7 @@ RUNS = {
 
 
 def watched(report, *args: str, cwd=REPO, env=None) -> list[dict]:
-    cmd = [sys.executable, str(REPO / "tests" / "device_mix.py"), str(report), "--", *args]
+    cmd = [sys.executable, str(REPO / "tests" / "support" / "device_mix.py"), str(report), "--", *args]
     done = subprocess.run(cmd, cwd=cwd, env=child_env(**(env or {})), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(report.read_text())

@@ -1,4 +1,4 @@
-"""The tests' fork server (tests/forkserver.py) gives the process the console script gives: a run
+"""The tests' fork server (tests/support/forkserver.py) gives the process the console script gives: a run
 forked by it and the same run of the installed `rlctl` end with the same outputs, rows and weights."""
 
 import os

@@ -17,12 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from chat_tokenizer import tool_model_dir
-from ray_nodes import ENV as RAY_ENV
-from ray_nodes import RayNodes
 
 from rlctl.errors import ExitCode
 
+from chat_tokenizer import tool_model_dir
 from helpers import (
     assert_steps_run_again_alike,
     completed_hash,
@@ -36,6 +34,8 @@ from helpers import (
     start,
     wait_for,
 )
+from ray_nodes import ENV as RAY_ENV
+from ray_nodes import RayNodes
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("off_reference", "reference", "task")

@@ -1,5 +1,5 @@
 """Several DeepSpeed ranks: local processes (`--nproc 2`) and Ray actors on two Ray nodes of this
-machine (tests/ray_nodes.py), real gloo process groups, real signals. A 2-rank run samples exactly what a
+machine (tests/support/ray_nodes.py), real gloo process groups, real signals. A 2-rank run samples exactly what a
 1-rank run samples (seeds depend on the prompt and sample, not on the rank) and takes the same gradient
 up to float rounding; it snapshots every rank's files under one manifest (on local disk or object
 storage) and resumes bit-exactly after SIGKILL or SIGTERM."""
@@ -11,8 +11,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-from ray_nodes import ENV as RAY_ENV
-from ray_nodes import RayNodes
 
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
@@ -32,6 +30,8 @@ from helpers import (
     start_here,
     wait_for,
 )
+from ray_nodes import ENV as RAY_ENV
+from ray_nodes import RayNodes
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("one_rank", "two_local")
@@ -40,7 +40,7 @@ BASE = ["--set", "trainer.prompts_per_step=8", "--set", "algorithm.group_size=4"
 # validation too: 5 held-out prompts over 2 ranks, so one rank's share is padded (ZeRO-3 gathers together)
 VAL = ["--set", "trainer.val_every=3", "--set", "data.builtin_val_size=5"]
 COMMON = [*BASE, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=2", *VAL]
-# two Ray nodes of one CPU each (tests/ray_nodes.py), one rank on each
+# two Ray nodes of one CPU each (tests/support/ray_nodes.py), one rank on each
 TWO_NODES = ["--set", "trainer.nnodes=2", "--set", "trainer.n_devices_per_node=1", "--set", "cluster.cpus_per_rank=0.5"]
 NODE_LOSS_TIMEOUT = 8  # cluster.node_loss_timeout: the pings' bound (Ray's own health checks take about 14 s here)
 # the 2-rank ZeRO-3 runs micro-batch by token budget (test_token_budget_...); ZeRO-2's take one per rank

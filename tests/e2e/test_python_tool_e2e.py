@@ -12,11 +12,11 @@ import signal
 import textwrap
 
 import pytest
-from chat_tokenizer import tool_model_dir
 from test_multi_turn_e2e import CAPITALS, REWARD, teach_the_call
 
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 
+from chat_tokenizer import tool_model_dir
 from helpers import completed_hash, events_of, metrics_of, run_cli, spawn, stable, start, wait_for
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)

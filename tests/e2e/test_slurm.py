@@ -1,4 +1,4 @@
-"""The project's Slurm scripts under a real Slurm (tests/slurm_cluster.py: Debian's slurm-wlm, a controller
+"""The project's Slurm scripts under a real Slurm (tests/support/slurm_cluster.py: Debian's slurm-wlm, a controller
 and two node daemons on this machine), as an operator submits them: examples/slurm-requeue.sbatch (one node)
 and examples/slurm-ray-multinode.sbatch (a Ray head started by the job, here on its one node). The scripts
 ask for GPUs (`--gres`), which the test lifts (`--gres=none`). Each job lives through both accidents of a
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_nodes import SYSTEM_CONFIG, free_port
-from slurm_cluster import SlurmCluster
 
 from helpers import REPO, events_of, has_step, metrics_of, settled_before
+from ray_nodes import SYSTEM_CONFIG, free_port
+from slurm_cluster import SlurmCluster
 
 STEPS = 4
 CONFIG = {

@@ -5,6 +5,7 @@ backend's does, token for token at temperature 0, and a whole generate keeps the
 
 import pytest
 import torch
+
 from chat_tokenizer import tool_model_dir, tool_run_config
 
 pytest.importorskip("vllm")

@@ -4,10 +4,11 @@ model's own tokens, kept as sampled, show up as drift at their first position wh
 tokenizes them otherwise; a template that does not render incrementally is a ConfigError (exit 3)."""
 
 import pytest
-from chat_tokenizer import NOT_INCREMENTAL, build_chat_tokenizer
 
 from rlctl.engine.rollout.chat import ChatIncrements, first_drift, tool_message
 from rlctl.errors import ConfigError, ExitCode
+
+from chat_tokenizer import NOT_INCREMENTAL, build_chat_tokenizer
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("tok",)

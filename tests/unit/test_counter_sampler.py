@@ -4,6 +4,7 @@ process, the host-device traffic of a decode step, and the decode loop that look
 tokens giving what looking every token gives."""
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -57,6 +58,22 @@ def test_every_integer_falls_in_the_bin_the_table_was_built_for():
     for w in (w for w in ws if 1 <= w <= 2**31):
         b = noise.bin_of(w) - noise._FIRST_BIN
         assert starts[b] <= w < starts[b + 1], w
+
+
+def test_the_table_built_at_once_is_the_table_built_bin_by_bin_to_the_bit():
+    """The table is built for all bins at once (0.03 s of CPU at every process's first sample, not 0.2 s):
+    it is the table every run before was sampled with, bin by bin with the scalar bounds, to the last bit
+    (a run of the counter sampler resumes bit for bit only with that table)."""
+    starts = [noise._first_int_of_bin(noise._FIRST_BIN + i) for i in range(noise._BINS)] + [2**31 + 1]
+    assert (
+        noise._first_ints_of_bins(np.arange(noise._FIRST_BIN, noise._FIRST_BIN + noise._BINS)).tolist() == starts[:-1]
+    )
+    table = np.zeros(noise._BINS, dtype=np.float64)
+    for i in range(noise._BINS):
+        lo, hi = starts[i] | 1, starts[i + 1]
+        if lo < hi:
+            table[i] = -math.log(-math.log1p(-(lo + (hi - 1 if (hi - 1) & 1 else hi - 2)) / 2 / 2**31))
+    assert np.array_equal(noise.gumbel_table().view(np.int32), table.astype(np.float32).view(np.int32))
 
 
 def test_the_table_is_gumbel_at_its_bins():

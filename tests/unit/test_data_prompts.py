@@ -236,10 +236,10 @@ def test_the_rollout_gives_the_model_the_system_prompt_as_load_prompts_measures_
 def test_multi_turn_prompts_are_measured_with_the_tools_schemas(tmp_path):
     """The template renders the tools' schemas into every prompt, so the filter counts them: a prompt that
     fits alone but not with the schemas is dropped (else the rollout's left truncation would cut them)."""
+    from rlctl.tools.schema import function_schema
+
     from chat_tokenizer import build_chat_tokenizer
     from toolbox import lookup
-
-    from rlctl.tools.schema import function_schema
 
     tok = build_chat_tokenizer()
     tools = [function_schema(lookup, "lookup")]

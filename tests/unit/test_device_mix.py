@@ -1,4 +1,4 @@
-"""The watch that finds on the CPU the device mixes a GPU would refuse (tests/device_mix.py), on calls of
+"""The watch that finds on the CPU the device mixes a GPU would refuse (tests/support/device_mix.py), on calls of
 this file's: what it reports and what it lets pass, as CUDA does."""
 
 import sys

@@ -7,7 +7,6 @@ replayed from the record, its object gone) rebuilds it so the next call answers 
 
 import pytest
 import torch
-from chat_tokenizer import tool_model_dir, tool_run_config
 
 from rlctl.config import AlgorithmConfig
 from rlctl.config.multi_turn import MultiTurnConfig
@@ -23,6 +22,8 @@ from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError
 from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
+
+from chat_tokenizer import tool_model_dir, tool_run_config
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("made",)

@@ -1,6 +1,7 @@
-"""The house rules of STYLE.md that code can check: floors read top-down (no upward import, no import
-cycle), the floors are folders, `checkpoint/` knows no model, the engine knows no tracker, commands load
-light, no function over 60 lines, no file over 500 lines."""
+"""The house rules that code can check (docs/development.md, "Layout"): floors read
+top-down (no upward import, no import cycle), the floors are folders, `checkpoint/` knows no model, the
+engine knows no tracker and reaches the run directory only through its handle, packages only re-export,
+commands load light, no function over 60 lines, no file over 500 lines."""
 
 import ast
 import subprocess

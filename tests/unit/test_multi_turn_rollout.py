@@ -5,7 +5,6 @@ answers are cut in tokens, and a generated batch keeps the model's log-probs ali
 
 import pytest
 import torch
-from chat_tokenizer import tool_model_dir, tool_run_config
 
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
@@ -19,6 +18,8 @@ from rlctl.engine.tools.record import ToolRecord
 from rlctl.errors import ConfigError, InputError
 from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage
+
+from chat_tokenizer import tool_model_dir, tool_run_config
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("rollout",)

@@ -70,7 +70,7 @@ def test_a_snapshot_directory_moves_lists_and_hashes_whole(store):
 def test_an_object_comes_back_byte_for_byte_whatever_its_line_ends(store):
     """Every byte a multipart upload's parser could take for part of a boundary's line end, in the body
     and as its last byte. CI once stored a random 3 MiB blob 1 byte short on GCS: it ended in CR, and the
-    emulator's parser took gcsfs's LF before the closing boundary for a CR LF (tests/gcs_emulator.py)."""
+    emulator's parser took gcsfs's LF before the closing boundary for a CR LF (tests/support/gcs_emulator.py)."""
     for i, tail in enumerate([b"\r", b"\n", b"\r\n", b"\n\r", b"\r\r", b"x"]):
         blob = b"\r\n\n\r" + os.urandom(64) + tail
         store.write_bytes(f"blob-{i}.bin", blob)

@@ -21,8 +21,9 @@ from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from device_mix import DEVICE  # noqa: E402
 from test_counter_sampler import Transfers  # noqa: E402
+
+from device_mix import DEVICE  # noqa: E402
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("tiny",)

@@ -4,11 +4,12 @@ JSON schema read from its signature and docstring, with the check of a call's ar
 import typing
 
 import pytest
-import toolbox
 
 from rlctl.config.multi_turn import ToolFormat
 from rlctl.tools.formats import FORMATS, ToolCall, parse_hermes, parse_qwen3_coder
 from rlctl.tools.schema import check_call, function_schema
+
+import toolbox
 
 
 def test_the_configs_choices_are_the_registrys():

@@ -1,4 +1,4 @@
-"""rlctl's CPU run, watched for the device mixes a GPU would refuse: `python tests/device_mix.py REPORT --
+"""rlctl's CPU run, watched for the device mixes a GPU would refuse: `python tests/support/device_mix.py REPORT --
 ARGS` runs `rlctl ARGS` in this process (one rank: it trains here) and writes REPORT, a JSON list of the
 places in rlctl's code where one torch call took a tensor that would be on the accelerator and a CPU
 tensor of one or more dimensions ("Expected all tensors to be on the same device" on CUDA). Exit: rlctl's.
@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-RLCTL = str(Path(__file__).resolve().parents[1] / "rlctl")
+RLCTL = str(Path(__file__).resolve().parents[2] / "rlctl")
 HERE = str(Path(__file__).resolve())
 DEVICE = torch.device("cpu", 0)
 DEVICE_OF = torch._C.TensorBase.__dict__["device"]  # (``t.device``: the device's spelling for a tensor on it)

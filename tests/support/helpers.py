@@ -14,7 +14,7 @@ from pathlib import Path
 
 import forkserver
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RLCTL = [str(Path(sys.executable).parent / "rlctl")]  # the installed console script
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

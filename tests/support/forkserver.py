@@ -15,7 +15,7 @@ server's in variables read at run time; one that differs in a variable read at i
 PYTHONPATH, DS_ACCELERATOR=cuda, HF_HOME, ...) makes ``helpers`` start the console script instead. ``tests/e2e/test_forkserver.py`` checks that a forked run equals one of the
 console script, byte for byte. RLCTL_TEST_FORKSERVER=0 turns the server off.
 
-Run as ``python tests/forkserver.py SOCKET``: it prints ``ready`` once its imports are done.
+Run as ``python tests/support/forkserver.py SOCKET``: it prints ``ready`` once its imports are done.
 """
 
 import contextlib

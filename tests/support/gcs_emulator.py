@@ -7,7 +7,7 @@ CR LF as the line end before a boundary: an object whose last byte is CR lost th
 put its boundaries, with the line end its first boundary line used; and each connection is served in a
 thread of its own (below). Everything else is the emulator's.
 
-Usage (as ``gcp-storage-emulator``): python tests/gcs_emulator.py start --host H --port P --in-memory
+Usage (as ``gcp-storage-emulator``): python tests/support/gcs_emulator.py start --host H --port P --in-memory
 """
 
 import json

@@ -24,9 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ports import server_port
-
 from helpers import DIST_VARS  # a test process's own process group: not for a job's ranks
+from ports import server_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "unshare")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun")
