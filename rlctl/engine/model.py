@@ -169,7 +169,9 @@ def builtin_problem(model_dir: Path) -> str | None:
 def _save_builtin(cfg: RunConfig, out: Path) -> None:
     tokenizer = build_builtin_tokenizer(cfg.model.builtin)
     model = build_tiny_model(cfg.model.builtin, tokenizer, cfg.seed)
-    model.save_pretrained(out)
+    # (the built-in model's weights need no renaming back to a checkpoint layout: without transformers'
+    # conversion step the same bytes are written, without compiling its thousands of patterns)
+    model.save_pretrained(out, save_original_format=False)
     tokenizer.save_pretrained(out)
 
 

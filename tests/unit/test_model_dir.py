@@ -125,3 +125,19 @@ def test_a_user_model_dir_that_does_not_load_is_one_sentence(tmp_path):
     with pytest.raises(InputError) as err:
         load_causal_lm(bad, dtype=torch.float32)
     assert err.value.message.startswith(f"cannot load a causal LM from {bad}: ") and "\n" not in err.value.message
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_built_in_model_is_written_as_transformers_own_checkpoint_layout_would_write_it(tmp_path, arch):
+    """The built-in model is saved without transformers' step that renames weights back to a checkpoint's
+    layout (``save_original_format=False``: it compiles thousands of patterns at every start); for these
+    architectures that step renames nothing, so every file is the same bytes either way."""
+    from rlctl.engine.model import _save_builtin
+
+    cfg = RunConfig()
+    cfg.model.builtin = cfg.model.builtin.model_copy(update={"arch": arch})
+    _save_builtin(cfg, tmp_path / "rlctl")
+    model = load_causal_lm(tmp_path / "rlctl", torch.float32)
+    model.save_pretrained(tmp_path / "transformers")  # save_original_format=True, transformers' default
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "rlctl" / name).read_bytes() == (tmp_path / "transformers" / name).read_bytes(), name
