@@ -53,6 +53,25 @@ _GROUPS = pytest.StashKey[str]()  # the controller's folder for the workers' gro
 _GROUPS_KEY = "rlctl_xdist_groups"  # that folder, in each worker's config.workerinput
 
 
+# The modules whose tests take longest (a minute to three each: Ray nodes, a Slurm cluster, the benchmarks'
+# dry runs, vLLM on two ranks), handed to the workers first: the suite's 2 cores are full while they run
+# beside short tests, rather than idle at the end while one of them finishes alone.
+LONGEST_FIRST = (
+    "e2e/test_multirank.py",
+    "e2e/test_slurm.py",
+    "e2e/test_gpu_check_dry_run.py",
+    "e2e/test_grpo_vs_trl_dry_run.py",
+    "e2e/test_vllm_cli.py",
+    "e2e/test_multi_turn_e2e.py",
+)
+
+
+def _longest_first(item) -> int:
+    """An item's place among ``LONGEST_FIRST`` (the rest after them)."""
+    where = item.path.relative_to(E2E.parent).as_posix() if item.path.is_relative_to(E2E.parent) else ""
+    return LONGEST_FIRST.index(where) if where in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """The slow lane is a folder: every test under tests/e2e is marked ``slow`` (`make test-fast` runs
@@ -62,6 +81,7 @@ def pytest_collection_modifyitems(config, items):
     the tests sharing them run on one pytest-xdist worker and the fixture is made once
     (``pytest_xdist_make_scheduler`` below); the module's other tests, and every other test, are spread
     over the workers. GPU tests are skipped without a GPU."""
+    items.sort(key=_longest_first)  # (stable: the order within each module, and of the rest, is kept)
     for item in items:
         if item.path.is_relative_to(E2E):
             item.add_marker(pytest.mark.slow)

@@ -3,10 +3,10 @@ the same code as on a GPU (the GPU check's model built on the spot, the realisti
 MFU columns, the budget), so it cannot rot while no GPU is lent. The budget's step planning and the
 update's FLOP rate are checked on numbers made here."""
 
-import importlib.util
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -18,14 +18,11 @@ SIDES = {"rlctl", "TRL", "TRL-cb"}
 
 @pytest.fixture
 def bench(monkeypatch):
-    """The benchmark's module, imported here (its import sets these variables: they are put back after)."""
-    for key in ("OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR"):
-        monkeypatch.setenv(key, "x")
-    spec = importlib.util.spec_from_file_location("grpo_vs_trl_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark's modules (benchmarks/trlcompare/), imported here: what the checks below call."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from trlcompare import device  # (it holds what the checks call: Shape, RunResult, plan_steps, side_summary)
+
+    return types.SimpleNamespace(**vars(device))
 
 
 def result(bench, step_s, gen_s, ref_s, tokens, update_tokens, wall_s=10.0, peak=None):
