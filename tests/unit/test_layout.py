@@ -160,6 +160,15 @@ def test_the_engine_reaches_the_run_directory_only_through_its_handle():
     assert imports_between(graph, "rlctl.engine", "rlctl.storage") == {}
     reached = {t for targets in imports_between(graph, "rlctl.engine", "rlctl.rundir").values() for t in targets}
     assert reached == {"rlctl.rundir.handle"}
+    behind = [  # nor does it reach behind the handle: no `run.storage` (self.run, h.run, ...)
+        f"{path.relative_to(PKG.parent)}:{node.lineno}"
+        for path in sorted((PKG / "engine").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "storage"
+        and (getattr(node.value, "id", None) == "run" or getattr(node.value, "attr", None) == "run")
+    ]
+    assert behind == []
 
 
 def test_packages_only_re_export():
