@@ -15,26 +15,24 @@ Steps with a value of 0 or below (a log needs a positive value) are skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
+
+from rlctl.metrics import read_rows
+from rlctl.rundir.layout import METRICS
+from rlctl.storage import Storage
 
 SIGNALS = (("actor/entropy", -1), ("actor/grad_norm", 1), ("actor/ppo_kl", 1))  # (metric, direction)
 THRESHOLDS = (0.03, 0.05, 0.08, 0.12)
 
 
 def series(run: Path, metric: str) -> dict[int, float]:
-    """The metric's finite values by step, from the run's metrics.jsonl (unreadable lines skipped)."""
-    out: dict[int, float] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        value = row.get(metric)
-        if isinstance(row.get("step"), int) and isinstance(value, int | float) and math.isfinite(value):
-            out[row["step"]] = float(value)
-    return out
+    """The metric's finite values by step, from the run's metrics.jsonl (rlctl's own reading of it:
+    unreadable lines skipped)."""
+    rows = read_rows(Storage(str(run)), METRICS, require_step=True)
+    return {
+        r["step"]: float(r[metric]) for r in rows if isinstance(r.get(metric), int | float) and math.isfinite(r[metric])
+    }
 
 
 def trends(values: dict[int, float], window: int, direction: int) -> list[tuple[int, float]]:

@@ -79,7 +79,7 @@ def main() -> None:
         return out.logits.float().log_softmax(-1)[..., 3].mean()
 
     steps = []
-    for _name, zero, fused in setups:
+    for name, zero, fused in setups:
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None, foreach=None if fused else False)
@@ -105,7 +105,7 @@ def main() -> None:
                 "steps_per_print": 2**31 - 1,
             }
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
-            if _name == RLCTL_STAGE0:  # (as rlctl.engine.ds_module.DSModule sets it in a world of one)
+            if name == RLCTL_STAGE0:  # (as rlctl.engine.ds_module.DSModule sets it in a world of one)
                 engine.enable_backward_allreduce = False
 
             def step(engine=engine):
