@@ -195,6 +195,9 @@ def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
             importlib.import_module(module)
             if not can_fork():  # (numpy's BLAS pool, without OMP_NUM_THREADS=1): the ranks are exec'd
                 return
+        from rlctl.engine.warm import warm_caches
+
+        warm_caches()  # (what each rank's first model load and sample would build, built once)
         _serve_requests(sock, main)
     except BaseException as exc:  # one sentence: the run goes on, its ranks started as new processes
         print(

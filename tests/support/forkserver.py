@@ -100,6 +100,9 @@ def _preload() -> None:
 
     for name in FIRST_RUN_IMPORTS:  # (each child would import them again in its first, and only, run)
         importlib.import_module(name)
+    from rlctl.engine.warm import warm_caches
+
+    warm_caches()  # (and build what a run's first model load and sample build)
     import gc
 
     gc.freeze()
