@@ -337,8 +337,8 @@ def sequence_log_probs(
     """(B, T) fp32 log-probs of ``seqs``' response tokens under ``model`` (a causal LM, an engine, a LoRA
     reference), the logits scaled by ``temperature`` as ``sampler`` did (``rollout.sampler``; "generator",
     the division, for a caller that names none), and with ``with_entropy`` the (B, T) entropy of each
-    position's distribution, without gradient (the metric and the entropy term, as always: the term adds
-    no gradient). Computed a chunk of positions at a time (``algos.logprobs.token_log_probs``): no
+    position's distribution (under grad, the entropy bonus's gradient flows through it, as verl's
+    ``entropy_coeff``; unused, it adds none). Computed a chunk of positions at a time (``algos.logprobs.token_log_probs``): no
     (B, T, V) fp32 tensor is kept for the backward, and the logits' gradient takes the logits' memory."""
     T = seqs.responses.shape[1]
     out = model(
@@ -354,7 +354,7 @@ def sequence_log_probs(
     token_lp, entropy = token_log_probs(
         logits, seqs.responses, temperature, sampler, first=first, with_entropy=with_entropy, in_place=True
     )  # (the model's logits are read by nothing else: the backward writes their gradient into them)
-    return token_lp, None if entropy is None else entropy.detach()
+    return token_lp, entropy
 
 
 def rollout_stats(

@@ -13,6 +13,7 @@ from rlctl import algos
 from rlctl.algos.logprobs import SAMPLERS, chunk_positions, scale_logits, token_log_probs
 from rlctl.config import RunConfig
 from rlctl.engine.actor import Actor, read_once, sequence_log_probs
+from rlctl.engine.batch import position_ids_for
 from rlctl.engine.model import load_tokenizer, prepare_model_dir
 from rlctl.engine.rollout.hf import HFRollout
 from rlctl.engine.token_budget import GRAIN, device_token_budget, token_budget
@@ -207,11 +208,11 @@ def test_no_default_budget_off_the_gpu():
 # -- a real tiny actor --------------------------------------------------------------------------------
 
 
-def tiny_actor(runtime, tmp_path_factory, **actor):
+def tiny_actor(runtime, tmp_path_factory, algorithm=None, **actor):
     cfg = RunConfig.model_validate(
         {
             "trainer": {"prompts_per_step": 2},
-            "algorithm": {"group_size": 2, "clip_ratio": 0.1},
+            "algorithm": {"group_size": 2, "clip_ratio": 0.1, **(algorithm or {})},
             "rollout": {"max_new_tokens": 6, "temperature": 0.7},
             "actor": {"lr": 1e-6, **actor},
         }
@@ -314,3 +315,48 @@ def test_micro_batch_size_cuts_the_no_grad_passes(runtime, tmp_path_factory):
         whole = actor.log_probs(seqs, 0.7)[0]
     assert sizes == [1, 1, 1, 1]
     torch.testing.assert_close(pieces, whole)
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, **inputs):
+        return self.module(**inputs)
+
+
+def test_the_entropy_bonus_moves_the_update_by_the_entropys_own_gradient(runtime, tmp_path_factory, monkeypatch):
+    """algorithm.entropy_coef subtracts coef x the entropy from the loss, as verl's entropy_coeff: the
+    loss's gradient moves by -coef x the gradient of the entropy term, that of plain autograd through a
+    log_softmax of the model's logits (a detached entropy would leave the gradient as it was)."""
+    coef = 0.5
+    actor, seqs = tiny_actor(runtime, tmp_path_factory, algorithm={"entropy_coef": coef})
+    a, mask = actor.cfg.algorithm, seqs.response_mask
+    with torch.no_grad():
+        old = actor.log_probs(seqs, 0.7)[0]
+    adv = torch.linspace(-1, 1, mask.shape[1]).expand_as(old).contiguous()
+    [mb] = list(actor.minibatches(seqs))  # one mini-batch in one piece: every weight 1
+    head = actor.module.get_output_embeddings().weight
+    # the model's own forward (DeepSpeed's engine allows no gradient but its own backward's, which the
+    # test does not take), wrapped as the engine wraps it
+    monkeypatch.setattr(actor, "engine", Wrapped(actor.module))
+
+    def grad_of_loss(entropy_coef):
+        a.entropy_coef = entropy_coef
+        loss, _ = actor._micro_batch_loss(seqs, mb, adv, old, None, 0.0, poison=False, rollout_log_prob=None)
+        return torch.autograd.grad(loss, head)[0]
+
+    try:
+        with_bonus, without = grad_of_loss(coef), grad_of_loss(0.0)
+    finally:
+        a.entropy_coef = coef
+    T = seqs.responses.shape[1]
+    ids, att = seqs.input_ids, seqs.attention_mask
+    logits = actor.module(input_ids=ids, attention_mask=att, position_ids=position_ids_for(att)).logits[:, -T - 1 : -1]
+    logp = torch.log_softmax(logits.float() / 0.7, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    term = algos.agg_loss(entropy, mask, a.loss_agg_mode, actor.cfg.rollout.max_new_tokens)
+    want = -coef * torch.autograd.grad(term, head)[0]
+    assert want.abs().max() > 1e-4  # a gradient the test can tell from none
+    torch.testing.assert_close(with_bonus - without, want, rtol=1e-3, atol=1e-6)
