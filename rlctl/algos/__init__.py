@@ -28,23 +28,22 @@ _HOMES = {
         "ROLLOUT_CORRECTIONS",
         "Registry",
     ),
-    "core": (
+    "advantages": (
         "AdvantageInputs",
-        "PolicyLoss",
-        "agg_loss",
         "apply_kl_penalty",
-        "compute_policy_loss",
-        "compute_value_loss",
+        "overlong_penalty",
+        "scores_to_token_rewards",
+        "tied_groups",
+    ),
+    "divergence": ("entropy_from_logits", "kl_penalty"),
+    "losses": ("PolicyLoss", "compute_policy_loss", "compute_value_loss"),
+    "masked": (
+        "agg_loss",
         "count_nonfinite",
-        "entropy_from_logits",
-        "kl_penalty",
         "masked_max",
         "masked_mean",
         "masked_min",
         "masked_whiten",
-        "overlong_penalty",
-        "scores_to_token_rewards",
-        "tied_groups",
     ),
     "kl": ("AdaptiveKLController", "FixedKLController", "make_kl_controller"),
     "correction": ("RolloutCorrection", "rollout_correction"),
@@ -55,7 +54,7 @@ __all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOMES:  # a submodule asked for as an attribute: algos.core
+    if name in _HOMES:  # a submodule asked for as an attribute: algos.masked
         return importlib.import_module(f"{__name__}.{name}")
     module = _MODULE_OF.get(name)
     if module is None:

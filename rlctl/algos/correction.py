@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlctl.algos.core import masked_max, masked_mean
+from rlctl.algos.masked import masked_max, masked_mean
 from rlctl.algos.registry import ROLLOUT_CORRECTIONS
 
 # the bound on |log rho_t| before exp, as verl's safety bound: exp(20) ~ 5e8, never inf

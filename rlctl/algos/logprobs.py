@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rlctl.algos.core import entropy_from_log_probs
+from rlctl.algos.divergence import entropy_from_log_probs
 
 # How the samplers of ``rollout.sampler`` divide logits by the temperature: the counter sampler multiplies
 # by the reciprocal (the CPU and CUDA round it the same); the generator sampler (every run before the key

@@ -13,7 +13,10 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-_CORE = "rlctl.algos.core"
+_ADVANTAGES = "rlctl.algos.advantages"
+_DIVERGENCE = "rlctl.algos.divergence"
+_MASKED = "rlctl.algos.masked"
+_LOSSES = "rlctl.algos.losses"
 _KL = "rlctl.algos.kl"
 _CORRECTION = "rlctl.algos.correction"
 
@@ -57,12 +60,12 @@ class Registry:
 ADVANTAGES = Registry(
     "advantage estimator",
     {
-        "drgrpo": f"{_CORE}:drgrpo_outcome_advantage",
-        "gae": f"{_CORE}:gae_advantage",
-        "grpo": f"{_CORE}:grpo_outcome_advantage",
-        "reinforce_plus_plus": f"{_CORE}:reinforce_plus_plus_advantage",
-        "reinforce_plus_plus_baseline": f"{_CORE}:reinforce_plus_plus_baseline_advantage",
-        "rloo": f"{_CORE}:rloo_outcome_advantage",
+        "drgrpo": f"{_ADVANTAGES}:drgrpo_outcome_advantage",
+        "gae": f"{_ADVANTAGES}:gae_advantage",
+        "grpo": f"{_ADVANTAGES}:grpo_outcome_advantage",
+        "reinforce_plus_plus": f"{_ADVANTAGES}:reinforce_plus_plus_advantage",
+        "reinforce_plus_plus_baseline": f"{_ADVANTAGES}:reinforce_plus_plus_baseline_advantage",
+        "rloo": f"{_ADVANTAGES}:rloo_outcome_advantage",
     },
 )
 
@@ -72,7 +75,7 @@ GROUP_ESTIMATORS = ADVANTAGES.subset("drgrpo", "grpo", "reinforce_plus_plus_base
 # fn((B, T) log π(a|s), (B, T) log π_ref(a|s)) -> (B, T) per-token KL estimate
 KL_ESTIMATORS = Registry(
     "KL estimator",
-    {"k1": f"{_CORE}:kl_k1", "k2": f"{_CORE}:kl_k2", "k3": f"{_CORE}:kl_k3"},
+    {"k1": f"{_DIVERGENCE}:kl_k1", "k2": f"{_DIVERGENCE}:kl_k2", "k3": f"{_DIVERGENCE}:kl_k3"},
     aliases={"low_var_kl": "k3"},  # verl's name for k3
 )
 
@@ -81,17 +84,17 @@ KL_ESTIMATORS = Registry(
 AGG_MODES = Registry(
     "loss_agg_mode",
     {
-        "token-mean": f"{_CORE}:agg_loss",
-        "seq-mean-token-sum": f"{_CORE}:agg_loss",
-        "seq-mean-token-mean": f"{_CORE}:agg_loss",
-        "seq-mean-token-sum-norm": f"{_CORE}:agg_loss",
+        "token-mean": f"{_MASKED}:agg_loss",
+        "seq-mean-token-sum": f"{_MASKED}:agg_loss",
+        "seq-mean-token-mean": f"{_MASKED}:agg_loss",
+        "seq-mean-token-sum-norm": f"{_MASKED}:agg_loss",
     },
 )
 
 # where the importance ratio is taken: levels of compute_policy_loss (token: PPO, sequence: GSPO, whose policy
 # loss is always aggregated as seq-mean-token-mean, as verl: core.policy_agg_mode)
 POLICY_LOSS_LEVELS = Registry(
-    "importance ratio level", {"token": f"{_CORE}:compute_policy_loss", "sequence": f"{_CORE}:compute_policy_loss"}
+    "importance ratio level", {"token": f"{_LOSSES}:compute_policy_loss", "sequence": f"{_LOSSES}:compute_policy_loss"}
 )
 
 # the KL coefficient's controllers (classes)

@@ -252,7 +252,7 @@ class Actor(DSModule):
         ``rollout.max_new_tokens`` (verl's ``loss_scale_factor``)."""
         a, horizon = self.cfg.algorithm, self.cfg.rollout.max_new_tokens
         tw, weight = mb.token_weight, mb.weight(a.loss_agg_mode)
-        pg_weight = mb.weight(algos.core.policy_agg_mode(a.loss_agg_mode, a.importance_ratio))
+        pg_weight = mb.weight(algos.masked.policy_agg_mode(a.loss_agg_mode, a.importance_ratio))
         part, mask = mb.seqs(seqs), mb.tokens(seqs.response_mask)
         with lora.training(self.module, self.trains_in_train_mode):
             log_prob, entropy = self.log_probs(part, self.cfg.rollout.temperature, with_entropy=True)
@@ -280,7 +280,7 @@ class Actor(DSModule):
             "actor/nonfinite/log_prob": ((~torch.isfinite(log_prob) & mask.bool()).sum(), 1.0),
             "actor/nonfinite/loss": (~torch.isfinite(loss), 1.0),
             "actor/ppo_ratio/max": (pl.ratio_max, 1.0),
-            "actor/log_prob/min": (algos.core.masked_min(log_prob.detach(), mask), 1.0),
+            "actor/log_prob/min": (algos.masked.masked_min(log_prob.detach(), mask), 1.0),
             **rollout_stats(old, rollout_lp, corr, mask, tw, on_policy=old_log_prob is None),
         }
         stats = read_once(pending)

@@ -50,7 +50,7 @@ def test_shipped_policies_load():
     warn_only = load_policy_file(REPO / "policies" / "warn-only.yaml")
     assert all(r.warn_only for r in warn_only.rules)
     default = load_policy_file(REPO / "policies" / "default.yaml")
-    assert {r.resolved_trigger.kind for r in default.rules} == {"nonfinite", "threshold", "spike", "expression"}
+    assert {r.resolved_trigger.kind for r in default.rules} == {"nonfinite", "threshold", "spike", "expression", "drop"}
 
 
 def test_the_agentic_policy_reads_only_the_metrics_multi_turn_runs_write():

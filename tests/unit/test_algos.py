@@ -106,10 +106,10 @@ def test_policy_loss_ratio_max_is_before_clamp_and_clip_and_ignores_padding():
 def test_masked_max_and_min_ignore_padding_but_propagate_nan():
     x = torch.tensor([[1.0, -4.0, 9.0], [2.0, math.nan, -7.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert algos.core.masked_max(x, mask).item() == 2.0
-    assert algos.core.masked_min(x, mask).item() == -4.0
+    assert algos.masked.masked_max(x, mask).item() == 2.0
+    assert algos.masked.masked_min(x, mask).item() == -4.0
     mask[1, 1] = 1
-    assert math.isnan(algos.core.masked_max(x, mask).item()) and math.isnan(algos.core.masked_min(x, mask).item())
+    assert math.isnan(algos.masked.masked_max(x, mask).item()) and math.isnan(algos.masked.masked_min(x, mask).item())
 
 
 def test_policy_loss_negative_advantage_clips_low():
@@ -403,8 +403,8 @@ def test_policy_loss_gspo_sequence_ratio_value_and_gradient():
             lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="sequence", agg_mode=mode, horizon=7
         )
         assert other.pg_loss.item() == out.pg_loss.item(), mode
-    assert algos.core.policy_agg_mode("token-mean", "sequence") == "seq-mean-token-mean"
-    assert algos.core.policy_agg_mode("seq-mean-token-sum-norm", "token") == "seq-mean-token-sum-norm"
+    assert algos.masked.policy_agg_mode("token-mean", "sequence") == "seq-mean-token-mean"
+    assert algos.masked.policy_agg_mode("seq-mean-token-sum-norm", "token") == "seq-mean-token-sum-norm"
     with pytest.raises(KeyError, match="valid: token, sequence"):
         algos.compute_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.2, level="chunk")
 
@@ -549,7 +549,7 @@ def test_micro_batches_and_ranks_weighted_give_the_whole_batch_loss(mode):
     for budget in (1, 6, 10, 15, 40):  # token budgets: 1-4 micro-batches of 1-4 rows, trimmed columns
         assert _split(loss, mask, mode, 2, None, 6, max_tokens=budget) == pytest.approx(whole, rel=1e-6)
         assert _split(loss, mask, mode, 1, None, 6, max_tokens=budget) == pytest.approx(whole, rel=1e-6)
-    pg_mode = algos.core.policy_agg_mode(mode, "sequence")
+    pg_mode = algos.masked.policy_agg_mode(mode, "sequence")
     gspo = _split(loss, mask, pg_mode, 2, 2, 6) + 0.1 * _split(loss.sqrt(), mask, mode, 2, 2, 6)
     expected = algos.agg_loss(loss, mask, pg_mode) + 0.1 * algos.agg_loss(loss.sqrt(), mask, mode, horizon=6)
     assert gspo == pytest.approx(expected.item(), rel=1e-6)

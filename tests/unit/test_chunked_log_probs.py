@@ -295,7 +295,7 @@ def test_a_micro_batchs_metrics_are_read_once_and_equal_the_old_reading(tiny):
         "actor/nonfinite/log_prob": 0.0,
         "actor/nonfinite/loss": 0.0,
         "actor/ppo_ratio/max": pl.ratio_max.item(),
-        "actor/log_prob/min": algos.core.masked_min(lp, mask).item(),
+        "actor/log_prob/min": algos.masked.masked_min(lp, mask).item(),
     }
     assert stats == want
     assert 0 < stats["actor/pg_clipfrac"] < 1 and stats["actor/kl_loss"] > 0  # values that could be wrong
