@@ -142,7 +142,8 @@ def main() -> None:
     from rlctl.config import RunConfig
     from rlctl.engine.actor import Actor, Sequences
     from rlctl.engine.model import build_char_tokenizer
-    from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.engine.rendezvous import init_distributed
+    from rlctl.engine.runtime import setup_runtime
     from rlctl.storage import Storage
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="rlctl-bench-", dir=Path(__file__).resolve().parents[1]))

@@ -36,8 +36,9 @@ def main() -> None:
     from rlctl.engine.actor import Actor
     from rlctl.engine.data import PromptCursor, load_rows
     from rlctl.engine.model import load_tokenizer, prepare_model_dir
+    from rlctl.engine.rendezvous import init_distributed
     from rlctl.engine.rollout import make_backend
-    from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.engine.runtime import setup_runtime
     from rlctl.rundir.handle import RunDir
     from rlctl.storage import Storage
 

@@ -37,7 +37,8 @@ def main() -> None:
 
     import torch
 
-    from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.engine.rendezvous import init_distributed
+    from rlctl.engine.runtime import setup_runtime
 
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)

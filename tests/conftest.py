@@ -146,7 +146,8 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="session")
 def runtime():
     """One process-wide CPU runtime with a world-of-one gloo group, as `rlctl start` sets up."""
-    from rlctl.engine.runtime import init_distributed, setup_runtime
+    from rlctl.engine.rendezvous import init_distributed
+    from rlctl.engine.runtime import setup_runtime
 
     rt = setup_runtime("cpu", "fp32", 1)
     init_distributed(rt.backend)

@@ -84,7 +84,8 @@ def launch_local(
     (``fence`` and ``lease_owner``: the driver's lease, see ``supervise`` and ``rank_spec``). The ranks
     meet at a store server this process binds once, on MASTER_PORT where the user set it, else on a port
     the system chooses, and serves until they end."""
-    from rlctl.engine.runtime import bind_rendezvous, check_local_ranks, user_master_port
+    from rlctl.engine.rendezvous import bind_rendezvous, user_master_port
+    from rlctl.engine.runtime import check_local_ranks
 
     check_local_ranks(cfg.device, cfg.world_size)
     rendezvous = bind_rendezvous(cfg.world_size, user_master_port())

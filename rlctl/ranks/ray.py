@@ -63,7 +63,7 @@ class RankActor:
         """Bind the group's store server here (rank 0's actor), on ``port`` (the driver's user-set
         MASTER_PORT) or one the system chooses, and keep it while the actor lives: {"port"}, or
         {"error"} (a sentence: a ConfigError's)."""
-        from rlctl.engine.runtime import bind_rendezvous
+        from rlctl.engine.rendezvous import bind_rendezvous
 
         try:
             self._store = bind_rendezvous(world, port)
@@ -224,7 +224,7 @@ def _run_ranks(actors: list, spec: dict[str, Any], per_node: int, timeout: float
     Ray's account of the node, one ``NodeWatch`` for them all)."""
     import ray
 
-    from rlctl.engine.runtime import user_master_port
+    from rlctl.engine.rendezvous import user_master_port
 
     where = ray.get([a.node.remote() for a in actors])
     bound = ray.get(actors[0].rendezvous.remote(len(actors), user_master_port()))

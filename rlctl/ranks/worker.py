@@ -293,7 +293,7 @@ def rank_spec(run: Storage, cfg: RunConfig, plan: ResumePlan | None, lease_owner
 
 def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int, addr: str, port: int) -> dict:
     """Run rank ``rank`` of ``spec`` (from ``rank_spec``) to its end in this process, meeting the others at
-    the store server that listens at ``addr``:``port`` (``rlctl.engine.runtime.bind_rendezvous``: bound
+    the store server that listens at ``addr``:``port`` (``rlctl.engine.rendezvous.bind_rendezvous``: bound
     by the supervisor or by rank 0's Ray actor); returns {"code", "message", "summary"}. A domain error
     is a result (with its exit code); a bug propagates."""
     os.environ.update(
@@ -304,7 +304,7 @@ def rank_main(spec: dict[str, Any], rank: int, local_rank: int, local_world: int
             "LOCAL_WORLD_SIZE": str(local_world),
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
-            "RLCTL_RENDEZVOUS": "store",  # (rlctl.engine.runtime.RENDEZVOUS, named here without importing torch)
+            "RLCTL_RENDEZVOUS": "store",  # (rlctl.engine.rendezvous.RENDEZVOUS, named here without importing torch)
         }
     )
     # DeepSpeed's ZeRO all-gathers call a torch API that warns once per process and rank

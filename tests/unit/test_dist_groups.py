@@ -39,7 +39,7 @@ def _rank(rank: int, port: int, out) -> None:
 def test_a_group_of_its_own_keeps_a_threads_collectives_apart():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    from rlctl.engine.runtime import bind_rendezvous
+    from rlctl.engine.rendezvous import bind_rendezvous
 
     server = bind_rendezvous(2)  # the ranks' store, bound once on a port the system chose, as rlctl's supervisor does
     procs = [ctx.Process(target=_rank, args=(r, server.port, out)) for r in range(2)]
