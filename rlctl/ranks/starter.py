@@ -33,8 +33,9 @@ from rlctl.checkpoint.forked import can_fork, die_with_parent, flush_std_streams
 from rlctl.ranks.stops import STOP_SIGNALS, STOPS, block_stop_signals
 
 # what a rank imports before its first step, imported once by the starter (DeepSpeed is not: it picks
-# its accelerator as it is first used, by DS_ACCELERATOR, which each rank sets for its device)
-PRELOAD = ("torch", "transformers", "rlctl.engine.trainer")
+# its accelerator as it is first used, by DS_ACCELERATOR, which each rank sets for its device), and
+# ("module:function") what it builds at its first model load and sample, built once (rlctl.engine.warm)
+PRELOAD = ("torch", "transformers", "rlctl.engine.trainer", "rlctl.engine.warm:warm_caches")
 
 START_TIMEOUT_S = 300.0  # the longest a rank waits for the starter's imports before it is exec'd instead
 
@@ -191,13 +192,13 @@ def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_DFL)
         block_stop_signals()  # held, as in an exec'd rank's process, until a rank can take them; Ctrl-C is the driver's
-        for module in PRELOAD:
-            importlib.import_module(module)
+        for name in PRELOAD:
+            module, _, function = name.partition(":")
+            imported = importlib.import_module(module)
+            if function:
+                getattr(imported, function)()
             if not can_fork():  # (numpy's BLAS pool, without OMP_NUM_THREADS=1): the ranks are exec'd
                 return
-        from rlctl.engine.warm import warm_caches
-
-        warm_caches()  # (what each rank's first model load and sample would build, built once)
         _serve_requests(sock, main)
     except BaseException as exc:  # one sentence: the run goes on, its ranks started as new processes
         print(
