@@ -1,5 +1,5 @@
 """Taking and restoring snapshots: scheduled, staged while training waits, written, uploaded and
-committed in the background; retention after each commit; restore.
+committed in the background; retention after each commit; restore (``rlctl.checkpoint.restore``).
 
 The manager has a ``Catalog`` (``rlctl.checkpoint.catalog``, the read side: scan, candidates, best,
 quarantine) for everything it needs to find, and the names of a snapshot come from
@@ -45,7 +45,6 @@ from rlctl import __version__, events, faults
 from rlctl.checkpoint.catalog import Catalog, EventFn, SnapshotInfo, Topology
 from rlctl.checkpoint.collectives import Collectives, Local
 from rlctl.checkpoint.durable import no_space
-from rlctl.checkpoint.elastic import files_to_restore, load_dir, source_rank
 from rlctl.checkpoint.failure_count import FailureCount, describe, refused
 from rlctl.checkpoint.handover import LIVE_READS, NoSharedMemory, Payload, pickle_job
 from rlctl.checkpoint.job import WriteJob, Written, finish
@@ -57,9 +56,10 @@ from rlctl.checkpoint.layout import (
     state_file,
     step_name,
 )
-from rlctl.checkpoint.manifest import FORMAT, checksum_problem, val_problem
+from rlctl.checkpoint.manifest import FORMAT, val_problem
+from rlctl.checkpoint.restore import restore_snapshot
 from rlctl.checkpoint.retention import Retention, RollbackReach
-from rlctl.checkpoint.staging import DirStateful, dir_file_rank, stage_files
+from rlctl.checkpoint.staging import DirStateful, stage_files
 from rlctl.checkpoint.writer import writer
 from rlctl.errors import SnapshotError
 from rlctl.stateful import Stateful
@@ -464,36 +464,8 @@ class SnapshotManager:
 
     # -- restoring ---------------------------------------------------------------------------------
     def restore(self, info: SnapshotInfo, states: dict[str, Stateful], dirs: dict[str, DirStateful]) -> None:
-        """Verify the checksum of every file this rank reads, then load every Stateful. Raises
-        SnapshotError when the snapshot is not usable; nothing is loaded then. With several ranks, each
-        rank fetches (from object storage) and checks only the shared files and its own, so together
-        they check every file once plus the shared ones N times, and they agree before any loads: a
-        snapshot one rank finds broken is skipped by all of them. A snapshot of another world size (with
-        ``elastic``): every engine file, and one state file (``rlctl.checkpoint.elastic``)."""
-        import torch
-
-        self.wait()  # a snapshot still in flight is finished first
-        problem, local, cleanup = info.problem, None, (lambda: None)
-        try:
-            saved_world = (info.manifest or {}).get("world_size", self.world_size)
-            if problem is None:
-                files = (info.manifest or {}).get("files", {})
-                mine = files_to_restore(files, self.rank, saved_world, self.world_size, dir_file_rank(dirs))
-                local, cleanup = self.storage.local_copy(info.name, files=mine)
-                problem = info.problem = checksum_problem(local, info.manifest or {}, only=mine)
-            if not self.collectives.all(problem is None):
-                raise SnapshotError(
-                    f"snapshot {info.name} is not usable: {problem or 'another rank found it broken (see its error)'}"
-                )
-            own = state_file(source_rank(self.rank, saved_world))
-            saved = torch.load(os.path.join(local, own), weights_only=False, map_location="cpu")
-            missing = sorted(set(states) - set(saved))
-            if missing:
-                raise SnapshotError(f"snapshot {info.name} holds no state for {', '.join(missing)}")
-            for key, obj in dirs.items():
-                load_dir(obj, os.path.join(local, key), saved_world, self.world_size)
-            for key, obj in states.items():
-                obj.load_state_dict(saved[key])
-        finally:
-            cleanup()
+        """Load snapshot ``info`` into ``states`` and ``dirs`` (``rlctl.checkpoint.restore``), once a
+        snapshot still in flight is finished: it is then the last committed one."""
+        self.wait()
+        restore_snapshot(self.storage, self.collectives, self.rank, self.world_size, info, states, dirs)
         self.last_committed = info.step
