@@ -55,7 +55,7 @@ def check_before_start(cfg: RunConfig, run: Storage | None = None) -> None:
     check_data(cfg)
     check_trackers(cfg)
     check_device(cfg)
-    check_checkpoint_storage(cfg)
+    check_snapshot_storage(cfg)
     check_storage(cfg, run)
     check_models(cfg)
     check_prompt_template(cfg)
@@ -160,7 +160,7 @@ def check_device(cfg: RunConfig) -> None:
     check_rollout_device(kind, cfg.rollout.backend)
 
 
-def check_checkpoint_storage(cfg: RunConfig) -> None:
+def check_snapshot_storage(cfg: RunConfig) -> None:
     """The filesystem of ``checkpoint.dir`` is installed (gs:// needs gcsfs, s3:// s3fs). That the
     protocol exists at all is ``check_config_names``'s check."""
     if cfg.checkpoint.dir is None:

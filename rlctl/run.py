@@ -45,7 +45,7 @@ from rlctl.rundir.lease import Lease, describe_lease
 from rlctl.rundir.overrides import apply_resume_overrides
 from rlctl.rundir.record import RunRecord, ended_since, standing
 from rlctl.rundir.selection import ResumePlan, select
-from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog
+from rlctl.rundir.snapshots import snapshot_catalog, snapshot_storage
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 from rlctl.storage.clients import url_problem
@@ -195,7 +195,7 @@ def _storage_reaches_every_node(run: Storage, cfg: RunConfig) -> None:
         return
     from rlctl.storage.mounts import node_local
 
-    for what, where in (("the run directory", run), ("the snapshots' storage", checkpoint_storage(run, cfg))):
+    for what, where in (("the run directory", run), ("the snapshots' storage", snapshot_storage(run, cfg))):
         kind = node_local(where.local_path()) if where.is_local else None
         if kind is not None or where.in_process:
             on = f"this machine's own {kind} filesystem" if kind else "the memory of this process"

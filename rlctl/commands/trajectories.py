@@ -31,7 +31,7 @@ def trajectories(run_dir: str, step: int, index: int | None, fmt: str, timeout: 
     import orjson
 
     from rlctl.rundir.layout import CONFIG, not_a_run
-    from rlctl.rundir.transcripts import read_step, recorded_steps
+    from rlctl.rundir.trajectories import read_step, recorded_steps
     from rlctl.storage import Storage
 
     run = Storage.for_reading(run_dir, timeout)

@@ -318,7 +318,7 @@ def rollout_ahead(host) -> RolloutAhead | None:
     """Under rollout.mode one_step_off or async (else None), the generator of the trainer ``host``'s rank:
     a rollout (``host.rollouts``) over a copy of the actor's module (hf) or over the rank's vLLM engine,
     shared with the trainer's rollout (vllm), with its own tokenizer (the trainer's stays the main
-    thread's) and, under multi_turn, its own pool of tool workers and the run's record and transcripts;
+    thread's) and, under multi_turn, its own pool of tool workers and the run's record and trajectories;
     it draws from the run's cursor and scores with the run's reward, as the trainer's experience does.
     Its events are gathered into each batch and emitted when the batch trains."""
     cfg = host.cfg

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlctl.config import RunConfig
 from rlctl.engine.rollout import make_backend
-from rlctl.engine.rollout.transcript import TranscriptLog
+from rlctl.engine.rollout.trajectory import TrajectoryLog
 from rlctl.engine.tools.budget import ToolRetryBudget
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
@@ -36,7 +36,7 @@ class Rollouts:
 
     def make(self, name: str, actor, tokenizer, pool: ToolPool | None, emit, engine=None):
         """A rollout backend over ``actor`` (the actor, or a copy generating beside it); with a ``pool`` of
-        tool workers, the run's record of tool calls and its transcripts; ``engine``: a vLLM rollout to
+        tool workers, the run's record of tool calls and its trajectories; ``engine``: a vLLM rollout to
         generate with rather than a new engine (an overlapped rollout shares the trainer's)."""
         return make_backend(
             name,
@@ -49,7 +49,7 @@ class Rollouts:
             tools=self.tools,
             pool=pool,
             record=ToolRecord(self.run, self.rank, self.world) if pool is not None else None,
-            transcripts=TranscriptLog(self.run, self.rank) if pool is not None else None,
+            trajectories=TrajectoryLog(self.run, self.rank) if pool is not None else None,
         )
 
     def close(self) -> None:

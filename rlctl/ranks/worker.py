@@ -32,7 +32,7 @@ from rlctl.rundir.handle import RunDir
 from rlctl.rundir.layout import METRICS
 from rlctl.rundir.lease import owner_fence
 from rlctl.rundir.selection import ResumePlan
-from rlctl.rundir.snapshots import ZeroStages, checkpoint_storage, snapshot_manager, trained_stages
+from rlctl.rundir.snapshots import ZeroStages, snapshot_manager, snapshot_storage, trained_stages
 from rlctl.rundir.summary import run_summary
 from rlctl.storage import Storage
 from rlctl.yamlsrc import SAVED, load_yaml
@@ -179,7 +179,7 @@ def start_snapshot_writer(run: Storage | str, cfg: RunConfig) -> bool:
     only from a process of one thread). Whether it runs; one that cannot start now is tried again at
     the first snapshot, which says what fails."""
     c = cfg.checkpoint
-    in_process = _in_memory(c.dir or run) if isinstance(run, str) else checkpoint_storage(run, cfg).in_process
+    in_process = _in_memory(c.dir or run) if isinstance(run, str) else snapshot_storage(run, cfg).in_process
     if not c.every or c.writer != "process" or in_process:
         return False
     try:

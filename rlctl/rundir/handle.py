@@ -2,7 +2,7 @@
 
 The rank that trains a run opens its storage and hands the engine this handle. The engine asks it for
 what it writes and reads back: the config, the metric and event logs, the policy state, turning the
-run away from the steps after one, the tool-call record, the transcripts and the built-in model's
+run away from the steps after one, the tool-call record, the trajectories and the built-in model's
 directory. It never names a file of the run (``rundir.layout`` does) and never opens storage.
 
 What else the engine needs of this floor (what a resume plans, the stages its engines train at, the
@@ -24,7 +24,7 @@ from rlctl.rundir.history import turn_tag
 from rlctl.rundir.layout import CONFIG, EVENTS, METRICS, POLICY_STATE, TOOL_CALLS, TOOL_RESULTS, step_rank_file
 from rlctl.rundir.selection import ResumePlan, rollback_candidates
 from rlctl.rundir.snapshots import ZeroStages, trained_stages
-from rlctl.rundir.transcripts import step_file
+from rlctl.rundir.trajectories import step_file
 from rlctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class RunDir:
         """Whether a policy rolled back, adjusted or skipped after ``step``."""
         return history.policy_acted_after(self.storage, step)
 
-    # -- a multi-turn run's record of tool calls, its transcripts -----------------------------------------------
+    # -- a multi-turn run's record of tool calls, its trajectories -----------------------------------------------
     def add_tool_answer(self, sha: str, text: bytes) -> None:
         """An answer's text, stored once under its sha256 (one stored before is kept)."""
         with contextlib.suppress(FileExistsError):
@@ -109,8 +109,8 @@ class RunDir:
         except FileNotFoundError:
             return None
 
-    def write_transcripts(self, step: int, rank: int, lines: bytes) -> None:
-        """``rank``'s transcripts of ``step`` (replacing an earlier run's of the same step)."""
+    def write_trajectories(self, step: int, rank: int, lines: bytes) -> None:
+        """``rank``'s trajectories of ``step`` (replacing an earlier run's of the same step)."""
         self.storage.write_bytes(step_file(step, rank), lines)
 
     # -- the built-in model ------------------------------------------------------------------------------------

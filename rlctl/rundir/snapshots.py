@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # (imported where used: `rlctl inspect --check` reads a run w
     from rlctl.config import RunConfig
 
 
-def checkpoint_storage(run: Storage, cfg: RunConfig) -> Storage:
+def snapshot_storage(run: Storage, cfg: RunConfig) -> Storage:
     """Where the run's snapshots lie, retried for checkpoint.retry_timeout (a reader's run storage, made
     ``Storage.for_reading``, lends it its own bounds)."""
     c = cfg.checkpoint
@@ -117,7 +117,7 @@ def snapshot_catalog(run: Storage, cfg: RunConfig, events: EventSink | None = No
     best = cfg.checkpoint.keep_best
     elastic, fixed_world = elastic_world(cfg)
     return Catalog(
-        checkpoint_storage(run, cfg),
+        snapshot_storage(run, cfg),
         world_size=cfg.world_size,
         topology=zero_topologies(cfg),
         keep_best=BestRule(best.metric, best.mode) if best is not None else None,
@@ -152,7 +152,7 @@ def snapshot_manager(
     best = KeepBest(c.keep_best.metric, c.keep_best.mode, c.keep_best.k) if c.keep_best is not None else None
     elastic, fixed_world = elastic_world(cfg)
     return SnapshotManager(
-        checkpoint_storage(run, cfg),
+        snapshot_storage(run, cfg),
         world_size=cfg.world_size,
         rank=rank,
         collectives=collectives,

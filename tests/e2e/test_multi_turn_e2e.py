@@ -320,7 +320,7 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
 def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_workers(task, reference):
     """Two ranks as actors of a Ray node started elsewhere (`ray start`, from another directory and without
     the tool's variable): each generates its share of the step's conversations, runs its calls in its own
-    tool workers and records them and its transcripts under its rank; step 1 makes the 1-rank run's calls
+    tool workers and records them and its trajectories under its rank; step 1 makes the 1-rank run's calls
     (the same weights and seeds sample the same first turns; only a first turn's calls run, max_turns=2).
     The actors start in the driver's working directory (the prompts are named relative to it) and their
     tool workers get the tool's variable (cluster.env_vars): its counter counts every call. (Local ranks

@@ -11,7 +11,7 @@ from rlctl.errors import ExitCode, SnapshotError
 from rlctl.metrics import EventLog, read_rows
 from rlctl.run import plan_resume
 from rlctl.rundir.history import ever_committed
-from rlctl.rundir.snapshots import checkpoint_storage, snapshot_catalog, snapshot_manager
+from rlctl.rundir.snapshots import snapshot_catalog, snapshot_manager, snapshot_storage
 from rlctl.storage import Storage
 
 from helpers import Number
@@ -90,11 +90,11 @@ def test_a_run_that_never_committed_a_snapshot_starts_over_and_moves_its_rows_as
 def test_an_uncommitted_snapshot_directory_is_no_commit(tmp_path):
     """Killed between its first snapshot's files and its manifest: the directory is removed, the run starts over."""
     run, cfg = trained(tmp_path, 4), config()
-    checkpoint_storage(run, cfg).write_bytes("step-000004/state.pt", b"half")
-    assert not ever_committed(run, checkpoint_storage(run, cfg))
+    snapshot_storage(run, cfg).write_bytes("step-000004/state.pt", b"half")
+    assert not ever_committed(run, snapshot_storage(run, cfg))
     resume = plan(run, cfg, Notes())
     assert resume is not None and resume.names == ()
-    assert not checkpoint_storage(run, cfg).exists("step-000004")
+    assert not snapshot_storage(run, cfg).exists("step-000004")
     assert len(read_rows(run, "metrics.abandoned.jsonl")) == 4
 
 
@@ -102,7 +102,7 @@ def test_a_run_whose_committed_snapshot_is_gone_keeps_exit_11(tmp_path):
     """Its snapshot was committed (events.jsonl says so), then deleted: refused, and nothing moves."""
     run, cfg = trained(tmp_path, 5), config()
     commit(run, cfg, 4)
-    checkpoint_storage(run, cfg).rm("step-000004", recursive=True)
+    snapshot_storage(run, cfg).rm("step-000004", recursive=True)
     rows = run.read_bytes("metrics.jsonl")
     with pytest.raises(SnapshotError) as refused:
         plan(run, cfg, Notes())
@@ -117,7 +117,7 @@ def test_a_committed_snapshot_that_is_not_usable_keeps_exit_11(tmp_path):
     run, cfg = trained(tmp_path, 5), config()
     commit(run, cfg, 4)
     run.write_bytes("events.jsonl", orjson.dumps({"event": "start", "total_steps": 6}) + b"\n")  # no commit event
-    checkpoint_storage(run, cfg).write_bytes("step-000004/state.pt", b"")
+    snapshot_storage(run, cfg).write_bytes("step-000004/state.pt", b"")
     notes = Notes()
     with pytest.raises(SnapshotError, match="though the run committed snapshots before"):
         plan(run, cfg, notes)
@@ -129,15 +129,15 @@ def test_a_committed_snapshot_that_is_not_usable_keeps_exit_11(tmp_path):
 def test_a_quarantined_snapshot_was_committed(tmp_path):
     """A manifest that cannot be read is moved to quarantine/ (never deleted): a commit happened, so 11."""
     run, cfg = trained(tmp_path, 5), config()
-    checkpoint_storage(run, cfg).write_bytes("step-000004/manifest.json", b"{not json")
+    snapshot_storage(run, cfg).write_bytes("step-000004/manifest.json", b"{not json")
     with pytest.raises(SnapshotError, match="though the run committed snapshots before"):
         plan(run, cfg, Notes())
-    assert checkpoint_storage(run, cfg).listdir("quarantine")
+    assert snapshot_storage(run, cfg).listdir("quarantine")
 
 
 def test_ever_committed_reads_the_catalog_the_quarantine_and_the_events(tmp_path):
     run, cfg = trained(tmp_path, 2), config()
-    checkpoints = checkpoint_storage(run, cfg)
+    checkpoints = snapshot_storage(run, cfg)
     assert not ever_committed(run, checkpoints)
     run.append_bytes("events.jsonl", orjson.dumps({"event": "snapshot_failed", "step": 4}) + b"\n")
     assert not ever_committed(run, checkpoints)  # a failed snapshot is no commit

@@ -52,7 +52,7 @@ class RolloutBackend(Protocol):
 
     def scored(self, step: int, scores) -> None:
         """The (B,) scores of the last generate's completions, at a training step (a multi-turn rollout
-        writes its conversations' transcripts with them); nothing for single-turn generation."""
+        writes its conversations' trajectories with them); nothing for single-turn generation."""
 
     def forget_cache(self) -> None:
         """Drop what generation cached across calls (vLLM's prefix cache), so what comes next samples as
@@ -71,17 +71,17 @@ def make_backend(
     pool=None,
     emit: Callable[[dict[str, Any]], None] | None = None,
     record=None,
-    transcripts=None,
+    trajectories=None,
 ) -> RolloutBackend:
     """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn the multi-turn rollout
     (its turns sampled by the HF module or the vLLM engine), with the run's ``tools`` (``engine.tools.loader``), the
     rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
-    run's ``record`` of tool calls (``engine.tools.record``) and ``transcripts`` of its conversations
-    (``transcript``). ``engine``: the vLLM rollout to use (vllm; None: a new engine)."""
+    run's ``record`` of tool calls (``engine.tools.record``) and ``trajectories`` of its conversations
+    (``trajectory``). ``engine``: the vLLM rollout to use (vllm; None: a new engine)."""
     if cfg.rollout.multi_turn is not None:
         if tools is None or pool is None:
             raise ValueError("a multi-turn rollout needs the run's tools and a pool of tool workers")
-        turns = (cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record, transcripts)
+        turns = (cfg, actor, tokenizer, cfg.rollout.multi_turn, tools, pool, emit, record, trajectories)
         if name == "vllm":
             from rlctl.engine.rollout.vllm import VLLMRollout
             from rlctl.engine.rollout.vllm_multi_turn import VLLMMultiTurnRollout

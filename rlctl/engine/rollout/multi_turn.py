@@ -57,7 +57,7 @@ from rlctl.engine.rollout.hf import HFRollout, decode, response_mask_for, sample
 from rlctl.engine.rollout.offers import EVERY_TOOL, Offer, Offers
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
-from rlctl.engine.rollout.transcript import TranscriptLog, segments
+from rlctl.engine.rollout.trajectory import TrajectoryLog, segments
 from rlctl.engine.tools.loader import Tools
 from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, Session, ToolPool
 from rlctl.engine.tools.record import ToolRecord, call_key
@@ -92,13 +92,13 @@ class MultiTurnRollout(HFRollout):
         pool: ToolPool,
         emit=None,
         record: ToolRecord | None = None,
-        transcripts: TranscriptLog | None = None,
+        trajectories: TrajectoryLog | None = None,
     ):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
         (``engine.tools.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
         receives the ``template_drift`` and ``tool_calls_replayed`` events; ``record``: the run's record
-        of tool calls (``engine.tools.record``; None: nothing recorded or replayed); ``transcripts``: where
-        the conversations of each training step are written (``transcript``; None: nowhere)."""
+        of tool calls (``engine.tools.record``; None: nothing recorded or replayed); ``trajectories``: where
+        the conversations of each training step are written (``trajectory``; None: nowhere)."""
         super().__init__(cfg, actor, tokenizer)
         schemas, functions = tools.schemas, tools.functions
         self.mt, self.schemas, self.functions = mt, schemas, functions
@@ -108,7 +108,7 @@ class MultiTurnRollout(HFRollout):
         self.chat = self.offers.chat(EVERY_TOOL)
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
-        self.pool, self.record, self.transcripts = pool, record, transcripts
+        self.pool, self.record, self.trajectories = pool, record, trajectories
         self._last: list[Conversation] = []  # the last generate's conversations, for ``scored``
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.call_metrics = tools.call_metrics  # name -> a tool's own metrics of a call (tool/python/*)
@@ -137,8 +137,8 @@ class MultiTurnRollout(HFRollout):
         """The metrics of the conversations generated since the last call (every round of a step), as
         one row (``reductions``). The step's run is over: the next generate asks the drills again."""
         rows, self._metrics, self._outage = self._metrics, [], None
-        if self.transcripts is not None:
-            self.transcripts.write()
+        if self.trajectories is not None:
+            self.trajectories.write()
         if not rows:
             return {}
         weights = [r.pop("_n") for r in rows]
@@ -216,12 +216,12 @@ class MultiTurnRollout(HFRollout):
 
     def scored(self, step: int, scores: torch.Tensor) -> None:
         """The scores of the last generated conversations (a round of a training step): their
-        transcripts join the step's (``transcripts``; written by ``take_metrics``)."""
-        if self.transcripts is None:
+        trajectories join the step's (``trajectories``; written by ``take_metrics``)."""
+        if self.trajectories is None:
             return
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         for c, score in zip(self._last, scores.tolist()):
-            self.transcripts.add(
+            self.trajectories.add(
                 step,
                 {
                     "prompt_index": c.seed[0],

@@ -1,5 +1,5 @@
-"""The transcripts of a multi-turn run's conversations (RUN_DIR/trajectories/), named and read here;
-written by ``rlctl.engine.rollout.transcript`` (which says what a line holds). Every line may be torn
+"""The trajectories of a multi-turn run's conversations (RUN_DIR/trajectories/), named and read here;
+written by ``rlctl.engine.rollout.trajectory`` (which says what a line holds). Every line may be torn
 or malformed (a kill mid-write, a hand edit): such a line is skipped."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def step_file(step: int, rank: int) -> str:
 
 
 def recorded_steps(run: Storage) -> list[int]:
-    """The steps with transcripts, in order."""
+    """The steps with trajectories, in order."""
     return sorted({int(m.group(1)) for n in run.listdir(TRAJECTORIES) if (m := STEP_RANK_FILE.fullmatch(n))})
 
 

@@ -1,10 +1,10 @@
-"""The transcripts of a multi-turn run's conversations: tokens cut into the model's runs and the others',
+"""The trajectories of a multi-turn run's conversations: tokens cut into the model's runs and the others',
 one file per step and rank, read back by prompt and sample whatever the ranks, a torn line skipped, a
 step trained again replacing its file."""
 
-from rlctl.engine.rollout.transcript import TranscriptLog, segments
+from rlctl.engine.rollout.trajectory import TrajectoryLog, segments
 from rlctl.rundir.handle import RunDir
-from rlctl.rundir.transcripts import read_step, recorded_steps
+from rlctl.rundir.trajectories import read_step, recorded_steps
 from rlctl.storage import Storage
 
 
@@ -26,7 +26,7 @@ def _conv(prompt_index: int, sample_index: int, score: float) -> dict:
 
 def test_ranks_files_are_read_by_prompt_and_sample_and_a_step_trained_again_replaces_its_own(tmp_path):
     run = Storage(str(tmp_path))
-    zero, one = TranscriptLog(RunDir(run), 0), TranscriptLog(RunDir(run), 1)
+    zero, one = TrajectoryLog(RunDir(run), 0), TrajectoryLog(RunDir(run), 1)
     zero.add(3, _conv(2, 0, 1.0))
     zero.add(3, _conv(0, 1, 0.0))
     one.add(3, _conv(0, 0, 0.5))
@@ -46,5 +46,5 @@ def test_ranks_files_are_read_by_prompt_and_sample_and_a_step_trained_again_repl
     path = tmp_path / "trajectories" / "step-000003.rank-1.jsonl"
     path.write_bytes(path.read_bytes() + b'{"prompt_index": 9, "segm')  # torn by a kill mid-write
     path.write_bytes(path.read_bytes() + b'\n{"segments": [3], "calls": []}\n{"segments": [], "calls": "x"}\n')
-    (tmp_path / "trajectories" / "notes.txt").write_text("not a transcript")
+    (tmp_path / "trajectories" / "notes.txt").write_text("not a trajectory")
     assert len(read_step(run, 3)) == 2 and read_step(run, 7) == []
