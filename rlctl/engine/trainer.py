@@ -1,15 +1,15 @@
-"""The trainer: wiring, the Stateful set, ``train()`` and a ``train_step`` made of named phases.
+"""The trainer: wiring, the Stateful set, ``train()`` and its ``train_step``.
 
-A step: generate and score a batch (``experience``), the forward passes the update needs (old,
-reference log-probs, values), advantages, the critic's and the actor's updates, the KL controller, the
-rollout weights re-synced, then the step's metric row, identical on every rank. Policy verdicts are
+A step's phases (``rlctl.engine.step``): generate and score a batch (``experience``), the forward passes
+the update needs (old, reference log-probs, values), advantages, the critic's and the actor's updates,
+the KL controller, the rollout weights re-synced, then the step's metric row, identical on every rank.
+Here: what is built, restored and snapshotted, the loop, and the judgement of each row. Policy verdicts are
 carried out by ``recovery``, which also restores a resume; the snapshot manager says when to snapshot
 and what retention keeps.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Collection
 from contextlib import contextmanager
@@ -23,25 +23,22 @@ from rlctl.checkpoint.rng import RNGState
 from rlctl.checkpoint.snapshots import SnapshotManager
 from rlctl.config import RunConfig
 from rlctl.config.knob_values import follow_schedules, knob_settings, may_exceed
-from rlctl.engine.actor import REDUCTIONS as ACTOR_REDUCTIONS
-from rlctl.engine.actor import Actor, sequence_log_probs
-from rlctl.engine.ahead import STALENESS_REDUCTIONS, rollout_ahead
-from rlctl.engine.batch import Sequences
+from rlctl.engine.actor import Actor
+from rlctl.engine.ahead import rollout_ahead
 from rlctl.engine.counters import TrainerState
-from rlctl.engine.critic import REDUCTIONS as CRITIC_REDUCTIONS
 from rlctl.engine.critic import Critic
 from rlctl.engine.data import PromptCursor, load_prompts
-from rlctl.engine.dist import MAX, MEAN, SUM
-from rlctl.engine.experience import REDUCTIONS as BATCH_REDUCTIONS
-from rlctl.engine.experience import SAMPLING_REDUCTIONS, Experience, advantages_of, batch_metrics
+from rlctl.engine.dist import MAX
+from rlctl.engine.experience import Experience
 from rlctl.engine.model import hf_metadata_files, load_causal_lm, load_tokenizer, prepare_model_dir_once
 from rlctl.engine.recovery import Recovery
-from rlctl.engine.reward.sources import load_reward, metrics_of
+from rlctl.engine.reward.sources import load_reward
 from rlctl.engine.rollouts import Rollouts
 from rlctl.engine.runtime import RankContext
+from rlctl.engine.step import TrainStep
 from rlctl.engine.validation import Validator
 from rlctl.errors import ConfigError, Preempted, StorageError
-from rlctl.metrics import JsonlLog, NullLog, row_is_finite, timed
+from rlctl.metrics import JsonlLog, NullLog, row_is_finite
 from rlctl.policies.guard import PolicyGuard
 from rlctl.rundir.handle import ResumePlan, RunDir, ZeroStages, trained_stages
 
@@ -56,15 +53,6 @@ def faulted(row: dict[str, Any]) -> dict[str, Any]:
 
 StepCallback = Callable[[dict[str, Any]], None]
 EventCallback = Callable[[dict[str, Any]], None]
-
-# How the ranks reduce the metrics the trainer itself makes (timings, which are all MAX, aside).
-STEP_REDUCTIONS = {
-    "actor/reward_kl_penalty": MEAN,
-    "rollout/logprob_diff": MEAN,
-    "actor/kl_coef": MEAN,
-    "perf/tokens": SUM,
-    "perf/throughput": SUM,
-}
 
 
 class Trainer:
@@ -112,7 +100,7 @@ class Trainer:
         )
         self.validator = Validator(cfg, prompts.val, self.rollout, reward_fn, self.dist) if prompts.val else None
         self.ahead = rollout_ahead(self)  # rollout.mode one_step_off, else None
-        self.recovery = Recovery(self)
+        self.recovery, self.steps = Recovery(self), TrainStep(self)  # (what carries out verdicts; a step's phases)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(k.type, cfg.algorithm.kl_coef, k.target_kl, k.horizon)
         self.state = TrainerState(token_budget=self.actor.token_budget)
@@ -378,117 +366,6 @@ class Trainer:
         return stop
 
     # -- one step --------------------------------------------------------------------------------------
-    def _timed(self, t: dict[str, float], name: str):
-        """``timed``, waiting for the accelerator at both ends (a GPU runs a phase's kernels after it)."""
-        return timed(t, name, self.runtime.synchronize)
-
     def train_step(self, step: int) -> dict[str, Any]:
-        t: dict[str, float] = {}
-        self.follow_schedules(step)
-        with self._timed(t, "step"):
-            with self._timed(t, "gen"):
-                seqs, scores, sampling = self.batch_for(step)
-            old, ref, values, drift = self.forward_passes(seqs, t)
-            rewards, current_kl, advantages, returns = advantages_of(
-                self.cfg.algorithm, seqs, scores, old, ref, values, self.kl_ctrl.value
-            )
-            stats = self.update(step, seqs, advantages, returns, old, ref, values, t)
-            kl_used = self.kl_ctrl.value
-            stats = self.adapt_kl(stats, current_kl, ref, len(seqs))
-            if faults.value("stale_rollout") is None and not self.shared_engine:
-                self.rollout.sync_weights()
-        tokens = int(seqs.attention_mask.sum())
-        rest = {  # stats are reduced already
-            **drift,
-            **batch_metrics(
-                seqs, scores, rewards, advantages, returns, values, old, ref, self.cfg.rollout.max_new_tokens
-            ),
-            **sampling,
-            "actor/kl_coef": kl_used,
-            **t,
-            "perf/tokens": float(tokens),
-            "perf/throughput": tokens / t["timing_s/step"],
-        }
-        return self.record(step, stats, rest)
-
-    def batch_for(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
-        """The step's batch: made now (rollout.mode sync), or during the step before (one_step_off), the
-        next step's then started in the background before this one trains (``engine.ahead``)."""
-        if self.ahead is None:
-            return self.experience.rollout_batch(step)
-        skipped = self.guard.skipped_prompts if self.guard is not None else ()
-        batch, staleness = self.ahead.take(step, self.state.step, skipped)
-        self.experience.drawn = batch.drawn  # what a policy's skip skips
-        for event in batch.events:  # the generation's (multi-turn: drift, replayed calls), in order
-            self.emit(event)
-        self.ahead.fill(step, self.state.step, self.cfg.trainer.total_steps)
-        return batch.seqs, batch.scores, {**batch.sampling, **staleness}
-
-    def forward_passes(self, seqs: Sequences, t: dict[str, float]):
-        """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
-        (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
-        temperature, sampler = self.cfg.rollout.temperature, self.cfg.rollout.sampler
-        with self._timed(t, "old_log_prob"), torch.no_grad():
-            old = None if self.on_policy else self.actor.old_log_probs(seqs, temperature)
-        drift = {}
-        if seqs.rollout_log_probs is not None and old is not None:
-            diff = (old - seqs.rollout_log_probs).abs()
-            drift["rollout/logprob_diff"] = algos.masked_mean(diff, seqs.response_mask).item()
-        with self._timed(t, "ref"), torch.no_grad():
-            ref = (
-                None
-                if self.ref is None
-                else self.actor.in_pieces(
-                    seqs, lambda part: sequence_log_probs(self.ref, part, temperature, sampler=sampler)[0]
-                )
-            )
-        with self._timed(t, "values"), torch.no_grad():
-            values = self.critic.values(seqs) if self.critic is not None else None
-        return old, ref, values, drift
-
-    def update(self, step: int, seqs: Sequences, advantages, returns, old, ref, values, t) -> dict[str, float]:
-        """The critic's update (PPO), then the actor's (after the critic's warm-up); their metrics."""
-        stats: dict[str, float] = {}
-        if self.critic is not None:
-            with self._timed(t, "update_critic"):
-                stats.update(self.critic.update(seqs, values, returns))
-        if self.critic is None or step > self.cfg.critic.warmup_steps:
-            with self._timed(t, "update_actor"):
-                drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
-                poison = drill is not None and (drill == "" or int(drill) == self.dist.rank)
-                rollout_lp = seqs.rollout_log_probs  # (on-policy: logprob_diff; any step: the rollout correction)
-                actor = self.actor.update(seqs, advantages, old, ref, self.kl_ctrl.value, poison, rollout_lp)
-                stats.update(actor)
-        return stats
-
-    def adapt_kl(self, stats: dict[str, float], current_kl, ref, batch: int) -> dict[str, float]:
-        """The update's metrics reduced over the ranks, so that every rank's KL controller sees the same
-        measurement, and the controller updated with it."""
-        if current_kl is not None:
-            stats["actor/reward_kl_penalty"] = current_kl
-        how = {**ACTOR_REDUCTIONS, **CRITIC_REDUCTIONS, **STEP_REDUCTIONS}
-        stats = self.dist.reduce_row(stats, how)
-        if ref is not None:
-            measured = stats.get("actor/reward_kl_penalty", stats.get("actor/kl_loss"))
-            if measured is not None and math.isfinite(measured):
-                self.kl_ctrl.update(measured, n_steps=batch * self.dist.world)
-        return stats
-
-    def record(self, step: int, stats: dict[str, float], rest: dict[str, Any]) -> dict[str, Any]:
-        """The step's row, identical on every rank (the policies decide the same everywhere), and the
-        counters advanced."""
-        how = {
-            **BATCH_REDUCTIONS,
-            **SAMPLING_REDUCTIONS,
-            **metrics_of(self.experience.reward_fn),  # each reward source's mean (reward.sources)
-            **self.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
-            **(STALENESS_REDUCTIONS if self.ahead is not None else {}),
-            **STEP_REDUCTIONS,
-            **{key: MAX for key in rest if key.startswith("timing_s/")},
-        }  # a step takes its slowest rank's time
-        row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.dist.reduce_row(rest, how)}
-        self.state.step = step
-        self.state.prompts_seen += self.cfg.trainer.prompts_per_step
-        self.state.tokens_seen += int(row.pop("perf/tokens"))
-        row["perf/tokens_seen"] = self.state.tokens_seen
-        return row
+        """One step's phases (``rlctl.engine.step``), its row returned and the counters advanced."""
+        return self.steps.run(step)
