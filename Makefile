@@ -44,7 +44,7 @@ test: lint
 # the quick lane while working: tests/unit and tests/cli (no run of the trainer in a subprocess; the
 # slow lane is the tests/e2e folder)
 test-fast: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadgroup tests/unit tests/cli
+	$(VENV)/bin/pytest -q -n 2 --dist loadgroup -m "not slow" tests/unit tests/cli
 
 # the showcase (rlctl/configs/demo.yaml, `rlctl start demo`): about a minute on 2 cores; ends with a summary and a plot
 demo: venv

@@ -102,6 +102,7 @@ def test_truncated_last_line_is_tolerated_and_reported(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_malformed_rows_and_events_are_skipped_with_one_warning_per_file(tmp_path):
     """Lines that are not JSON, not objects, or metric rows without an integer step are skipped; each file
     with such lines gets one warning naming it and the count; every view of the run still works."""
@@ -157,6 +158,7 @@ def test_malformed_config_is_one_sentence_naming_the_file(tmp_path, text, cause,
     assert (f"{url}/config.yaml" in r.stderr) == (listed == "unreadable")
 
 
+@pytest.mark.slow
 def test_memory_and_s3_run_directories(s3_env):
     url = make_run(f"memory://inspect-{uuid.uuid4().hex}/r", events=[{"event": "completed", "step": 5}])
     assert (
@@ -194,6 +196,7 @@ def test_plot_and_runs(tmp_path, done_run):
     assert table == {done_run: ["completed", "5/5"], str(tmp_path / "other"): ["halted", "5/5"]}
 
 
+@pytest.mark.slow
 def test_follow_prints_every_row_of_a_finished_run(done_run):
     r = inspect(done_run, "--follow", "--metrics", "actor/ppo_kl", "--format", "csv")
     assert r.exit_code == 0 and r.stdout.splitlines() == [

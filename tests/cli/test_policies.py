@@ -741,6 +741,7 @@ def test_policy_check_bad_file_raises_the_config_error(tmp_path):
     assert result.output == ""
 
 
+@pytest.mark.slow
 def test_policy_check_cli_on_expressions_and_bounded_adjust(tmp_path):
     """The real entry point: a malformed expression is exit 3 with the file, line, key and column (no
     traceback); a good one is read back in plain words."""

@@ -52,6 +52,7 @@ def rows(first: int, count: int, width: int = 200) -> bytes:
     return b"".join(b'{"step": %d, "pad": "%s"}\n' % (i, b"x" * width) for i in range(first, first + count))
 
 
+@pytest.mark.slow
 def test_appends_hold_what_a_local_file_holds_with_a_resume_that_sets_rows_aside(counted, tmp_path):
     """Many appends of every size (one over Azure's 4 MiB block), a resume from step 40 that moves the
     later rows to metrics.abandoned.jsonl and rewrites metrics.jsonl whole, then more appends: byte for
@@ -76,6 +77,7 @@ def test_appends_hold_what_a_local_file_holds_with_a_resume_that_sets_rows_aside
         assert _blob_type(store, "metrics.jsonl") == "AppendBlob"
 
 
+@pytest.mark.slow
 def test_a_block_blob_of_an_older_rlctl_becomes_an_append_blob_at_its_first_append(azure_env):
     _, opts = azure_env
     store = Storage(f"az://rlctl-runs/older-{uuid.uuid4().hex[:8]}", opts, retry_timeout=10)
@@ -115,6 +117,7 @@ def test_a_try_after_a_lost_answer_appends_once(scheme, request):
     assert not [n for n in store.listdir() if ".append-" in n]  # no temporary left
 
 
+@pytest.mark.slow
 def test_an_append_sends_the_new_bytes_not_the_file(counted):
     """The bytes sent by one append (a flush of 10 rows, about 2 KiB) with the file at 64 KiB and at
     6 MiB and 12 MiB: the same within a few KiB of headers on GCS and Azure (the read-and-rewrite way
@@ -157,6 +160,7 @@ def _committed_blocks(store: Storage, rel: str) -> int:
     return _props(store, rel).append_blob_committed_block_count
 
 
+@pytest.mark.slow
 def test_a_whole_write_over_an_append_blob_of_more_than_64_mib(azure_env):
     """A resume rewrites metrics.jsonl whole; past 64 MiB the SDK stages blocks, which Azure refuses onto
     an append blob (adlfs said FileExistsError): the write replaces it, and appends go on."""

@@ -44,6 +44,7 @@ def steps(infos):
     return [i.step for i in infos]
 
 
+@pytest.mark.slow
 def test_a_manifest_records_the_last_validation_and_it_reads_back(storage):
     m = SnapshotManager(storage)
     save(m, 1)
@@ -60,6 +61,7 @@ def test_a_manifest_records_the_last_validation_and_it_reads_back(storage):
     }
 
 
+@pytest.mark.slow
 def test_retention_keeps_the_k_best_while_keep_last_evicts_the_others(storage):
     m = SnapshotManager(storage, retention=Retention(keep_last=1, best=KeepBest(SCORE, "max", 2)))
     for step, score in [(1, 0.1), (2, 0.9), (3, 0.3), (4, 0.7), (5, 0.2)]:
@@ -88,6 +90,7 @@ def test_only_validated_steps_rank_and_ties_go_to_the_earlier_step(storage):
     assert steps(kept.catalog.scan()) == [2, 7]
 
 
+@pytest.mark.slow
 def test_best_is_the_usable_good_snapshots_that_record_the_metric(storage):
     m = SnapshotManager(storage)
     save(m, 1, 0.3, val__response_length__mean=40)
@@ -120,6 +123,7 @@ def test_the_spec_best_ranks_by_keep_best_else_the_highest_val_score(storage):
     assert steps(shortest.catalog.candidates("best")) == [2, 4, 1]
 
 
+@pytest.mark.slow
 def test_best_when_no_snapshot_records_the_metric_is_one_sentence(storage):
     m = SnapshotManager(storage, retention=Retention(best=KeepBest("val/gsm8k/score/mean", "max", 1)))
     save(m, 1, 0.5)

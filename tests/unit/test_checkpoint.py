@@ -145,6 +145,7 @@ def test_manifest_is_created_exclusively(storage):
         storage.write_bytes(f"{step_name(4)}/{MANIFEST}", b"{}", exclusive=True)
 
 
+@pytest.mark.slow
 def test_async_save_returns_before_commit_and_never_overlaps(storage, monkeypatch):
     monkeypatch.setenv("RLCTL_FAULTS", "commit_delay=0.5")  # every manifest waits 0.5 s
     events = []
@@ -440,6 +441,7 @@ def test_world_size_and_topology_are_read_from_a_checked_manifest(storage):
 
 
 # -- verify: every sha256, on every storage --------------------------------------------------------------
+@pytest.mark.slow
 def test_verify_finds_a_flipped_byte_on_s3(s3_env):
     env, opts = s3_env
     storage = Storage(f"s3://rlctl-runs/verify-{uuid.uuid4().hex}/ckpt", opts)

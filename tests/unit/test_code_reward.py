@@ -30,6 +30,7 @@ GOOD_ADD = "```python\ndef add(a, b):\n    return a + b\n```"
 HALF_ADD = "```python\ndef add(a, b):\n    return int(a) + int(b)\n```"
 
 
+@pytest.mark.slow
 @needs_jail
 def test_pass_fractions_all_or_nothing_and_a_hang_that_fails_in_time():
     completions = [GOOD_MAIN, WRONG_MAIN, HANGS, GOOD_ADD, HALF_ADD, "no code", GOOD_ADD]

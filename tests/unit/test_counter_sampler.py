@@ -147,6 +147,7 @@ print(json.dumps([s.pick(logits[:, t])[0].tolist() for t in range(shape[1])]))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_sample_the_same_tokens():
     seeds, shape = [sample_seed(1, 9, i, 0) for i in range(6)], [6, 5, 3000]
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
@@ -232,6 +233,7 @@ def decoded_on_device(tiny, sampler, steps=24, vocab=None):
     return watch.numbers
 
 
+@pytest.mark.slow
 def test_a_decode_step_moves_a_few_numbers_per_row_not_a_vocabulary(tiny):
     """The counter sampler's decode moves O(B) numbers per step between host and device (its keys once, a
     look at the batch every 8 steps): at most 2 per row and step here, whatever the vocabulary; the

@@ -6,6 +6,7 @@ group in no agreed order."""
 
 import threading
 
+import pytest
 import torch.multiprocessing as mp
 
 ROUNDS = 50
@@ -36,6 +37,7 @@ def _rank(rank: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_group_of_its_own_keeps_a_threads_collectives_apart():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

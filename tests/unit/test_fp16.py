@@ -138,6 +138,7 @@ def fp32_master(actor: Actor) -> list[torch.Tensor]:
     return [g.detach().clone() for g in groups]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overflow_skips_the_step_lowers_the_scale_and_resumes_exactly(fp16_runtime, tmp_path, stage):
     actor, seqs = actor_and_batch(small_cfg(zero_stage=stage), fp16_runtime, tmp_path / "a")

@@ -95,6 +95,7 @@ def dir_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lora_trains_only_the_adapter_and_restores_bit_exactly(runtime, tmp_path, stage):
     cfg = small_cfg(zero_stage=stage)
@@ -194,6 +195,7 @@ def test_gradient_checkpointing_recomputes_each_layer_in_backward(runtime, tmp_p
     assert calls == {False: 2, True: 4}  # two micro-batches of two
 
 
+@pytest.mark.slow
 def test_export_adapter_only_of_a_full_run_is_a_one_sentence_config_error(tmp_path):
     from helpers import run_cli
 

@@ -80,6 +80,7 @@ def test_a_whole_dir_without_marker_from_an_older_rlctl_is_kept(tmp_path, refere
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["model"]
 
 
+@pytest.mark.slow
 def test_a_kill_while_writing_leaves_no_model_dir_and_the_next_start_builds_it(tmp_path, reference):
     """A real process dies (os._exit, no cleanup) after the weights are written but before the
     tokenizer: RUN_DIR/model does not exist; the next prepare removes the temporary and builds it."""

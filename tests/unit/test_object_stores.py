@@ -77,6 +77,7 @@ def test_an_object_comes_back_byte_for_byte_whatever_its_line_ends(store):
         assert store.read_bytes(f"blob-{i}.bin") == blob, tail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["gs", "az"])
 def test_a_dead_endpoint_fails_within_the_budget_not_after_the_clients_own_retries(protocol, request):
     """gcsfs would try each request 6 times (about 31 s of backoff) and the Azure SDK 4 times (85 s against
@@ -114,6 +115,7 @@ def test_a_dead_endpoint_fails_within_the_budget_not_after_the_clients_own_retri
     assert time.monotonic() - t0 < 3 + 5, time.monotonic() - t0  # the budget, the last try, some slack
 
 
+@pytest.mark.slow
 def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeout(gcs_env):
     """gcsfs gives its requests no timeout of their own (aiohttp then waits for ever on a server that
     accepted the connection and went silent): rlctl's connect and read timeouts, capped by a read-only
@@ -141,6 +143,7 @@ def test_a_gcs_server_that_stops_answering_is_given_up_on_within_a_readers_timeo
         _stop(proc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variable", "client"), [(None, "GCSFileSystem"), ("true", "ExtendedGcsFileSystem")])
 def test_gcsfs_experimental_client_is_left_off_unless_its_variable_says_otherwise(gcs_env, variable, client):
     """gcsfs's experimental client asks a bucket's type over gRPC, outside every timeout rlctl sets: a

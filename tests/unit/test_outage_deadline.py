@@ -112,6 +112,7 @@ def test_an_outage_another_process_saw_counts_from_its_start():
 # -- every writer of the process on one deadline ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_writers_that_meet_one_outage_in_turn_share_its_budget():
     """The old loop gave each call its own budget: a flush, then the flush on the way out, then the
     events' flush, one budget after the other (the run of issue 28 took 241 s to end)."""
@@ -126,6 +127,7 @@ def test_writers_that_meet_one_outage_in_turn_share_its_budget():
     assert other >= 1.0, "another store has a clock of its own"
 
 
+@pytest.mark.slow
 def test_a_store_that_answers_ends_the_outage_and_the_next_gets_a_whole_budget():
     st = _refused("rlctl-answered", retry_timeout=1.0)
     _timed(lambda: st.read_bytes("lease.json"))
@@ -147,6 +149,7 @@ def test_the_outage_a_writer_process_gave_up_on_comes_back_with_its_error():
 # -- the fence: exit 12 for an outage, 10 for another writer -----------------------------------------
 
 
+@pytest.mark.slow
 def test_the_fence_ends_the_run_once_any_store_is_out_for_the_budget(tmp_path):
     """The lease's check ends the run with exit 12 whichever writer met the outage (here the snapshots'
     store, not the run's), and lets it go on once the store answers."""

@@ -45,6 +45,7 @@ def test_output_value_and_traceback(pool):
     assert (silent.outcome, silent.text) == (OK, "(no output)")
 
 
+@pytest.mark.slow
 def test_a_limit_is_the_models_error_in_the_runs_own_limits(pool):
     (r,) = pool.run([("rlctl.tools.python:python", {"code": "import time; time.sleep(60)"})])
     assert (r.outcome, r.text) == (ERROR, "The code was stopped: it ran past the wall-time limit of 2 s.")

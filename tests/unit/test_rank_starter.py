@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
@@ -53,6 +55,7 @@ DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ranks_are_forked_as_their_own_processes_and_their_exits_reported(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MARK": "m"}
     done = subprocess.run(
@@ -95,6 +98,7 @@ STUCK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_starter_that_does_not_answer_in_time_is_ended_and_its_ranks_are_execd(tmp_path):
     """The rank the driver gave up waiting for is exec'd by the driver: the starter must not fork it later."""
     (tmp_path / "slow.py").write_text("import time\ntime.sleep(3)\n")
@@ -141,6 +145,7 @@ INTERRUPTED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_stop_signal_that_polls_the_ranks_while_the_driver_waits_for_an_answer_takes_nothing_from_it():
     """The driver's StopForwarder polls the ranks from a signal handler, which may land while ``spawn``
     waits for the starter's answer: the answer is still spawn's, and every exit code is kept."""

@@ -44,6 +44,7 @@ def direct_score(path, text):
         return model(input_ids=torch.tensor([tok(text)["input_ids"]])).logits[0, 0].item()
 
 
+@pytest.mark.slow
 def test_scores_are_logit_zero_of_prompt_plus_completion(rm_dir):
     scores = reward(rm_dir)(PROMPTS, COMPLETIONS)
     assert scores[0] == pytest.approx(direct_score(rm_dir, "abc=abc"), abs=1e-5)

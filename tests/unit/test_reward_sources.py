@@ -115,6 +115,7 @@ def test_retries_then_succeeds(serve):
     assert len(s.requests) == 3
 
 
+@pytest.mark.slow
 def test_retry_after_is_honoured(serve):
     s = serve((429, {"Retry-After": "1"}, "slow down"), (200, {}, None))
     start = time.monotonic()
@@ -149,6 +150,7 @@ def test_a_client_error_is_not_retried(serve):
         ("<html>", "not JSON: <html>"),
     ],
 )
+@pytest.mark.slow
 def test_a_malformed_answer_is_an_input_error(serve, body, message):
     s = serve((200, {}, body))
     reward = load_reward(RewardConfig(url=s.url))
@@ -188,6 +190,7 @@ def test_a_stop_signal_cuts_the_backoff_short(serve):
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow
 def test_a_stop_signal_during_a_request_cuts_the_backoff_after_it_short(serve):
     """A preemption that lands while the endpoint takes its time to answer 503: the run's handler runs
     then, and the backoff that follows is not waited out."""

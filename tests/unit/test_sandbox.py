@@ -82,6 +82,7 @@ def test_memory_past_the_limit_is_the_codes_error():
     assert result.limit == "memory" and not result.ok
 
 
+@pytest.mark.slow
 @needs_jail
 def test_a_fork_bomb_is_stopped_and_leaves_nothing_running():
     marker = f"bomb{uuid.uuid4().hex[:8]}"
@@ -108,6 +109,7 @@ def test_a_daemonised_child_is_gone_when_the_call_ends():
     assert _running(marker) == []
 
 
+@pytest.mark.slow
 @needs_jail
 def test_limits_are_the_codes_errors_not_failures_of_the_sandbox():
     spin = execute("while True: pass", Limits(cpu_time_s=1, wall_time_s=15))  # (room for a loaded machine)
@@ -149,6 +151,7 @@ def test_a_jail_that_cannot_make_its_namespaces_is_a_located_error(tmp_path):
     assert shutil.which("bwrap") and (version() or "").startswith("bubblewrap")
 
 
+@pytest.mark.slow
 def test_unsafe_mode_still_holds_the_limits():
     assert execute("while True: pass", Limits(mode="unsafe", cpu_time_s=1, wall_time_s=4)).limit == "cpu_time"
     assert execute("x = bytearray(2 << 30)", UNSAFE).limit == "memory"

@@ -102,6 +102,7 @@ def test_the_maths_examples_python_tool_passes_the_preflight_with_its_metrics():
     assert "python" in tools.stateful and "tool/python/limit/memory" in tools.call_metrics["python"].reductions
 
 
+@pytest.mark.slow
 @needs_jail
 def test_the_coding_examples_problems_score_right_and_wrong_solutions_as_their_tests_say():
     kwargs = load_config(EXAMPLES / "coding-gpu.yaml").reward.kwargs

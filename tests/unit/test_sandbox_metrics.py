@@ -49,6 +49,7 @@ def _summed(results) -> dict[str, float]:
     return total
 
 
+@pytest.mark.slow
 @needs_jail
 def test_the_python_tools_calls_errors_timeouts_and_limits_by_kind():
     with ToolPool(workers=2, timeout_s=10.0, sandbox=LIMITS) as pool:
@@ -84,6 +85,7 @@ ADD = {"asserts": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}
 ECHO = {"cases": [{"input": "4\n", "output": "8\n"}]}
 
 
+@pytest.mark.slow
 @needs_jail
 def test_the_code_rewards_tests_pass_fraction_timeouts_and_sandbox_seconds():
     cfg = RewardConfig(

@@ -114,6 +114,7 @@ def test_a_malformed_job_makes_a_malformed_lease_named_in_one_sentence(tmp_path,
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_wait_for_lease_waits_for_a_live_lease_to_go_stale_then_takes_it_over(tmp_path, in_job):
     run = Storage(str(tmp_path))
     in_job("1234", restart=1)
@@ -138,6 +139,7 @@ def test_wait_for_lease_takes_a_lease_released_while_it_waits(tmp_path, in_job):
         assert lease.taken_over is None and read_lease(run)["owner"] == lease.owner
 
 
+@pytest.mark.slow
 def test_wait_for_lease_gives_up_after_the_lease_timeout_with_exit_10(tmp_path, in_job):
     run = Storage(str(tmp_path))
     held_by(run, job_field=None, age=0.0)
@@ -175,6 +177,7 @@ def test_wait_for_lease_takes_an_already_stale_lease_without_waiting(tmp_path, i
     assert said == []
 
 
+@pytest.mark.slow
 def test_resume_wait_for_lease_says_it_waits_once_and_exits_10_while_the_writer_lives(tmp_path):
     """`rlctl resume --wait-for-lease` end to end on a complete run held by another host's live writer:
     one line says it waits, and after trainer.lease_timeout (set to 1 s) it exits 10 with one sentence."""

@@ -5,6 +5,8 @@ record) makes it and repeats the earlier calls first; release() and close() run 
 
 import json
 
+import pytest
+
 from rlctl.engine.tools.pool import ERROR, OK, TIMEOUT, Session, ToolPool
 
 
@@ -31,6 +33,7 @@ def test_a_stateful_tool_keeps_its_state_per_conversation_in_its_worker(tmp_path
         assert again.text.split(" in ")[0] == "total 16"
 
 
+@pytest.mark.slow
 def test_a_worker_that_does_not_hold_the_object_rebuilds_it_from_the_earlier_calls():
     with ToolPool(workers=1, timeout_s=3.0) as pool:
         # the earlier calls were answered from the record (a step run again): never asked of this worker

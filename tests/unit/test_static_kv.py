@@ -182,6 +182,7 @@ def test_the_generator_samplers_decode_keeps_the_dynamic_cache_and_sdpa(tiny, mo
     assert len(seen) > 2 and set(seen) == {"sdpa"}
 
 
+@pytest.mark.slow
 def test_the_static_decode_moves_a_few_numbers_per_row_and_mixes_no_devices(tiny, buckets):
     """On the device (the watch's), a static decode of 12 rows moving through buckets: at most 2 numbers per
     row and step cross between host and device, and no call of rlctl's mixes the device with the CPU."""

@@ -215,6 +215,7 @@ def test_a_bug_in_the_calling_code_is_not_called_a_storage_error():
 # -- an unreachable object store: a sentence within the budget, and the run's RNG untouched ---------
 
 
+@pytest.mark.slow
 def test_dead_endpoint_ends_in_one_sentence_within_the_budget():
     st = _dead_s3(retry_timeout=1.5)
     t0 = time.monotonic()
@@ -228,6 +229,7 @@ def test_dead_endpoint_ends_in_one_sentence_within_the_budget():
         st.child().with_retry_timeout(0).write_bytes("m.jsonl", b"{}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["standard", "legacy"])
 def test_storage_retries_never_draw_from_the_global_random_stream(mode):
     """botocore's retry jitter (``random.random`` in retryhandler and retries.standard) would advance
@@ -336,6 +338,7 @@ def _failing_writes(st: Storage, monkeypatch, errors):
     return failing
 
 
+@pytest.mark.slow
 def test_heartbeat_survives_a_short_outage_then_renews(tmp_path, monkeypatch):
     st = Storage(str(tmp_path))
     failing = _failing_writes(st, monkeypatch, [StorageError("cannot write x: endpoint unreachable"), KeyError("boom")])
@@ -379,6 +382,7 @@ def test_no_renewal_within_the_timeout_loses_the_lease(tmp_path, monkeypatch):
     assert st.exists(LEASE_FILE), "a lost lease may be someone else's now: never removed"
 
 
+@pytest.mark.slow
 def test_check_fences_even_while_the_heartbeat_is_stuck(tmp_path, monkeypatch):
     st = Storage(str(tmp_path))
     stuck = threading.Event()

@@ -151,6 +151,7 @@ def test_a_missing_bucket_is_refused_before_any_work_and_never_created(store_opt
     Storage(f"{protocol}://rlctl-runs/run-{uuid.uuid4().hex[:8]}", opts).check_reachable()  # a bucket that is there
 
 
+@pytest.mark.slow
 def test_start_on_a_missing_bucket_is_exit_13_before_the_run_directory_exists(s3_env, tmp_path):
     bucket = f"rlctl-missing-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "run.yaml"
@@ -190,6 +191,7 @@ def s3_with_auth():
         ("an unknown key", "(InvalidAccessKeyId, HTTP 403)"),
     ],
 )
+@pytest.mark.slow
 def test_s3_access_denied_and_bad_credentials_are_refused(s3_with_auth, who, said):
     """Before: exit 12, which the Slurm example requeued five times."""
     url, key, secret = s3_with_auth
@@ -218,6 +220,7 @@ def test_an_azure_account_key_that_is_wrong_is_refused(azure_env):
 # -- bounds -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout():
     """The Azure SDK waits 20 s to connect and 60 s for a read of its own; a reader's --timeout (2 s
     here) bounds both. Before: the read waited 60 s."""
@@ -253,6 +256,7 @@ def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout():
     [["export", "{run}", "{out}"], ["policy", "replay", "{run}"], ["policy", "calibrate", "{run}"]],
     ids=["export", "policy replay", "policy calibrate"],
 )
+@pytest.mark.slow
 def test_the_commands_that_read_a_run_take_a_timeout(args, tmp_path):
     """Before: no --timeout (exit 2), and 60 s of retries on an unreachable store."""
     opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{refused_port()}"}, "key": "k", "secret": "s"}

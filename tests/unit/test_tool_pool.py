@@ -37,6 +37,7 @@ def test_an_exception_is_an_error_for_the_model(pool):
     assert r.outcome == ERROR and "TypeError" in r.text
 
 
+@pytest.mark.slow
 def test_a_timeout_kills_cpu_bound_code_and_the_next_call_gets_a_fresh_worker():
     with ToolPool(workers=2, timeout_s=1.0) as pool:
         before = {int(r.text) for r in pool.run([("toolbox:pid", {}), ("toolbox:pid", {})])}  # both started
@@ -60,6 +61,7 @@ def test_tool_unavailable_and_a_dead_worker_are_infrastructure_failures(pool):
     assert {UNAVAILABLE, TIMEOUT} == INFRA
 
 
+@pytest.mark.slow
 def test_calls_run_concurrently(pool):
     pool.run([("toolbox:pid", {}), ("toolbox:pid", {})])  # both workers started (a start is not the tool's time)
     out = pool.run([("toolbox:span", {"seconds": 1.0}), ("toolbox:span", {"seconds": 1.0})])

@@ -103,6 +103,7 @@ def rolled(tmp_path_factory):
 # -- TensorBoard ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tensorboard_keeps_one_value_per_step_the_new_one_after_a_rollback(rolled):
     scalars = tb_scalars(rolled[0])
     assert scalars["actor/pg_loss"] == [(s, OLD[s]) for s in (1, 2, 3)] + [(s, NEW[s]) for s in (4, 5, 6)]
@@ -115,6 +116,7 @@ def test_tensorboard_keeps_one_value_per_step_the_new_one_after_a_rollback(rolle
     assert scalars.get("events/policy", []) == []  # step 6 of the abandoned branch: purged with it
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_events_as_text(rolled):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -128,6 +130,7 @@ def test_tensorboard_shows_events_as_text(rolled):
 # -- W&B ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_wandb_turns_away_the_first_run_and_replays_history_into_a_branch(rolled):
     run_dir = rolled[0]
     branch = json.loads((run_dir / "trackers.json").read_text())["wandb"]
@@ -152,6 +155,7 @@ def test_wandb_turns_away_the_first_run_and_replays_history_into_a_branch(rolled
 # -- MLflow ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_mlflow_ends_the_turned_away_run_and_the_branch_has_one_value_per_step(rolled):
     client, (first, branch) = mlflow_runs(rolled[0])
     assert first.data.tags["rlctl.turned_away_at_step"] == "3"
@@ -167,6 +171,7 @@ def test_mlflow_ends_the_turned_away_run_and_the_branch_has_one_value_per_step(r
     assert texts == ["events/00000003-rollback.txt"]
 
 
+@pytest.mark.slow
 def test_trackers_leave_the_rng_state_and_signal_handlers_as_they_were(rolled):
     _, before, after = rolled
     assert before[0] == after[0]
@@ -178,6 +183,7 @@ def test_trackers_leave_the_rng_state_and_signal_handlers_as_they_were(rolled):
 # -- resume -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_resume_continues_the_same_runs_and_purges_or_skips_the_redone_steps(tmp_path):
     run_dir = tmp_path / "run"
     run = Run(run_dir)
@@ -325,6 +331,7 @@ def test_a_row_gives_numbers_only():
     assert values == {"a": 1.0, "b": float("inf"), "c": float("-inf")}
 
 
+@pytest.mark.slow
 def test_deepspeed_is_imported_without_mlflow_which_a_run_can_still_import_later():
     """DeepSpeed's autotuner imports MLflow when it is installed (2 s at every start of every rank);
     rlctl hides it for that import only, so a run that logs to MLflow still imports it."""

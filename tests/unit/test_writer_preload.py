@@ -5,6 +5,8 @@ at once, even in the middle of those imports. A real writer process."""
 import os
 import time
 
+import pytest
+
 from rlctl.checkpoint.writer import WriterProcess
 
 MARKER = """
@@ -17,6 +19,7 @@ with open(os.environ["PRELOAD_NOTE"], "a") as fh:
 """
 
 
+@pytest.mark.slow
 def test_the_writer_imports_torch_and_its_preload_before_any_job(tmp_path, monkeypatch):
     (tmp_path / "preload_marker.py").write_text(MARKER)
     monkeypatch.syspath_prepend(str(tmp_path))  # the writer imports from where this process does
@@ -47,6 +50,7 @@ def test_stop_ends_a_writer_in_the_middle_of_its_imports(tmp_path, monkeypatch):
     assert time.time() - t0 < 5 and not writer.alive() and not os.path.exists(f"/proc/{pid}")
 
 
+@pytest.mark.slow
 def test_the_writers_deepspeed_reads_engine_state_without_torch_dynamo():
     """The writer's preload (``WRITER_PRELOAD``) imports DeepSpeed without its Muon module, and what a ZeRO
     optimizer's state dict holds (a loss scaler, the stage enum, tensor fragments) still unpickles there,
@@ -110,6 +114,7 @@ print(found)
 """
 
 
+@pytest.mark.slow
 def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
     """``start(fork=True)`` in a process of one thread forks the writer (it has this process's command
     line); with a second thread running, or without ``fork``, it is a new interpreter (``python -m
@@ -129,6 +134,7 @@ def test_a_writer_is_forked_only_from_a_process_of_one_thread_that_allows_it():
     assert done.stderr.count("pending, no newline yet") == 1, done.stderr  # (once: not again by the child)
 
 
+@pytest.mark.slow
 def test_a_writer_at_rest_serves_the_next_run_of_its_environment_and_another_gets_its_own(tmp_path, monkeypatch):
     """Runs trained one after another in one process (`start_run` called again, as the suite and a sweep do)
     share one writer process: put to rest at a run's end (``rest``), it frees its staging buffers and
