@@ -41,8 +41,8 @@ format: venv
 test: lint
 	$(VENV)/bin/pytest -q -n 3 --dist loadgroup --durations=12
 
-# the quick lane while working: tests/unit and tests/cli (no run of the trainer in a subprocess; the
-# slow lane is the tests/e2e folder)
+# the quick lane while working, under a minute: tests/unit and tests/cli less the tests marked slow
+# (tests/e2e is all slow: tests/conftest.py marks it; the others are marked where they are defined)
 test-fast: lint
 	$(VENV)/bin/pytest -q -n 2 --dist loadgroup -m "not slow" tests/unit tests/cli
 

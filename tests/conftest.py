@@ -74,8 +74,8 @@ def _longest_first(item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """The slow lane is a folder: every test under tests/e2e is marked ``slow`` (`make test-fast` runs
-    tests/unit and tests/cli; ``-m "not slow"`` gives the same lane from the root). A test that uses one
+    """Every test under tests/e2e is marked ``slow``, as are the unit and CLI tests marked where they are
+    defined (`make test-fast` runs tests/unit and tests/cli with ``-m "not slow"``). A test that uses one
     of the fixtures its module lists in ``SHARED_FIXTURES`` (its module-scoped ones: a finished run, a
     vLLM engine) is marked ``xdist_group(<its file, from tests/>)``, so that under ``--dist loadgroup``
     the tests sharing them run on one pytest-xdist worker and the fixture is made once
