@@ -7,7 +7,7 @@ import math
 import orjson
 import pytest
 
-from helpers import metrics_of, run_cli, start_here
+from helpers import REPO, invoke, metrics_of, run_cli, start_args
 
 # GRPO, the default, is test_e2e.py's test_demo_learns: the same command and the same assertions
 VARIANTS = {
@@ -62,7 +62,7 @@ STEPS = {"adaptive_kl": 80}
 def test_variant_learns(tmp_path, name):
     steps = STEPS.get(name, 50)
     sets = [f"trainer.total_steps={steps}", *VARIANTS[name]]
-    r = start_here(tmp_path / name, *[a for s in sets for a in ("--set", s)])
+    r = invoke("start", *start_args(tmp_path / name), *[a for s in sets for a in ("--set", s)], cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / name)
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
@@ -99,7 +99,9 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
         "actor.zero_stage=3",
     ]
     run = tmp_path / "run"
-    r = start_here(run, *[a for s in sets for a in ("--set", s)])  # resumed below in a process of its own
+    r = invoke(
+        "start", *start_args(run), *[a for s in sets for a in ("--set", s)], cwd=REPO
+    )  # resumed below in a process of its own
     assert r.returncode == 0, r.stderr
     first = metrics_of(run)
     manifest = orjson.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_bytes())
@@ -127,7 +129,7 @@ def test_dynamic_sampling_short_batch_is_topped_up(tmp_path):
         "algorithm.dynamic_sampling.max_gen_batches=1",
         "actor.micro_batch_size=32",
     ]
-    r = start_here(tmp_path / "r", *[a for s in sets for a in ("--set", s)])
+    r = invoke("start", *start_args(tmp_path / "r"), *[a for s in sets for a in ("--set", s)], cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / "r")
     assert any(row["dynamic_sampling/kept_groups"] < 16 for row in rows)  # the short case happened

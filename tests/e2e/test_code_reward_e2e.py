@@ -7,7 +7,7 @@ import pytest
 
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 
-from helpers import REPO, metrics_of, start_here
+from helpers import REPO, invoke, metrics_of, start_args
 
 try:
     check(Limits(), "sandbox")
@@ -29,7 +29,7 @@ def test_a_code_reward_run_writes_its_tests_passes_timeouts_and_sandbox_seconds(
         "rollout": {"max_new_tokens": 8},
     }
     run = tmp_path / "run"
-    r = start_here(run, config=config)
+    r = invoke("start", *start_args(run, config=config), cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert len(rows) == 2

@@ -9,7 +9,7 @@ trains on to its end with the gap under the limit (docs/policies.md, "Real colla
 
 from __future__ import annotations
 
-from helpers import events_of, metrics_of, start_here
+from helpers import REPO, events_of, invoke, metrics_of, start_args
 
 OFF_POLICY = {
     "name": "zoo-off-policy",
@@ -25,7 +25,7 @@ OFF_POLICY = {
 
 def test_the_off_policy_collapse_is_caught_by_default_and_recovered(tmp_path):
     run = tmp_path / "run"
-    r = start_here(run, config=OFF_POLICY)
+    r = invoke("start", *start_args(run, config=OFF_POLICY), cwd=REPO)
     assert r.returncode == 0, r.stderr
 
     first = events_of(run, "policy")[0]

@@ -13,7 +13,7 @@ from rlctl.config import BuiltinModelConfig
 from rlctl.engine.model import build_char_tokenizer, build_tiny_model
 from rlctl.errors import ExitCode
 
-from helpers import invoke, start
+from helpers import invoke, run_cli, start_args
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("copied",)
@@ -42,7 +42,9 @@ def copied(tmp_path_factory):
         "policies": ["default"],
     }
     run = home / "run"
-    r = start(run, config=config, steps=4, every=2, cwd=home)  # the reward module found in the working directory
+    r = run_cli(
+        "start", *start_args(run, config=config, steps=4, every=2), cwd=home
+    )  # the reward module found in the working directory
     assert r.returncode == 0, r.stderr
     copy = tmp_path_factory.mktemp("laptop") / "run"
     shutil.copytree(run, copy)

@@ -8,7 +8,7 @@ import yaml
 from rlctl.config import BuiltinModelConfig
 from rlctl.engine.model import build_char_tokenizer, build_tiny_model
 
-from helpers import events_of, metrics_of, start_here
+from helpers import REPO, events_of, invoke, metrics_of, start_args
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}.{% endfor %}"
@@ -43,7 +43,7 @@ def test_a_run_with_a_system_prompt_drops_and_counts_overlong_prompts(tmp_path):
         )
     )
     run = tmp_path / "run"
-    r = start_here(run, config=cfg)
+    r = invoke("start", *start_args(run, config=cfg), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert f"'data.path' {train}: dropped 3 of 8 prompts longer than 16 tokens" in r.stderr
     filtered = [e for e in events_of(run) if e["event"] == "prompts_filtered"]

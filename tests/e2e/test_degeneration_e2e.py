@@ -4,7 +4,7 @@ lowers the learning rate, and the run completes healthy (`rlctl start` in this p
 
 import json
 
-from helpers import events_of, metrics_of, start_here
+from helpers import REPO, drills, events_of, invoke, metrics_of, start_args
 
 
 def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp_path):
@@ -22,7 +22,7 @@ def test_degenerate_drill_fires_the_degeneration_policy_and_the_run_recovers(tmp
         )
     )
     run = tmp_path / "run"
-    r = start_here(run, config=cfg, faults="degenerate@4")
+    r = invoke("start", *start_args(run, config=cfg), *drills("degenerate@4"), cwd=REPO)
     assert r.returncode == 0, r.stderr
     events = events_of(run)
     (fired,) = [e for e in events if e["event"] == "policy"]

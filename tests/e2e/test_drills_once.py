@@ -5,15 +5,16 @@ step does not fire it again)."""
 import signal
 
 from helpers import (
+    REPO,
     SMALL,
     events_of,
     has_step,
+    invoke,
     metrics_of,
     run_cli,
     settled_before,
-    spawn_start,
-    start,
-    start_here,
+    spawn,
+    start_args,
     wait_for,
 )
 
@@ -28,7 +29,7 @@ def drills_fired(run) -> list[tuple[str, int]]:
 def test_a_crash_drill_fires_after_a_step_that_failed_a_policy_and_the_resume_does_not_fire_it_again(tmp_path):
     run = tmp_path / "run"
     cfg = {"faults": "metric@3=actor/ppo_kl:5.0,crash@3", "policies": [KL_ROLLBACK]}
-    r = start(run, *SMALL, config=cfg, steps=4, every=2)
+    r = run_cli("start", *start_args(run, config=cfg, steps=4, every=2), *SMALL)
     assert r.returncode == 1 and "fault drill: rank 0 crashed after step 3" in r.stderr, r.stderr
     assert [row["step"] for row in metrics_of(run)] == [1, 2]  # crashed after the failed step 3, not its replay
     assert [a["step"] for a in metrics_of(run, "metrics.abandoned.jsonl")] == [3]
@@ -48,7 +49,7 @@ def test_a_crash_drill_fires_after_a_step_that_failed_a_policy_and_the_resume_do
 
 def test_a_sleep_drill_killed_before_any_snapshot_of_its_step_does_not_sleep_again_on_resume(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, config={"faults": "sleep@3=120"}, steps=4, every=2)
+    proc = spawn("start", *start_args(run, config={"faults": "sleep@3=120"}, steps=4, every=2), *SMALL)
 
     def sleeping() -> bool:  # (the drill is recorded, then waits for the snapshot of step 2, then sleeps)
         return has_step(run, 3)() and ("sleep@3=120", 3) in drills_fired(run) and settled_before(run, 3)
@@ -66,7 +67,7 @@ def test_a_sleep_drill_killed_before_any_snapshot_of_its_step_does_not_sleep_aga
 def test_a_rollback_that_replays_a_sleep_drill_step_does_not_sleep_again(tmp_path):
     run = tmp_path / "run"
     cfg = {"faults": "sleep@3=12,metric@4=actor/ppo_kl:5.0", "policies": [KL_ROLLBACK]}
-    r = start_here(run, *SMALL, config=cfg, steps=5, every=2)
+    r = invoke("start", *start_args(run, config=cfg, steps=5, every=2), *SMALL, cwd=REPO)
     assert r.returncode == 0, r.stderr
     (rollback,) = events_of(run, "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (4, 2)

@@ -8,7 +8,7 @@ import yaml
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, metrics_of, start, start_here
+from helpers import REPO, SMALL, invoke, metrics_of, run_cli, start_args
 
 REQUIRED = [
     "step",
@@ -39,7 +39,7 @@ def test_demo_learns(tmp_path):
     also test_algorithms_e2e.py's GRPO variant, which would be the same command)."""
     run_dir = tmp_path / "demo"
     steps = 80
-    r = start(run_dir, steps=steps)
+    r = run_cli("start", *start_args(run_dir, steps=steps))
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run_dir}\n"  # stdout is data only
     assert "reward" in r.stderr and "done" in r.stderr
@@ -63,7 +63,13 @@ def test_kl_zero3_off_policy_minibatches(tmp_path):
     separate pass): every metric finite, the policy drifts from the reference and the ratio from 1."""
     run_dir = tmp_path / "kl"
     sets = ["algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "actor.zero_stage=3", "algorithm.ppo_epochs=2"]
-    r = start_here(run_dir, *SMALL, *[a for s in [*sets, "actor.mini_batch_size=8"] for a in ("--set", s)], steps=6)
+    r = invoke(
+        "start",
+        *start_args(run_dir, steps=6),
+        *SMALL,
+        *[a for s in [*sets, "actor.mini_batch_size=8"] for a in ("--set", s)],
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 6
@@ -94,7 +100,7 @@ def test_user_model_data_and_reward(tmp_path, tiny_model_dir):
     """)
     )
     run_dir = tmp_path / "math"
-    r = start_here(run_dir, config=cfg)
+    r = invoke("start", *start_args(run_dir, config=cfg), cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run_dir)
     assert len(rows) == 3 and all(0 <= row["critic/score/mean"] <= 1 for row in rows)
@@ -107,7 +113,7 @@ def test_reward_errors_are_sentences(tmp_path):
     test_user_code.py.)"""
     mod = tmp_path / "badreward.py"
     mod.write_text("def f(prompts, completions, **kw):\n    return [1.0]\n")
-    r = start(tmp_path / "x", "--set", "reward.function=badreward:f", steps=1, cwd=tmp_path)
+    r = run_cli("start", *start_args(tmp_path / "x", steps=1), "--set", "reward.function=badreward:f", cwd=tmp_path)
     assert r.returncode == ExitCode.INPUT, r.stderr
     assert "reward function 'badreward:f' returned 1 scores for 128 completions" in r.stderr
     assert "Traceback" not in r.stderr

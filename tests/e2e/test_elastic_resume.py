@@ -17,7 +17,7 @@ import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import events_of, invoke, metrics_of, run_cli, start
+from helpers import events_of, invoke, metrics_of, run_cli, start_args
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("two_ranks", "one_rank")
@@ -66,7 +66,7 @@ def two_ranks(tmp_path_factory, request):
     from rlctl.engine.ds_module import weights_digest
 
     run = tmp_path_factory.mktemp(f"elastic-{request.param}") / "two"
-    r = start(run, "--nproc", "2", *ARGS, *RUNS[request.param])
+    r = run_cli("start", *start_args(run), "--nproc", "2", *ARGS, *RUNS[request.param])
     assert r.returncode == 0, r.stderr
     weights = get_fp32_state_dict_from_zero_checkpoint(str(step_dir(run, 1)), tag="actor")
     if request.param == "lora":  # what rlctl hashes of a LoRA actor: its weights with the adapter merged
@@ -87,7 +87,7 @@ def one_rank(tmp_path_factory):
     from rlctl.engine.ds_module import stage0_fp32_state_dict, weights_digest
 
     run = tmp_path_factory.mktemp("elastic-one") / "one"
-    r = start(run, *ARGS, *RUNS["zero2"])
+    r = run_cli("start", *start_args(run), *ARGS, *RUNS["zero2"])
     assert r.returncode == 0, r.stderr
     assert manifest_of(run, 1)["zero_stage"] == 0
     actor = step_dir(run, 1) / "actor"

@@ -9,7 +9,7 @@ import yaml
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, start_here
+from helpers import REPO, SMALL, drills, events_of, invoke, metrics_of, start_args
 
 LR = 2e-3
 RULE = {
@@ -33,7 +33,7 @@ def test_a_rule_escalates_within_its_window_and_halts_when_it_keeps_firing(tmp_p
         "policies": [{"rules": [RULE]}],
     }
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, config=cfg, faults=DRILLS)
+    r = invoke("start", *start_args(run, config=cfg), *SMALL, *drills(DRILLS), cwd=REPO)
     assert r.returncode == ExitCode.HALTED, r.stderr
 
     fired = [

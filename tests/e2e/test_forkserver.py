@@ -3,12 +3,12 @@ forked by it and the same run of the installed `rlctl` end with the same outputs
 
 import os
 
-from helpers import REPO, SMALL, child_env, completed_hash, metrics_of, popen, stable
+from helpers import SMALL, completed_hash, metrics_of, spawn, stable
 
 
 def _start(run, fork: bool):
     args = ["start", "--run-dir", str(run), *SMALL, "--set", "trainer.total_steps=3", "--set", "checkpoint.every=2"]
-    proc = popen(args, env=child_env(RLCTL_FAULTS=""), cwd=REPO, fork=fork)
+    proc = spawn(*args, fork=fork)
     out, err = proc.communicate(timeout=600)
     return proc, out, err
 

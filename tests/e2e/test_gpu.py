@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import metrics_of, run_cli, start
+from helpers import metrics_of, run_cli, start_args
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def test_half_billion_model_with_vllm_and_zero2_snapshots_and_resumes(tmp_path):
         "--set",
         "rollout.gpu_memory_utilization=0.3",
     ]
-    r = start(run, *args, env={"DS_ACCELERATOR": "cuda"})
+    r = run_cli("start", *start_args(run), *args, env={"DS_ACCELERATOR": "cuda"})
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]

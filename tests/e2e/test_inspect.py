@@ -7,7 +7,7 @@ import time
 
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, invoke, metrics_of, spawn_start, start_here, wait_for
+from helpers import REPO, SMALL, drills, invoke, metrics_of, spawn, start_args, wait_for
 
 
 def test_every_check_code_from_a_real_run_state(tmp_path):
@@ -21,7 +21,15 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
         return r.returncode, r.stdout
 
     nan = tmp_path / "nan"
-    r = start_here(nan, *SMALL, "--set", "policies=[policies/default.yaml]", steps=6, every=2, faults="nan_log_prob@3")
+    r = invoke(
+        "start",
+        *start_args(nan, steps=6, every=2),
+        *SMALL,
+        "--set",
+        "policies=[policies/default.yaml]",
+        *drills("nan_log_prob@3"),
+        cwd=REPO,
+    )
     assert r.returncode == 0
     assert check(nan)[0] == CHECK_CODES["warning"] == 41
     code, line = check(nan, "--window", "2")  # the firing is older than the window: a healthy completed run
@@ -30,13 +38,13 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     halt = {"rules": [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "halt"}]}]}
     config = {"checkpoint": {"every": 2}, "trainer": {"total_steps": 6}, "policies": [halt]}
     halted = tmp_path / "halted"
-    r = start_here(halted, *SMALL, config=config, faults="metric@3=actor/ppo_kl:9")
+    r = invoke("start", *start_args(halted, config=config), *SMALL, *drills("metric@3=actor/ppo_kl:9"), cwd=REPO)
     assert r.returncode == 20
     code, line = check(halted)
     assert code == CHECK_CODES["halted"] == 42 and "by policy rule 'kl'" in line
 
     live = tmp_path / "live"
-    proc = spawn_start(live, *SMALL, steps=4, every=1, faults="sleep@2=120")
+    proc = spawn("start", *start_args(live, steps=4, every=1), *SMALL, faults="sleep@2=120")
     wait_for(lambda: (live / "metrics.jsonl").exists() and any(r["step"] == 2 for r in metrics_of(live)), proc)
     assert check(live, "--stale-after", "1h")[0] == 0  # running, recently stepped
     time.sleep(2.5)
@@ -48,7 +56,7 @@ def test_every_check_code_from_a_real_run_state(tmp_path):
     assert code == CHECK_CODES["crashed"] == 43 and line.startswith("CRASHED")
 
     pre = tmp_path / "pre"
-    proc = spawn_start(pre, *SMALL, steps=4, faults="sleep@1=120")
+    proc = spawn("start", *start_args(pre, steps=4), *SMALL, faults="sleep@1=120")
     wait_for(lambda: (pre / "metrics.jsonl").exists() and metrics_of(pre), proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75

@@ -9,7 +9,7 @@ import signal
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, metrics_of, run_cli, spawn_start, stable, start, start_here, wait_for
+from helpers import REPO, SMALL, events_of, invoke, metrics_of, run_cli, spawn, stable, start_args, wait_for
 
 
 def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
@@ -30,7 +30,7 @@ def test_a_kl_warm_up_and_an_lr_ramp_show_in_each_steps_row(tmp_path):
         )
     )
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, config=cfg)
+    r = invoke("start", *start_args(run, config=cfg), *SMALL, cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["actor/kl_coef"] for row in rows] == [0.0] * 4 + [0.001] * 6  # 0 for the first 40%
@@ -61,7 +61,7 @@ def test_an_expression_trigger_and_a_bounded_add_survive_kill_and_resume(tmp_pat
     # step 5 fails the rule, so no drill runs after it (nor a snapshot); step 6 is snapshotted, but its
     # commit is held while the run sleeps: the kill comes with step 4 the newest committed snapshot
     drills = "metric@2=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:5.0,commit_delay@6=120,sleep@6=120"
-    proc = spawn_start(run, *SMALL, config=cfg, faults=drills)
+    proc = spawn("start", *start_args(run, config=cfg), *SMALL, faults=drills)
 
     def after_step_6_with_snapshot_4():
         rows = (run / "metrics.jsonl").exists() and metrics_of(run)
@@ -114,7 +114,7 @@ def test_an_adjustment_of_an_adaptive_kl_coefficient_survives_the_rollback_of_th
         )
     )
     run = tmp_path / "run"
-    r = start(run, *SMALL, config=cfg, faults="metric@5=actor/ppo_kl:5.0")
+    r = run_cli("start", *start_args(run, config=cfg), *SMALL, faults="metric@5=actor/ppo_kl:5.0")
     assert r.returncode == 0, r.stderr
     (rollback,) = events_of(run, "rollback")
     assert (rollback["from_step"], rollback["to_step"]) == (5, 4)

@@ -17,7 +17,7 @@ import yaml
 from rlctl.errors import ExitCode
 from rlctl.inspect import CHECK_CODES
 
-from helpers import SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn_start, start_here, wait_for
+from helpers import REPO, SMALL, events_of, invoke, kinds, metrics_of, run_cli, spawn, start_args, wait_for
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("preempted_while_building",)
@@ -57,7 +57,7 @@ def wait_caught(proc, sig, timeout=60):
 
 def test_sigterm_in_the_first_instant_is_exit_75_and_leaves_nothing(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=2)
+    proc = spawn("start", *start_args(run, steps=2), *SMALL)
     wait_caught(proc, signal.SIGTERM)  # the handler is in; imports and checks are under way, no run directory yet
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -71,7 +71,7 @@ def preempted_while_building(tmp_path_factory):
     """A start stopped by SIGTERM while the model is built: its run directory exists, with no step and
     no snapshot (the exit code and stderr with it). Tests that change it work on copies."""
     run = tmp_path_factory.mktemp("preempted") / "run"
-    proc = spawn_start(run, *SMALL, faults="build_delay=60", steps=2)  # a window to stop it
+    proc = spawn("start", *start_args(run, steps=2), *SMALL, faults="build_delay=60")  # a window to stop it
     code, err = stop_when(proc, lambda: "start" in kinds(run))  # (config.yaml comes just before the event)
     return run, code, err
 
@@ -107,7 +107,7 @@ def test_sigterm_while_the_model_is_built_is_preempted_and_resume_starts_over(pr
 def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempted_while_building, tmp_path):
     run = tmp_path / "run"
     # a mistake found before any work: nothing is created, so the fixed command just runs
-    r = start_here(run, *SMALL, "--set", "reward.function=no_such_module:fn", steps=2)
+    r = invoke("start", *start_args(run, steps=2), *SMALL, "--set", "reward.function=no_such_module:fn", cwd=REPO)
     assert r.returncode == ExitCode.CONFIG and not run.exists(), r.stderr
     assert "cannot import module 'no_such_module'" in r.stderr and "Traceback" not in r.stderr
 
@@ -115,7 +115,7 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
     preempted, code, err = preempted_while_building
     assert code == 75, err
     run = copy_of(preempted, tmp_path)
-    r = start_here(run, *SMALL, "--set", "seed=7", steps=2)
+    r = invoke("start", *start_args(run, steps=2), *SMALL, "--set", "seed=7", cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert f"reusing {run}: its earlier start never trained a step" in r.stderr
     assert kinds(run) == ["start", "preempted", "start", "completed"] and events_of(run)[2]["reused"] is True
@@ -124,14 +124,14 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
 
     # a directory whose run trained is never started over (nor written to)
     before = {name: (run / name).read_bytes() for name in ("config.yaml", "metrics.jsonl", "events.jsonl")}
-    r = start_here(run, *SMALL, steps=2)
+    r = invoke("start", *start_args(run, steps=2), *SMALL, cwd=REPO)
     assert r.returncode == ExitCode.CONFIG and "already holds a run that trained 2 step(s)" in r.stderr
     assert {name: (run / name).read_bytes() for name in before} == before
 
 
 def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, "--nproc", "2", steps=2)
+    proc = spawn("start", *start_args(run, steps=2), *SMALL, "--nproc", "2")
     code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
     assert code == 75, err
     assert "resume will start over" in err and "Traceback" not in err
@@ -147,7 +147,7 @@ def test_from_banana_is_a_usage_error(tmp_path):
 
 def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_starts_over(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=4, faults="sleep@2=120")
+    proc = spawn("start", *start_args(run, steps=4), *SMALL, faults="sleep@2=120")
     code, err = stop_when(proc, lambda: len(metrics_of(run)) >= 2, sig=signal.SIGINT)
     assert code == ExitCode.INTERRUPTED == 130, err
     assert err.strip().endswith("Interrupted.") and "Traceback" not in err
@@ -165,8 +165,13 @@ def test_ctrl_c_is_130_and_a_run_that_trained_without_a_snapshot_starts_over(tmp
 
 def test_a_failed_snapshot_is_said_at_once_and_check_warns(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(
-        run, *SMALL, "--set", "checkpoint.max_failures=5", steps=4, every=1, faults="enospc@2,sleep@2=120"
+    proc = spawn(
+        "start",
+        *start_args(run, steps=4, every=1),
+        *SMALL,
+        "--set",
+        "checkpoint.max_failures=5",
+        faults="enospc@2,sleep@2=120",
     )
     wait_for(lambda: (run / "events.jsonl").exists() and "snapshot_failed" in kinds(run), proc)
     code, line = check(run)
@@ -191,8 +196,15 @@ def test_a_writer_that_lost_its_lease_stops_before_its_next_write(tmp_path, npro
     """The lease is taken over while the run trains: the heartbeat sees it, the run stops with exit 10
     before committing another snapshot or writing another event, and leaves the new owner's lease."""
     run = tmp_path / "run"
-    proc = spawn_start(
-        run, *SMALL, "--nproc", str(nproc), "--set", "trainer.lease_heartbeat=0.2", steps=6, every=1, faults="sleep@2=4"
+    proc = spawn(
+        "start",
+        *start_args(run, steps=6, every=1),
+        *SMALL,
+        "--nproc",
+        str(nproc),
+        "--set",
+        "trainer.lease_heartbeat=0.2",
+        faults="sleep@2=4",
     )
     wait_for(lambda: {"event": "snapshot_committed", "step": 2}.items() <= last_event(run).items(), proc)
     thief = steal_lease(run)

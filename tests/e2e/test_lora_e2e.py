@@ -7,7 +7,17 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, hf_weights_sha256, invoke, kill_and_resume, metrics_of, stable, start_here
+from helpers import (
+    REPO,
+    SMALL,
+    completed_hash,
+    hf_weights_sha256,
+    invoke,
+    kill_and_resume,
+    metrics_of,
+    stable,
+    start_args,
+)
 
 COMMON = [
     *SMALL,
@@ -34,7 +44,7 @@ def dir_bytes(path) -> int:
 
 def test_lora_run_snapshots_the_adapter_resumes_exactly_and_exports(tmp_path):
     ref = tmp_path / "ref"
-    r = start_here(ref, *COMMON)
+    r = invoke("start", *start_args(ref), *COMMON, cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(ref)
     assert len(rows) == 6 and rows[-1]["actor/kl_loss"] > 0  # the adapter moved off the base (k1: ~0 at first)

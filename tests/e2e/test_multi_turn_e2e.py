@@ -31,7 +31,7 @@ from helpers import (
     run_cli,
     spawn,
     stable,
-    start,
+    start_args,
     wait_for,
 )
 from ray_nodes import ENV as RAY_ENV
@@ -179,7 +179,7 @@ def env_of(task, run, **extra) -> dict[str, str]:
 def reference(task):
     """The uninterrupted run; its tool answers are numbered by the run's calls."""
     run = task / "reference"
-    r = start(run, config=task / "run.yaml", env=env_of(task, run), cwd=task)
+    r = run_cli("start", *start_args(run, config=task / "run.yaml"), env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -287,7 +287,7 @@ def test_a_tool_outage_rolls_back_under_agentic_then_ends_the_run_with_exit_75_a
     config["rollout"]["multi_turn"]["tool_retry_budget"] = 1
     run = task / "outage"
     env = env_of(task, run)
-    r = start(run, config=config, env=env, cwd=task)
+    r = run_cli("start", *start_args(run, config=config), env=env, cwd=task)
     assert r.returncode == 75, r.stderr
     assert "stopped by tools_unavailable after step 2" in r.stderr
     assert "more than rollout.multi_turn.tool_retry_budget (1)" in r.stderr
@@ -331,7 +331,7 @@ def test_two_ranks_run_their_shares_of_the_conversations_with_their_own_tool_wor
     try:
         ray = ["--ray-address", nodes.address, "--set", "trainer.n_devices_per_node=2"]
         ray += ["--set", "cluster.env_vars=[CAPITALS_*]", "--set", "data.path=prompts.jsonl"]
-        r = start(run, *ray, config=task / "run.yaml", env=env, cwd=task)
+        r = run_cli("start", *start_args(run, config=task / "run.yaml"), *ray, env=env, cwd=task)
     finally:
         nodes.stop()
     assert r.returncode == 0, r.stderr
@@ -381,7 +381,7 @@ def test_an_environment_answers_the_turns_and_its_rewards_are_the_scores(task, t
     config["rollout"]["multi_turn"] = {"environment": "guess:Guess", "max_turns": 2, "max_total_tokens": 96}
     config["trainer"]["total_steps"], config["checkpoint"]["every"] = 2, 0
     run = tmp_path / "run"
-    r = start(run, config=config, cwd=tmp_path, env={"GUESS_CLOSED": str(tmp_path / "closed")})
+    r = run_cli("start", *start_args(run, config=config), cwd=tmp_path, env={"GUESS_CLOSED": str(tmp_path / "closed")})
     assert r.returncode == 0, r.stderr
     assert "rlctl.engine.reward.builtin:no_reward" in (run / "config.yaml").read_text()
     for row in metrics_of(run):
@@ -401,7 +401,7 @@ OFF = ["--set", "rollout.mode=one_step_off"]
 def off_reference(task):
     """The uninterrupted run in rollout.mode one_step_off."""
     ref = task / "off-ref"
-    r = start(ref, *OFF, config=task / "run.yaml", env=env_of(task, ref), cwd=task)
+    r = run_cli("start", *start_args(ref, config=task / "run.yaml"), *OFF, env=env_of(task, ref), cwd=task)
     assert r.returncode == 0, r.stderr
     assert [row["rollout/staleness/mean"] for row in metrics_of(ref)] == [0.0] + [1.0] * (STEPS - 1)
     return ref
@@ -471,7 +471,7 @@ def test_tools_on_the_vllm_backend_one_step_off_resume_exactly(task):
     pytest.importorskip("vllm")
     run = task / "vllm-off"
     args = ["--set", "rollout.backend=vllm", *OFF]
-    r = start(run, *args, config=task / "run.yaml", env=env_of(task, run), cwd=task)
+    r = run_cli("start", *start_args(run, config=task / "run.yaml"), *args, env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["rollout/staleness/mean"] for row in rows] == [0.0] + [1.0] * (STEPS - 1)
@@ -515,7 +515,7 @@ def test_a_reward_functions_turn_rewards_are_part_of_each_conversations_score(ta
     config["reward"] = {"function": "turn_reward:score"}
     config["trainer"]["total_steps"], config["checkpoint"]["every"] = 2, 0
     run = tmp_path / "run"
-    r = start(run, config=config, env=env_of(task, run), cwd=task)
+    r = run_cli("start", *start_args(run, config=config), env=env_of(task, run), cwd=task)
     assert r.returncode == 0, r.stderr
     convs = json.loads(invoke("trajectories", str(run), "--step", "2", "--format", "json").stdout)
     assert convs and all(c["score"] - 0.5 * c["turns"] in (0.0, 1.0) for c in convs)
@@ -531,7 +531,7 @@ def test_on_two_ranks_a_tool_outage_past_the_budget_stops_every_rank_after_the_s
     config["rollout"]["multi_turn"]["tool_retry_budget"] = 0
     run = task / "two-ranks-outage"
     env = env_of(task, run)
-    r = start(run, "--nproc", "2", config=config, env=env, cwd=task)
+    r = run_cli("start", *start_args(run, config=config), "--nproc", "2", env=env, cwd=task)
     assert r.returncode == 75, r.stderr
     assert "stopped by tools_unavailable after step 2" in r.stderr
     assert [(e["step"], e["steps"]) for e in events_of(run, "tools_unavailable")] == [(2, 1)]

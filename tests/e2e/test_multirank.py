@@ -17,6 +17,7 @@ from rlctl.inspect import CHECK_CODES
 from rlctl.storage import Storage
 
 from helpers import (
+    REPO,
     completed_hash,
     events_of,
     has_step,
@@ -24,10 +25,8 @@ from helpers import (
     metrics_of,
     run_cli,
     spawn,
-    spawn_start,
     stable,
-    start,
-    start_here,
+    start_args,
     wait_for,
 )
 from ray_nodes import ENV as RAY_ENV
@@ -89,7 +88,7 @@ def one_rank(tmp_path_factory):
     out = {}
     for stage in (2, 3):
         run = tmp_path_factory.mktemp("one") / f"z{stage}"
-        r = start_here(run, *COMMON, "--set", f"actor.zero_stage={stage}")
+        r = invoke("start", *start_args(run), *COMMON, "--set", f"actor.zero_stage={stage}", cwd=REPO)
         assert r.returncode == 0, r.stderr
         out[stage] = run
     return out
@@ -109,7 +108,9 @@ def two_local(tmp_path_factory):
                 ["--nproc", "2"] if stage == 2 else ["--ray-address", "local", "--set", "trainer.n_devices_per_node=2"]
             )
             kw = {} if stage == 2 else {"env": RAY_ENV}
-            r = start(run, *where, *COMMON, "--set", f"actor.zero_stage={stage}", *BUDGET[stage], **kw)
+            r = run_cli(
+                "start", *start_args(run), *where, *COMMON, "--set", f"actor.zero_stage={stage}", *BUDGET[stage], **kw
+            )
             assert r.returncode == 0, r.stderr
             assert r.stdout == f"{run}\n"  # data only: the ranks' chatter stays on stderr
             runs[stage] = run
@@ -136,7 +137,7 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
     env, opts = s3_env  # (FSSPEC_S3 points s3fs at the endpoint: the demo config stays the base)
     run, url = tmp_path / "killed", "s3://rlctl-runs/ckpts/two-ranks"
     args = ["--nproc", "2", *COMMON, "--set", f"checkpoint.dir={url}"]
-    proc = spawn_start(run, *args, faults="sleep@5=120", env=marked(run, env))
+    proc = spawn("start", *start_args(run), *args, env=marked(run, env), faults="sleep@5=120")
     wait_for(lambda: has_step(run, 5)() and committed(run, 4), proc)  # an upload may end after the next step
     assert _ranks_alive(run)  # (the check sees this run's ranks)
     proc.send_signal(signal.SIGKILL)
@@ -237,7 +238,7 @@ def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninte
     try:
         args = ["--ray-address", nodes.address, *TWO_NODES, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
         args += ["--set", f"cluster.node_loss_timeout={NODE_LOSS_TIMEOUT}"]
-        proc = spawn_start(url, *COMMON, *args, faults="sleep@4=8,commit_delay@4=300", env=env)
+        proc = spawn("start", *start_args(url), *COMMON, *args, env=env, faults="sleep@4=8,commit_delay@4=300")
         wait_for(lambda: any(e["step"] == 4 for e in events_of(url, "drill_fired")), proc)
         wait_for(lambda: committed(url, 2) and run.exists(f"{step4}/state.pt"), proc)
         placed = nodes.state()
@@ -303,7 +304,7 @@ def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
     """Rank 1 dies after step 3: rank 0 would wait in a collective forever, so the driver stops it,
     records the crash and exits 1 with rank 1's error; nothing is left running; inspect says crashed."""
     run = tmp_path / "run"
-    r = start(run, "--nproc", "2", *COMMON, faults="crash@3=1", env=marked(run))
+    r = run_cli("start", *start_args(run), "--nproc", "2", *COMMON, env=marked(run), faults="crash@3=1")
     assert r.returncode == ExitCode.INTERNAL, r.stderr
     assert "rank 1 crashed after step 3" in r.stderr
     assert r.stdout == ""
@@ -318,7 +319,16 @@ def test_a_nan_on_one_rank_is_rolled_back_by_every_rank(tmp_path):
     """Only rank 1's batch gets a NaN log-prob: the ranks agree to drop the update (backward and step
     are collectives), the reduced row shows the NaN to both, and default.yaml rolls both back."""
     run = tmp_path / "run"
-    r = start(run, "--nproc", "2", *COMMON, "--set", "policies=[policies/default.yaml]", faults="nan_log_prob@3=1")
+    r = run_cli(
+        "start",
+        *start_args(run),
+        "--nproc",
+        "2",
+        *COMMON,
+        "--set",
+        "policies=[policies/default.yaml]",
+        faults="nan_log_prob@3=1",
+    )
     assert r.returncode == 0, r.stderr
     rollbacks = [e for e in events_of(run) if e["event"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["from_step"] == 3 and rollbacks[0]["to_step"] == 2

@@ -5,7 +5,18 @@ the run."""
 
 import pytest
 
-from helpers import SMALL, completed_hash, events_of, invoke, kill_and_resume, metrics_of, stable, start_here
+from helpers import (
+    REPO,
+    SMALL,
+    completed_hash,
+    drills,
+    events_of,
+    invoke,
+    kill_and_resume,
+    metrics_of,
+    stable,
+    start_args,
+)
 
 COMMON = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
 OFF = [*COMMON, "--set", "rollout.mode=one_step_off"]
@@ -16,8 +27,8 @@ DYNAMIC = ["--set", "algorithm.dynamic_sampling.enabled=true", "--set", "algorit
 
 def test_one_step_off_starts_as_sync_and_then_trains_on_older_weights(tmp_path):
     ref, sync = tmp_path / "ref", tmp_path / "sync"
-    assert start_here(ref, *OFF).returncode == 0
-    assert start_here(sync, *COMMON).returncode == 0
+    assert invoke("start", *start_args(ref), *OFF, cwd=REPO).returncode == 0
+    assert invoke("start", *start_args(sync), *COMMON, cwd=REPO).returncode == 0
     rows = metrics_of(ref)
     same = {k for k in stable(rows)[0] if not k.startswith("rollout/staleness")}
     first = [{k: r[k] for k in same} for r in (stable(rows)[0], stable(metrics_of(sync))[0])]
@@ -44,7 +55,7 @@ def test_a_sigkill_while_batches_are_generated_ahead_resumes_exactly(tmp_path, a
     during step 3 (one_step_off: step 4's; async 2: steps 4 and 5). Under ZeRO-3 a plain model generates,
     its weights the actor's gathered shards."""
     ref = tmp_path / "ref"
-    assert start_here(ref, *args).returncode == 0
+    assert invoke("start", *start_args(ref), *args, cwd=REPO).returncode == 0
     rows = metrics_of(ref)
     assert [r["rollout/staleness/max"] for r in rows] == staleness
     assert rows[0]["rollout/logprob_diff"] < 1e-5  # the generator's copy holds the weights step 1 trains
@@ -58,7 +69,7 @@ def test_a_sigkill_while_batches_are_generated_ahead_resumes_exactly(tmp_path, a
 def test_a_rollback_drops_the_batch_in_flight_and_skips_the_offending_prompts(tmp_path):
     run = tmp_path / "nan"
     faults = "nan_log_prob@5"
-    r = start_here(run, *OFF, "--set", "policies=[policies/default.yaml]", faults=faults)
+    r = invoke("start", *start_args(run), *OFF, "--set", "policies=[policies/default.yaml]", *drills(faults), cwd=REPO)
     assert r.returncode == 0, r.stderr
     (back,) = events_of(run, "rollback")
     assert back["from_step"] == 5 and back["to_step"] == 3
@@ -74,7 +85,7 @@ def test_dynamic_sampling_generates_ahead_and_resumes_exactly(tmp_path):
     rounds in a process group of their own: tests/unit/test_dist_groups.py.)"""
     args = [*OFF, *DYNAMIC, "--set", "trainer.total_steps=3", "--set", "checkpoint.every=1"]
     ref = tmp_path / "ref"
-    assert start_here(ref, *args).returncode == 0
+    assert invoke("start", *start_args(ref), *args, cwd=REPO).returncode == 0
     rows = metrics_of(ref)
     assert [r["rollout/staleness/max"] for r in rows] == [0, 1, 1]
     assert max(r["dynamic_sampling/rounds"] for r in rows[1:]) > 1  # a batch made ahead took several rounds

@@ -9,7 +9,7 @@ import textwrap
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, invoke, metrics_of, run_cli, spawn_start, start_here, wait_for
+from helpers import REPO, SMALL, drills, events_of, invoke, metrics_of, run_cli, spawn, start_args, wait_for
 
 
 def policy_config(tmp_path, rules, every=2, steps=8):
@@ -29,7 +29,15 @@ def policy_config(tmp_path, rules, every=2, steps=8):
 
 def test_nan_log_prob_rolls_back_to_last_good_and_completes(tmp_path):
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, "--set", "policies=[policies/default.yaml]", steps=10, every=3, faults="nan_log_prob@5")
+    r = invoke(
+        "start",
+        *start_args(run, steps=10, every=3),
+        *SMALL,
+        "--set",
+        "policies=[policies/default.yaml]",
+        *drills("nan_log_prob@5"),
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr
     (fired,) = events_of(run, "policy")
     assert fired["rule"] == "nonfinite" and fired["step"] == 5 and math.isnan(fired["value"])
@@ -58,7 +66,7 @@ def test_kl_spike_adjust_lowers_lr_and_it_survives_kill_and_resume(tmp_path):
     ]
     cfg = policy_config(tmp_path, rules, every=4, steps=10)
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, config=cfg, faults="metric@5=actor/ppo_kl:5.0,sleep@6=120")
+    proc = spawn("start", *start_args(run, config=cfg), *SMALL, faults="metric@5=actor/ppo_kl:5.0,sleep@6=120")
     wait_for(lambda: (run / "metrics.jsonl").exists() and any(r["step"] == 6 for r in metrics_of(run)), proc)
     proc.send_signal(signal.SIGKILL)  # after the adjustment, before any snapshot that holds it
     proc.wait()
@@ -87,7 +95,13 @@ def test_max_triggers_escalates_to_halt(tmp_path):
     ]
     cfg = policy_config(tmp_path, rules, every=2, steps=8)
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, config=cfg, faults="metric@3=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:7.0")
+    r = invoke(
+        "start",
+        *start_args(run, config=cfg),
+        *SMALL,
+        *drills("metric@3=actor/ppo_kl:5.0,metric@5=actor/ppo_kl:7.0"),
+        cwd=REPO,
+    )
     assert r.returncode == ExitCode.HALTED == 20, r.stderr
     assert "policy rule 'kl' halted the run at step 5" in r.stderr and "the last good snapshot is step 4" in r.stderr
     assert "Traceback" not in r.stderr
@@ -105,7 +119,7 @@ def test_warn_only_policy_logs_and_changes_nothing(tmp_path):
     rules = [{"name": "kl-watch", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "warn"}]}]
     cfg = policy_config(tmp_path, rules, every=2, steps=4)
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, config=cfg, faults="metric@3=actor/ppo_kl:5.0")
+    r = invoke("start", *start_args(run, config=cfg), *SMALL, *drills("metric@3=actor/ppo_kl:5.0"), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert [f["step"] for f in events_of(run, "policy")] == [3]
     assert not events_of(run, "rollback") and not (run / "metrics.abandoned.jsonl").exists()
@@ -123,11 +137,11 @@ def test_bad_policy_stops_before_anything_starts(tmp_path):
               - type: rollbak
     """)
     )
-    r = start_here(tmp_path / "run", "--set", f"policies=[{bad}]")
+    r = invoke("start", *start_args(tmp_path / "run"), "--set", f"policies=[{bad}]", cwd=REPO)
     assert r.returncode == ExitCode.CONFIG
     assert "mine.yaml line 6" in r.stderr and "did you mean 'rollback'" in r.stderr
     assert not (tmp_path / "run").exists()
-    r = start_here(tmp_path / "run2", "--set", "policies=[policies/default.yaml]")
+    r = invoke("start", *start_args(tmp_path / "run2"), "--set", "policies=[policies/default.yaml]", cwd=REPO)
     assert r.returncode == ExitCode.CONFIG and "'checkpoint.every' is 0" in r.stderr
     r = invoke("policy", "check", str(bad))
     assert r.returncode == ExitCode.CONFIG and "Error: invalid policy file" in r.stderr
@@ -141,7 +155,7 @@ def test_a_last_step_failing_an_adjust_only_rule_is_committed_but_not_good(tmp_p
     rules = [{"name": "kl", "when": "actor/ppo_kl > 1.0", "actions": [{"type": "adjust", "set": {"actor.lr": 1e-4}}]}]
     cfg = policy_config(tmp_path, rules, every=2, steps=4)
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, config=cfg, faults="metric@4=actor/ppo_kl:5.0")
+    r = invoke("start", *start_args(run, config=cfg), *SMALL, *drills("metric@4=actor/ppo_kl:5.0"), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert [(e["step"], e["good"]) for e in events_of(run, "snapshot_committed")] == [(2, True), (4, False)]
     assert events_of(run, "adjust")[0]["changes"]["actor.lr"]["to"] == 1e-4

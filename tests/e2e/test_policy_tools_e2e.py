@@ -11,7 +11,7 @@ from rlctl.errors import ExitCode
 from rlctl.policies import validate_policy
 from rlctl.policies.catalogue import known_metric
 
-from helpers import SMALL, events_of, invoke, metrics_of, start_here
+from helpers import REPO, SMALL, drills, events_of, invoke, metrics_of, start_args
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("drilled", "healthy")
@@ -31,7 +31,7 @@ RULES = [
 
 def finished_run(tmp_path_factory, name, config, faults=""):
     run = tmp_path_factory.mktemp(name) / "run"
-    r = start_here(run, *SHAPE, config=config, faults=faults)
+    r = invoke("start", *start_args(run, config=config), *SHAPE, *drills(faults), cwd=REPO)
     assert r.returncode == 0, r.stderr
     return run
 

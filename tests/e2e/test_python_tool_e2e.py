@@ -17,7 +17,7 @@ from test_multi_turn_e2e import CAPITALS, REWARD, teach_the_call
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 
 from chat_tokenizer import tool_model_dir
-from helpers import completed_hash, events_of, metrics_of, run_cli, spawn, stable, start, wait_for
+from helpers import completed_hash, events_of, metrics_of, run_cli, spawn, stable, start_args, wait_for
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("task",)
@@ -84,7 +84,7 @@ def task(tmp_path_factory):
 
 def test_a_run_with_the_python_tool_killed_and_resumed_ends_bit_identical(task):
     reference = task / "reference"
-    r = start(reference, config=task / "run.yaml", cwd=task)
+    r = run_cli("start", *start_args(reference, config=task / "run.yaml"), cwd=task)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(reference)
     assert sum(row["tool/lookup/calls"] for row in rows) > 0 and all(row["tool/error_frac"] == 0 for row in rows)

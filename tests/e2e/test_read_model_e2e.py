@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from helpers import SMALL, events_of, invoke, metrics_of, start
+from helpers import SMALL, events_of, invoke, metrics_of, run_cli, start_args
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("turned",)
@@ -26,7 +26,7 @@ def turned(tmp_path_factory):
     run = tmp_path_factory.mktemp("turned") / "run"
     faults = "metric@3=actor/ppo_kl:5.0,metric@5=actor/grad_norm:1000000.0,crash@5"
     config = {"policies": [{"rules": RAN_UNDER}]}
-    r = start(run, *SMALL, config=config, steps=6, every=2, faults=faults)
+    r = run_cli("start", *start_args(run, config=config, steps=6, every=2), *SMALL, faults=faults)
     assert r.returncode != 0 and "crashed after step 5" in r.stderr, r.stderr
     r = invoke("resume", str(run))  # (in this process: what the tests read is the turn it makes)
     assert r.returncode == 0, r.stderr

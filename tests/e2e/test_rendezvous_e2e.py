@@ -16,7 +16,7 @@ import pytest
 from rlctl.errors import ExitCode
 from rlctl.ranks.tmpdir import process_name, run_key
 
-from helpers import REPO, SMALL, child_env, has_step, popen, settled_before, spawn_start, wait_for
+from helpers import SMALL, has_step, settled_before, spawn, start_args, wait_for
 
 TINY = [*SMALL, "--set", "trainer.total_steps=2", "--set", "checkpoint.every=1"]
 
@@ -31,11 +31,13 @@ def test_runs_started_together_all_complete_and_a_taken_master_port_is_a_sentenc
     port = str(held.getsockname()[1])
     try:
         runs = {
-            "one": spawn_start(tmp_path / "one", *TINY),
-            "one-port-taken": spawn_start(tmp_path / "one-port-taken", *TINY, env={"MASTER_PORT": port}),
-            "two": spawn_start(tmp_path / "two", *TINY, "--nproc", "2"),
-            "two-port-taken": spawn_start(
-                tmp_path / "two-port-taken", *TINY, "--nproc", "2", env={"MASTER_PORT": port}
+            "one": spawn("start", *start_args(tmp_path / "one"), *TINY),
+            "one-port-taken": spawn(
+                "start", *start_args(tmp_path / "one-port-taken"), *TINY, env={"MASTER_PORT": port}
+            ),
+            "two": spawn("start", *start_args(tmp_path / "two"), *TINY, "--nproc", "2"),
+            "two-port-taken": spawn(
+                "start", *start_args(tmp_path / "two-port-taken"), *TINY, "--nproc", "2", env={"MASTER_PORT": port}
             ),
         }
         ended = {name: (proc.wait(timeout=900), proc.stderr.read()) for name, proc in runs.items()}
@@ -66,8 +68,8 @@ def test_a_sigkilled_runs_temp_litter_is_gone_after_its_resume(tmp_path, short_t
     live.mkdir(parents=True)
     args = [*SMALL, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2"]
     # new interpreters, not the tests' fork server: its tempfile module has read TMPDIR already
-    env = child_env(TMPDIR=str(tmp))
-    proc = popen(["start", "--run-dir", str(run), *args], {**env, "RLCTL_FAULTS": "sleep@3=120"}, REPO, fork=False)
+    env = {"TMPDIR": str(tmp)}
+    proc = spawn("start", "--run-dir", str(run), *args, faults="sleep@3=120", env=env, fork=False)
     killed = root / process_name(proc.pid)
     wait_for(lambda: has_step(run, 3)() and settled_before(run, 3), proc)
     litter = sorted(p.name for p in killed.iterdir())
@@ -76,7 +78,7 @@ def test_a_sigkilled_runs_temp_litter_is_gone_after_its_resume(tmp_path, short_t
     assert killed.is_dir() and any(name.startswith("pymp-") for name in litter), litter
     assert not list(tmp.glob("pymp-*"))  # none in the machine's temp directory itself (caches such as torch's may be)
 
-    resume = popen(["resume", str(run), "--from", "latest"], env, REPO, fork=False)
+    resume = spawn("resume", str(run), "--from", "latest", env=env, fork=False)
     _, err = resume.communicate(timeout=600)
     assert resume.returncode == 0, err
     assert not killed.exists()

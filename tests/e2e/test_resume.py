@@ -11,6 +11,7 @@ import pytest
 from rlctl.errors import ExitCode
 
 from helpers import (
+    REPO,
     SMALL,
     completed_hash,
     events_of,
@@ -21,9 +22,8 @@ from helpers import (
     metrics_of,
     run_cli,
     spawn,
-    spawn_start,
     stable,
-    start_here,
+    start_args,
     wait_for,
 )
 
@@ -49,7 +49,7 @@ def test_sigkill_and_resume_is_exact(tmp_path, stage):
         f"actor.zero_stage={stage}",
     ]
     ref = tmp_path / "ref"
-    r = start_here(ref, *common)
+    r = invoke("start", *start_args(ref), *common, cwd=REPO)
     assert r.returncode == 0
     trained = 0 if stage == 2 else stage
     if stage == 2:
@@ -85,7 +85,7 @@ def test_a_live_run_holds_its_lease_and_sigkill_during_commit_leaves_no_partial_
     removes the uncommitted directory (never loads it), continues from step 3, commits step 6 anew and
     leaves no lease behind."""
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=9, every=3, faults="commit_delay@6=120")
+    proc = spawn("start", *start_args(run, steps=9, every=3), *SMALL, faults="commit_delay@6=120")
     step6 = run / "checkpoints" / "step-000006"
     wait_for(lambda: (step6 / "state.pt").exists(), proc)
     r = run_cli("resume", str(run))
@@ -115,7 +115,7 @@ def test_a_live_run_holds_its_lease_and_sigkill_during_commit_leaves_no_partial_
 
 def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=6, faults="sleep@4=120")
+    proc = spawn("start", *start_args(run, steps=6), *SMALL, faults="sleep@4=120")
     wait_for(has_step(run, 4), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -139,7 +139,7 @@ def test_sigterm_snapshots_and_exits_resume_me(tmp_path):
 def finished(tmp_path_factory):
     """An uninterrupted 6-step run with a snapshot every 2 steps; each test that changes it works on a copy."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    r = start_here(run, *SMALL, steps=6, every=2)
+    r = invoke("start", *start_args(run, steps=6, every=2), *SMALL, cwd=REPO)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -208,7 +208,7 @@ def test_resume_of_something_that_is_not_a_run(tmp_path):
 def test_run_and_snapshots_on_s3(tmp_path, s3_env):
     env, opts = s3_env
     url = "s3://rlctl-runs/exp/run1"
-    proc = spawn_start(url, *SMALL, steps=6, every=2, env=env)
+    proc = spawn("start", *start_args(url, steps=6, every=2), *SMALL, env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     listed = run_cli("checkpoints", url, "--format", "json", env=env)
@@ -237,7 +237,7 @@ def test_run_and_snapshots_on_gcs_and_azure(protocol, request):
 
     env, opts = request.getfixturevalue({"gs": "gcs_env", "az": "azure_env"}[protocol])
     url = f"{protocol}://rlctl-runs/exp/run1"
-    proc = spawn_start(url, *SMALL, steps=4, every=2, env=env)
+    proc = spawn("start", *start_args(url, steps=4, every=2), *SMALL, env=env)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     proc = spawn("resume", url, "--from", "step-2", env=env)

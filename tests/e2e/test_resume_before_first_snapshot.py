@@ -19,9 +19,8 @@ from helpers import (
     metrics_of,
     run_cli,
     spawn,
-    spawn_start,
     stable,
-    start,
+    start_args,
     wait_for,
 )
 
@@ -35,7 +34,7 @@ RUN = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=4"] 
 def reference(tmp_path_factory):
     """The same run, never interrupted."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    r = start(run, *RUN)
+    r = run_cli("start", *start_args(run), *RUN)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -52,7 +51,7 @@ def test_a_run_killed_at_each_step_before_its_first_commit_resumes_as_if_never_k
     from step 0, and the last one completes the run with the reference's weights and metrics. Every
     attempt's rows are in metrics.abandoned.jsonl, equal to the reference's first steps."""
     run = tmp_path / "run"
-    kill_when(spawn_start(run, *RUN, faults="sleep@1=120"), has_step(run, 1))
+    kill_when(spawn("start", *start_args(run), *RUN, faults="sleep@1=120"), has_step(run, 1))
     for k in (2, 3):
         kill_when(spawn("resume", str(run), faults=f"sleep@{k}=120"), has_step(run, k))
     step4 = run / "checkpoints" / "step-000004"

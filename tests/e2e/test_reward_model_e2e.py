@@ -7,7 +7,17 @@ import json
 
 import pytest
 
-from helpers import SMALL, completed_hash, kill_and_resume, metrics_of, save_reward_model, stable, start_here
+from helpers import (
+    REPO,
+    SMALL,
+    completed_hash,
+    invoke,
+    kill_and_resume,
+    metrics_of,
+    save_reward_model,
+    stable,
+    start_args,
+)
 
 
 def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
@@ -27,7 +37,7 @@ def test_a_reward_model_source_drives_a_run_and_resumes_exactly(tmp_path):
     args = [str(path), *SMALL]
 
     ref = tmp_path / "ref"
-    done = start_here(ref, *SMALL, config=path)
+    done = invoke("start", *start_args(ref, config=path), *SMALL, cwd=REPO)
     assert done.returncode == 0, done.stderr
     rows = metrics_of(ref)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

@@ -10,7 +10,7 @@ import pytest
 
 from rlctl.engine.reward.builtin import echo_reward
 
-from helpers import metrics_of, start
+from helpers import metrics_of, run_cli, start_args
 
 
 class EchoScorer(BaseHTTPRequestHandler):
@@ -51,7 +51,7 @@ def test_url_and_function_sources_drive_a_run(tmp_path):
     path.write_text(json.dumps(cfg))
     run = tmp_path / "run"
     try:
-        done = start(run, config=path, timeout=600)
+        done = run_cli("start", *start_args(run, config=path), timeout=600)
     finally:
         server.shutdown()
         server.server_close()

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from helpers import metrics_of, start_here
+from helpers import REPO, drills, invoke, metrics_of, start_args
 
 CORR = ("rollout_corr/ratio_mean", "rollout_corr/ratio_max", "rollout_corr/clipfrac")
 
@@ -21,7 +21,7 @@ CORR = ("rollout_corr/ratio_mean", "rollout_corr/ratio_max", "rollout_corr/clipf
 def test_the_correction_reports_its_metrics(tmp_path, mode, more):
     sets = [f"algorithm.rollout_correction.mode={mode}", "trainer.prompts_per_step=4", "algorithm.group_size=4"]
     args = [a for s in [*sets, *more] for a in ("--set", s)]
-    r = start_here(tmp_path / mode, *args, steps=3, faults="degenerate@2")
+    r = invoke("start", *start_args(tmp_path / mode, steps=3), *args, *drills("degenerate@2"), cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(tmp_path / mode)
     assert [row["step"] for row in rows] == [1, 2, 3]

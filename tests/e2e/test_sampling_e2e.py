@@ -7,16 +7,18 @@ import signal
 import yaml
 
 from helpers import (
+    REPO,
     SMALL,
     completed_hash,
     has_step,
+    invoke,
     kill_and_resume,
     metrics_of,
     run_cli,
     settled_before,
     spawn,
     stable,
-    start_here,
+    start_args,
     wait_for,
 )
 
@@ -36,7 +38,7 @@ def test_truncated_sampling_resumes_exactly(tmp_path):
         'rollout.stop=["e", "a"]',
     ]
     ref = tmp_path / "ref"
-    r = start_here(ref, *common)
+    r = invoke("start", *start_args(ref), *common, cwd=REPO)
     assert r.returncode == 0, r.stderr
 
     run = tmp_path / "killed"
@@ -58,7 +60,7 @@ def test_a_run_started_before_the_counter_sampler_resumes_with_its_generator_exa
     the counter sampler (new runs' default), steps 4 to 6 would have sampled other completions."""
     common = [*SMALL, "--set", "trainer.total_steps=6", "--set", "checkpoint.every=3"]
     ref = tmp_path / "ref"
-    assert start_here(ref, *common, "--set", "rollout.sampler=generator").returncode == 0
+    assert invoke("start", *start_args(ref), *common, "--set", "rollout.sampler=generator", cwd=REPO).returncode == 0
 
     run = tmp_path / "older"
     proc = spawn("start", "--run-dir", str(run), *common, "--set", "rollout.sampler=generator", faults="sleep@4=120")

@@ -12,7 +12,7 @@ import torch
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, invoke, metrics_of, run_cli, small_tmpfs, spawn_start, start, start_here, wait_for
+from helpers import REPO, SMALL, events_of, invoke, metrics_of, run_cli, small_tmpfs, spawn, start_args, wait_for
 
 
 def listed(run_dir):
@@ -22,7 +22,7 @@ def listed(run_dir):
 def test_full_disk_fails_the_run_with_exit_12_and_resume_completes_it(tmp_path):
     run = tmp_path / "run"
     every = ["--set", "checkpoint.every=1"]
-    r = start(run, *SMALL, *every, steps=3, faults="enospc@2")
+    r = run_cli("start", *start_args(run, steps=3), *SMALL, *every, faults="enospc@2")
     assert r.returncode == ExitCode.STORAGE == 12, r.stderr
     assert "Traceback" not in r.stderr
     assert "the run is not complete: the snapshot of step 3 was not committed (no space left on device" in r.stderr
@@ -48,7 +48,7 @@ def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
     run = tmp_path / "run"
     with small_tmpfs(tmp_path / "disk", size="256k") as disk:
         args = ["--set", f"checkpoint.dir={disk}", "--set", "checkpoint.every=1", "--set", "trainer.total_steps=2"]
-        r = start(run, *SMALL, *args)
+        r = run_cli("start", *start_args(run), *SMALL, *args)
         assert r.returncode == ExitCode.STORAGE == 12, r.stderr
         assert "Traceback" not in r.stderr and "done:" not in r.stderr
         assert "no space left on device" in r.stderr and "the run is not complete" in r.stderr
@@ -62,7 +62,9 @@ def test_a_really_full_disk_is_exit_12_never_done(tmp_path):
 
 def test_max_failures_in_a_row_stop_the_run_at_once(tmp_path):
     run = tmp_path / "run"
-    r = start(run, *SMALL, "--set", "checkpoint.max_failures=2", steps=6, every=1, faults="enospc@2")
+    r = run_cli(
+        "start", *start_args(run, steps=6, every=1), *SMALL, "--set", "checkpoint.max_failures=2", faults="enospc@2"
+    )
     assert r.returncode == ExitCode.STORAGE, r.stderr
     assert "2 snapshots in a row failed (checkpoint.max_failures: 2); the last, of step 3" in r.stderr
     assert "no space left on device" in r.stderr and "the last committed snapshot is step 1" in r.stderr
@@ -74,7 +76,7 @@ def test_max_failures_in_a_row_stop_the_run_at_once(tmp_path):
 
 def test_a_stop_whose_snapshot_failed_says_so_and_exits_resume_me(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *SMALL, steps=6, every=1, faults="enospc@2,sleep@2=120")
+    proc = spawn("start", *start_args(run, steps=6, every=1), *SMALL, faults="enospc@2,sleep@2=120")
     wait_for(lambda: events_of(run, "snapshot_failed") if (run / "events.jsonl").exists() else False, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -86,7 +88,7 @@ def test_a_stop_whose_snapshot_failed_says_so_and_exits_resume_me(tmp_path):
 
 def test_garbage_manifest_is_quarantined_and_resume_falls_back_saying_why(tmp_path):
     run = tmp_path / "run"
-    r = start_here(run, *SMALL, steps=4, every=2)
+    r = invoke("start", *start_args(run, steps=4, every=2), *SMALL, cwd=REPO)
     assert r.returncode == 0, r.stderr
     newest = run / "checkpoints" / "step-000004"
     files = sorted(p.relative_to(newest) for p in newest.rglob("*") if p.is_file())
@@ -136,7 +138,7 @@ def test_resume_after_a_rollback_takes_the_policy_state_of_the_restored_step(tmp
         json.dumps({"trainer": {"total_steps": 6}, "checkpoint": {"every": 2}, "policies": [{"rules": rules}]})
     )
     run = tmp_path / "run"
-    r = start(run, *SMALL, config=cfg, faults="metric@3=actor/ppo_kl:5.0")
+    r = run_cli("start", *start_args(run, config=cfg), *SMALL, faults="metric@3=actor/ppo_kl:5.0")
     assert r.returncode == 0, r.stderr
     assert events_of(run, "rollback")[0]["to_step"] == 2
     assert json.loads((run / "policy_state.json").read_text())["step"] == 2

@@ -29,7 +29,7 @@ from rlctl.rundir.layout import LEASE_FILE
 from rlctl.rundir.lease import Lease, read_lease
 from rlctl.storage import Storage
 
-from helpers import SMALL, metrics_of, run_cli, spawn_start
+from helpers import SMALL, metrics_of, run_cli, spawn, start_args
 
 BUCKET = "rlctl-outage"
 
@@ -236,7 +236,7 @@ class KilledRun:
         config.write_text(json.dumps({"checkpoint": checkpoint}))
         trainer = {"trainer.total_steps": 12, "trainer.lease_heartbeat": 0.5, **settings}
         sets = [arg for key, value in trainer.items() for arg in ("--set", f"{key}={value}")]
-        self.proc = spawn_start(self.url, *SMALL, *sets, config=config, faults=drills, env=self.env)
+        self.proc = spawn("start", *start_args(self.url, config=config), *SMALL, *sets, env=self.env, faults=drills)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -7,7 +7,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from helpers import invoke, metrics_of, start_here
+from helpers import REPO, invoke, metrics_of, start_args
 
 CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
 STEPS = 3
@@ -15,7 +15,9 @@ STEPS = 3
 
 def test_the_tools_demo_makes_real_calls_that_are_answered_and_scores_only_looked_up_words(tmp_path):
     run = tmp_path / "tools-demo"
-    r = start_here(run, "--set", "trainer.prompts_per_step=4", config="tools-demo", steps=STEPS)
+    r = invoke(
+        "start", *start_args(run, config="tools-demo", steps=STEPS), "--set", "trainer.prompts_per_step=4", cwd=REPO
+    )
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))

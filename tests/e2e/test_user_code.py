@@ -7,7 +7,7 @@ import textwrap
 
 from rlctl.errors import ExitCode
 
-from helpers import SMALL, events_of, metrics_of, start
+from helpers import SMALL, events_of, metrics_of, run_cli, start_args
 
 
 def reward_module(tmp_path, name: str, body: str) -> str:
@@ -30,7 +30,7 @@ def reward_module(tmp_path, name: str, body: str) -> str:
 def start_with(tmp_path, spec: str):
     """A 3-step run of the reward ``spec``, started in ``tmp_path`` (where its module is)."""
     run = tmp_path / "run"
-    return run, start(run, *SMALL, "--set", f"reward.function={spec}", steps=3, cwd=tmp_path)
+    return run, run_cli("start", *start_args(run, steps=3), *SMALL, "--set", f"reward.function={spec}", cwd=tmp_path)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers import events_of, invoke, metrics_of, mlflow_runs, start_here, steps_of, tb_scalars, wandb_run
+from helpers import REPO, events_of, invoke, metrics_of, mlflow_runs, start_args, steps_of, tb_scalars, wandb_run
 
 VAL = "val/score/mean"
 ALL = ("tensorboard", "wandb", "mlflow")
@@ -69,7 +69,7 @@ def series(rows, key):
 
 def test_a_validation_drop_rolls_back_to_the_best_snapshot_which_resume_and_export_find(tmp_path):
     run, env = tmp_path / "run", quiet_trackers(tmp_path)
-    r = start_here(run, config=drop_config(tmp_path, ALL), env=env)
+    r = invoke("start", *start_args(run, config=drop_config(tmp_path, ALL)), env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["step"] for row in rows] == list(range(9))  # step 0: the validation before training

@@ -8,7 +8,7 @@ import pytest
 
 from rlctl.errors import ExitCode
 
-from helpers import assert_steps_run_again_alike, events_of, metrics_of, run_cli, stable, start
+from helpers import assert_steps_run_again_alike, events_of, metrics_of, run_cli, stable, start_args
 
 pytest.importorskip("vllm")
 
@@ -26,7 +26,7 @@ COMMON = [
 
 def test_two_ranks_with_vllm_stay_in_sync_and_a_restore_regenerates_exactly(tmp_path):
     run = tmp_path / "run"
-    r = start(run, "--nproc", "2", *COMMON, steps=4, every=2)
+    r = run_cli("start", *start_args(run, steps=4, every=2), "--nproc", "2", *COMMON)
     assert r.returncode == 0, r.stderr
     assert r.stdout == f"{run}\n"
     rows = metrics_of(run)
@@ -48,7 +48,9 @@ def test_one_step_off_with_vllm_on_two_ranks_samples_a_step_behind_and_resumes_e
     later ones an update behind; resumed from snapshot 2 (which holds step 3's batch), steps 3 and 4 and
     the final weights come out bit for bit."""
     run = tmp_path / "run"
-    r = start(run, "--nproc", "2", *COMMON, "--set", "rollout.mode=one_step_off", steps=4, every=2)
+    r = run_cli(
+        "start", *start_args(run, steps=4, every=2), "--nproc", "2", *COMMON, "--set", "rollout.mode=one_step_off"
+    )
     assert r.returncode == 0, r.stderr
     rows = metrics_of(run)
     assert [row["rollout/staleness/mean"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
@@ -62,15 +64,14 @@ def test_a_broken_weight_sync_is_caught_by_the_default_policy(tmp_path):
     """The stale_rollout drill never pushes updated weights: vLLM keeps sampling from the initial
     policy, rollout/logprob_diff climbs, and default.yaml's rollout-sync rule halts the run (exit 20)."""
     run = tmp_path / "run"
-    r = start(
-        run,
+    r = run_cli(
+        "start",
+        *start_args(run, steps=60, every=10),
         *COMMON,
         "--set",
         "actor.lr=3e-3",
         "--set",
         "policies=[policies/default.yaml]",
-        steps=60,
-        every=10,
         faults="stale_rollout",
     )
     assert r.returncode == ExitCode.HALTED, r.stderr

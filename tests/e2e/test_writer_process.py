@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from helpers import SMALL, alive, events_of, invoke, run_cli, spawn_start, wait_for, writer_pids
+from helpers import REPO, SMALL, alive, events_of, invoke, run_cli, spawn, start_args, wait_for, writer_pids
 
 RUN = [*SMALL, "--set", "trainer.total_steps=9", "--set", "checkpoint.every=3"]
 
@@ -22,7 +22,7 @@ def _held_writer(run, proc):
 
 def test_a_writer_killed_mid_snapshot_fails_that_snapshot_and_the_run_goes_on(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *RUN, faults="write_delay@6=60")
+    proc = spawn("start", *start_args(run), *RUN, faults="write_delay@6=60")
     writer = _held_writer(run, proc)
     time.sleep(0.5)  # (inside the 60 s hold)
     os.kill(writer, signal.SIGKILL)
@@ -42,7 +42,7 @@ def test_a_writer_killed_mid_snapshot_fails_that_snapshot_and_the_run_goes_on(tm
 
 def test_a_killed_trainer_takes_its_writer_along_and_resume_starts_from_the_last_commit(tmp_path):
     run = tmp_path / "run"
-    proc = spawn_start(run, *RUN, faults="write_delay@6=60")
+    proc = spawn("start", *start_args(run), *RUN, faults="write_delay@6=60")
     writer = _held_writer(run, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -130,11 +130,18 @@ def test_a_run_and_the_next_in_its_process_start_one_writer_between_them(tmp_pat
     path). It used to be replaced twice in every run: three interpreters' imports for one run's writer."""
     from rlctl.checkpoint.writer import writer
 
-    from helpers import start_here
-
     before = writer().started
     for name in ("first", "second"):
-        r = start_here(tmp_path / name, *RUN, "--set", "trainer.total_steps=4", "--set", "checkpoint.every=2")
+        r = invoke(
+            "start",
+            *start_args(tmp_path / name),
+            *RUN,
+            "--set",
+            "trainer.total_steps=4",
+            "--set",
+            "checkpoint.every=2",
+            cwd=REPO,
+        )
         assert r.returncode == 0, r.stderr
         assert [e["step"] for e in events_of(tmp_path / name, "snapshot_committed")] == [2, 4]
     assert writer().started - before <= 1  # (none when this test's environment had one at rest already)

@@ -26,9 +26,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **extra}
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
-    """The real entry point in a process of its own (``popen``), run to its end."""
-    proc = popen(args, env=child_env(**(env or {})), cwd=cwd or REPO)
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 600, env=None, faults: str = ""
+) -> subprocess.CompletedProcess:
+    """`rlctl ARGS` in a process of its own (``_popen``), run to its end: ``env`` added to this process's
+    (``child_env``), ``faults`` as RLCTL_FAULTS (drills that fire once per process), in ``cwd`` (the
+    repository's root by default). ``spawn`` leaves it running; ``invoke`` runs it in this process."""
+    drilled = {**(env or {}), **({"RLCTL_FAULTS": faults} if faults else {})}
+    proc = _popen(args, env=child_env(**drilled), cwd=cwd or REPO)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -38,7 +43,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env=None)
     return subprocess.CompletedProcess([*RLCTL, *args], proc.returncode, out, err)
 
 
-def popen(args, env: dict[str, str], cwd: Path, fork: bool = True):
+def _popen(args, env: dict[str, str], cwd: Path, fork: bool = True):
     """`rlctl ARGS` in a process of its own with text pipes: forked by the tests' fork server (the same
     process without the cost of its imports, see ``forkserver``) where ``env`` allows, else (or with
     ``fork=False``) the installed console script."""
@@ -51,10 +56,14 @@ def popen(args, env: dict[str, str], cwd: Path, fork: bool = True):
     )
 
 
-def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
-    """The entry point (``rlctl.cli:main``: exit codes, one-sentence errors) run in this process: what
-    ``run_cli`` gives, without the start of a new interpreter (read-only commands, refusals, exports, and
-    resumes that no test compares with a run in a fresh process; ``start_here`` for a start)."""
+def invoke(*args: str, env=None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The entry point (``rlctl.cli:main``: exit codes, one-sentence errors) run in this process, in ``cwd``
+    (this process's own by default): what ``run_cli`` gives, without the start of a new interpreter and
+    its imports (about 5 s of CPU): read-only commands, refusals, exports, and starts and resumes the
+    same row for row and byte for byte (the resume tests compare such runs with resumed ones made in
+    processes of their own). A run that is killed, signalled, crashed or held (``sleep``, ``crash``) or
+    has ranks of its own needs a process (``run_cli``, ``spawn``); drills that act on the data go in the
+    run's config here (``drills``), since RLCTL_FAULTS would fire once per process."""
     from click.testing import CliRunner
 
     from rlctl import faults
@@ -63,7 +72,7 @@ def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
     # (without pytest's per-test variable: a run here keeps the snapshot writer that an earlier test's run
     # put to rest, as one process's runs do, rather than start one per test)
     env = {"PYTEST_CURRENT_TEST": None, **(env or {})}
-    with CliRunner().isolation(env=env) as (out, err, _):
+    with contextlib.chdir(cwd or os.getcwd()), CliRunner().isolation(env=env) as (out, err, _):
         try:
             main(list(args))
             code = 0
@@ -74,32 +83,10 @@ def invoke(*args: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["rlctl", *args], code, out.getvalue().decode(), err.getvalue().decode())
 
 
-def start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, faults="", **kw):
-    """``rlctl start [CONFIG] --run-dir RUN_DIR ARGS`` to its end, in a subprocess: ``config`` a path or a
-    dict (written as JSON beside the run directory); ``steps``, ``every``: trainer.total_steps and
-    checkpoint.every; ``faults``: RLCTL_FAULTS; ``kw`` as for run_cli (env, cwd, timeout)."""
-    env = {**(kw.pop("env", None) or {}), **({"RLCTL_FAULTS": faults} if faults else {})}
-    return run_cli("start", *_start_args(run_dir, config, steps, every), *args, env=env, **kw)
-
-
-def start_here(run_dir, *args: str, config=None, steps=None, every=None, faults: str = "", env=None):
-    """``start`` run in this process (``invoke``, from the repository's root): the same run, row for row and
-    byte for byte (the resume tests compare such runs with resumed ones made in subprocesses), without the
-    start of a new interpreter and its imports (about 5 s of CPU). ``faults``: drills that act on the
-    data (``nan_log_prob``, ``metric``, ``degenerate``), armed in the run's config (``faults``: they fire
-    once per run; RLCTL_FAULTS would fire once per process). A run that is killed, signalled, crashed or
-    held (``sleep``, ``crash``) or has ranks of its own needs ``start`` or ``spawn_start``."""
-    drills = ["--set", f"faults={faults}"] if faults else []
-    with contextlib.chdir(REPO):
-        return invoke("start", *_start_args(run_dir, config, steps, every), *args, *drills, env=env)
-
-
-def spawn_start(run_dir, *args: str, config=None, steps: int | None = None, every: int | None = None, **kw):
-    """``start`` left running (a Popen): ``kw`` as for spawn (faults, env)."""
-    return spawn("start", *_start_args(run_dir, config, steps, every), *args, **kw)
-
-
-def _start_args(run_dir, config, steps, every) -> list[str]:
+def start_args(run_dir, config=None, steps: int | None = None, every: int | None = None) -> list[str]:
+    """The arguments of ``rlctl start`` after its name: ``[CONFIG] --run-dir RUN_DIR``, ``config`` a path
+    or a dict (written as JSON beside the run directory); ``steps``, ``every``: trainer.total_steps and
+    checkpoint.every. ``run_cli("start", *start_args(run, steps=4))``, and so with ``spawn`` and ``invoke``."""
     if isinstance(config, dict):
         path = Path(run_dir).with_name(Path(run_dir).name + ".yaml")
         path.write_text(json.dumps(config))
@@ -143,10 +130,15 @@ def completed_hash(run_dir):
     return [e for e in events_of(run_dir) if e["event"] == "completed"][-1]["weights_sha256"]
 
 
-def spawn(*args, faults="", env=None, cwd=None):
-    """`rlctl ARGS` left running (``popen``): ``faults`` for RLCTL_FAULTS, ``env`` added, in ``cwd`` (the
-    repository's root by default)."""
-    return popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=cwd or REPO)
+def spawn(*args, faults="", env=None, cwd=None, fork: bool = True):
+    """`rlctl ARGS` left running in a process of its own (a Popen with text pipes), as ``run_cli`` starts
+    it; ``fork=False``: a new interpreter from the console script, never the fork server's child."""
+    return _popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=cwd or REPO, fork=fork)
+
+
+def drills(faults: str) -> list[str]:
+    """``faults`` armed in a run's config (``--set faults=...``: each fires once per run), for ``invoke``."""
+    return ["--set", f"faults={faults}"] if faults else []
 
 
 def wait_for(predicate, proc, timeout=300):
