@@ -131,7 +131,9 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
 
 def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_path):
     run = tmp_path / "run"
-    proc = spawn("start", *start_args(run, steps=2), *SMALL, "--nproc", "2")
+    # (its ranks held 5 s as they build: on a quick machine two steps could end before a poll sees
+    # config.yaml; a rank takes its stop signal once it can, after the hold)
+    proc = spawn("start", *start_args(run, steps=2), *SMALL, "--nproc", "2", faults="build_delay=5")
     code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
     assert code == 75, err
     assert "resume will start over" in err and "Traceback" not in err
