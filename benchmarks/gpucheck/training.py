@@ -85,8 +85,9 @@ def throughput_figures(ctx: Ctx, steady: list[dict]) -> dict:
     tokens = [r["perf/throughput"] * r["timing_s/step"] for r in steady]  # the batch's, prompts and responses
     out["tokens_per_step"] = median(tokens)
     rates = [6 * ctx.params * n * epochs / r["timing_s/update_actor"] / 1e12 for n, r in zip(tokens, steady)]
-    tflops = out["update_tflops"] = round(median(rates), 3)
-    out["update_mfu"] = round(tflops / ctx.matmul_tflops, 4) if ctx.matmul_tflops else None
+    # (four significant digits: a tiny CPU dry run's rate is about 1e-4 TFLOP/s, which three decimals made 0)
+    tflops = out["update_tflops"] = float(f"{median(rates):.4g}")
+    out["update_mfu"] = float(f"{tflops / ctx.matmul_tflops:.4g}") if ctx.matmul_tflops else None
     peak = bf16_peak(ctx.gpu_name)
     out["update_fraction_of_datasheet_bf16"] = round(tflops / peak, 4) if peak else None
     return out
