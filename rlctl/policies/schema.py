@@ -202,7 +202,7 @@ class Rule(PolicyModel):
         text = trigger.describe()
         if self.sustained > 1:
             # a drop's metric is usually in some rows only (validations), so count its values, not steps
-            in_a_row = " on {} values in a row" if isinstance(trigger, DropTrigger) else " for {} consecutive steps"
+            in_a_row = ", on {} values in a row" if isinstance(trigger, DropTrigger) else " for {} consecutive steps"
             text += in_a_row.format(self.sustained)
         if warmup and self.warmup:
             text += f" (armed after step {self.warmup})"

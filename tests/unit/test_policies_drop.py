@@ -129,7 +129,7 @@ def test_a_firing_carries_the_drop_metric_and_words():
     eng = engine(drop_rule(mode="min", amount=1, sustained=2))
     [f] = [f for s in (1, 2, 3) for f in eng.evaluate(s, {VAL: [1.0, 3.0, 3.0][s - 1]})]
     assert (f.step, f.metric, f.value, f.limit, f.drop_metric) == (3, VAL, 3.0, 2.0, (VAL, "min"))
-    assert f.trigger == f"{VAL} rises more than 1 above its best (lowest) so far on 2 values in a row"
+    assert f.trigger == f"{VAL} rises more than 1 above its best (lowest) so far, on 2 values in a row"
     assert "drop_metric" not in f.as_event()
 
 
@@ -328,7 +328,7 @@ def test_rule_with_to_best_describes_itself():
         {"rules": [drop_rule("v", actions=[{"type": "rollback", "to": "best"}], amount=0.05, sustained=2)]}
     ).rules[0]
     assert rule.describe() == (
-        f"rule v: when {VAL} falls more than 0.05 below its best so far on 2 values in a row: roll back to the "
+        f"rule v: when {VAL} falls more than 0.05 below its best so far, on 2 values in a row: roll back to the "
         f"snapshot with the highest {VAL} (else the last good snapshot)."
     )
 
