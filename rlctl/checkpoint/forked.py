@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import os
 import signal
 import subprocess
@@ -122,3 +123,12 @@ def name_process(name: bytes) -> None:
     """This process's name in /proc/PID/comm (what ps and top show; 15 bytes at most)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def preload(name: str) -> None:
+    """What a process that imports once and then forks (the rank starter, the snapshot writer) does ahead
+    of its work for ``name``: import a ``module``, or import it and call ``module:function``."""
+    module, _, function = name.partition(":")
+    imported = importlib.import_module(module)
+    if function:
+        getattr(imported, function)()

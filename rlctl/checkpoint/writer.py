@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import importlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -49,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlctl.checkpoint.forked import Forked, can_fork, die_with_parent, name_process
+from rlctl.checkpoint.forked import Forked, can_fork, die_with_parent, name_process, preload
 from rlctl.checkpoint.handover import Payload
 from rlctl.checkpoint.job import Written, finish
 
@@ -397,11 +396,8 @@ def _import_all(names: Sequence[str]) -> None:
     does its own imports and loads its models (a job waits in the pipe meanwhile); one that fails is
     left for the first job to import, and to say why."""
     for name in names:
-        module, _, function = name.partition(":")
         with contextlib.suppress(Exception):
-            imported = importlib.import_module(module)
-            if function:
-                getattr(imported, function)()
+            preload(name)
 
 
 if __name__ == "__main__":

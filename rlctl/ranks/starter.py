@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import os
 import select
 import signal
@@ -29,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import orjson
 
-from rlctl.checkpoint.forked import can_fork, die_with_parent, flush_std_streams, name_process
+from rlctl.checkpoint.forked import can_fork, die_with_parent, flush_std_streams, name_process, preload
 from rlctl.ranks.stops import STOP_SIGNALS, STOPS, block_stop_signals
 
 # what a rank imports before its first step, imported once by the starter (DeepSpeed is not: it picks
@@ -193,10 +192,7 @@ def _serve(sock: socket.socket, main: Callable[[], None], parent: int) -> None:
             signal.signal(signum, signal.SIG_DFL)
         block_stop_signals()  # held, as in an exec'd rank's process, until a rank can take them; Ctrl-C is the driver's
         for name in PRELOAD:
-            module, _, function = name.partition(":")
-            imported = importlib.import_module(module)
-            if function:
-                getattr(imported, function)()
+            preload(name)
             if not can_fork():  # (numpy's BLAS pool, without OMP_NUM_THREADS=1): the ranks are exec'd
                 return
         _serve_requests(sock, main)
