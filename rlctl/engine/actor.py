@@ -276,7 +276,7 @@ class Actor(DSModule):
             "actor/ppo_kl": (pl.ppo_kl, tw),
             "actor/pg_clipfrac": (pl.pg_clipfrac, tw),
             "actor/pg_clipfrac_lower": (pl.pg_clipfrac_lower, tw),
-            "actor/entropy": (algos.masked_mean(entropy, mask), tw),
+            "actor/entropy": (algos.masked_mean(entropy.detach(), mask), tw),
             "actor/nonfinite/log_prob": ((~torch.isfinite(log_prob) & mask.bool()).sum(), 1.0),
             "actor/nonfinite/loss": (~torch.isfinite(loss), 1.0),
             "actor/ppo_ratio/max": (pl.ratio_max, 1.0),

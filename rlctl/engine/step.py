@@ -62,35 +62,35 @@ class Host(Protocol):
 
 
 class TrainStep:
-    """The phases of one step of ``trainer`` (module docstring)."""
+    """The phases of one step of the trainer ``host`` (module docstring)."""
 
-    def __init__(self, trainer: Host):
-        self.trainer = trainer
+    def __init__(self, host: Host):
+        self.host = host
 
     def _timed(self, t: dict[str, float], name: str):
         """``timed``, waiting for the accelerator at both ends (a GPU runs a phase's kernels after it)."""
-        return timed(t, name, self.trainer.runtime.synchronize)
+        return timed(t, name, self.host.runtime.synchronize)
 
     def run(self, step: int) -> dict[str, Any]:
         t: dict[str, float] = {}
-        self.trainer.follow_schedules(step)
+        self.host.follow_schedules(step)
         with self._timed(t, "step"):
             with self._timed(t, "gen"):
                 seqs, scores, sampling = self.batch_for(step)
             old, ref, values, drift = self.forward_passes(seqs, t)
             rewards, current_kl, advantages, returns = advantages_of(
-                self.trainer.cfg.algorithm, seqs, scores, old, ref, values, self.trainer.kl_ctrl.value
+                self.host.cfg.algorithm, seqs, scores, old, ref, values, self.host.kl_ctrl.value
             )
             stats = self.update(step, seqs, advantages, returns, old, ref, values, t)
-            kl_used = self.trainer.kl_ctrl.value
+            kl_used = self.host.kl_ctrl.value
             stats = self.adapt_kl(stats, current_kl, ref, len(seqs))
-            if faults.value("stale_rollout") is None and not self.trainer.shared_engine:
-                self.trainer.rollout.sync_weights()
+            if faults.value("stale_rollout") is None and not self.host.shared_engine:
+                self.host.rollout.sync_weights()
         tokens = int(seqs.attention_mask.sum())
         rest = {  # stats are reduced already
             **drift,
             **batch_metrics(
-                seqs, scores, rewards, advantages, returns, values, old, ref, self.trainer.cfg.rollout.max_new_tokens
+                seqs, scores, rewards, advantages, returns, values, old, ref, self.host.cfg.rollout.max_new_tokens
             ),
             **sampling,
             "actor/kl_coef": kl_used,
@@ -103,22 +103,22 @@ class TrainStep:
     def batch_for(self, step: int) -> tuple[Sequences, torch.Tensor, dict[str, float]]:
         """The step's batch: made now (rollout.mode sync), or during the step before (one_step_off), the
         next step's then started in the background before this one trains (``engine.ahead``)."""
-        if self.trainer.ahead is None:
-            return self.trainer.experience.rollout_batch(step)
-        skipped = self.trainer.guard.skipped_prompts if self.trainer.guard is not None else ()
-        batch, staleness = self.trainer.ahead.take(step, self.trainer.state.step, skipped)
-        self.trainer.experience.drawn = batch.drawn  # what a policy's skip skips
+        if self.host.ahead is None:
+            return self.host.experience.rollout_batch(step)
+        skipped = self.host.guard.skipped_prompts if self.host.guard is not None else ()
+        batch, staleness = self.host.ahead.take(step, self.host.state.step, skipped)
+        self.host.experience.drawn = batch.drawn  # what a policy's skip skips
         for event in batch.events:  # the generation's (multi-turn: drift, replayed calls), in order
-            self.trainer.emit(event)
-        self.trainer.ahead.fill(step, self.trainer.state.step, self.trainer.cfg.trainer.total_steps)
+            self.host.emit(event)
+        self.host.ahead.fill(step, self.host.state.step, self.host.cfg.trainer.total_steps)
         return batch.seqs, batch.scores, {**batch.sampling, **staleness}
 
     def forward_passes(self, seqs: Sequences, t: dict[str, float]):
         """(B, T) old log-probs (None on-policy: the update's forward gives them), reference log-probs
         (None without a KL term) and values (None without a critic); the rollout's log-prob drift."""
-        temperature, sampler = self.trainer.cfg.rollout.temperature, self.trainer.cfg.rollout.sampler
+        temperature, sampler = self.host.cfg.rollout.temperature, self.host.cfg.rollout.sampler
         with self._timed(t, "old_log_prob"), torch.no_grad():
-            old = None if self.trainer.on_policy else self.trainer.actor.old_log_probs(seqs, temperature)
+            old = None if self.host.on_policy else self.host.actor.old_log_probs(seqs, temperature)
         drift = {}
         if seqs.rollout_log_probs is not None and old is not None:
             diff = (old - seqs.rollout_log_probs).abs()
@@ -126,29 +126,27 @@ class TrainStep:
         with self._timed(t, "ref"), torch.no_grad():
             ref = (
                 None
-                if self.trainer.ref is None
-                else self.trainer.actor.in_pieces(
-                    seqs, lambda part: sequence_log_probs(self.trainer.ref, part, temperature, sampler=sampler)[0]
+                if self.host.ref is None
+                else self.host.actor.in_pieces(
+                    seqs, lambda part: sequence_log_probs(self.host.ref, part, temperature, sampler=sampler)[0]
                 )
             )
         with self._timed(t, "values"), torch.no_grad():
-            values = self.trainer.critic.values(seqs) if self.trainer.critic is not None else None
+            values = self.host.critic.values(seqs) if self.host.critic is not None else None
         return old, ref, values, drift
 
     def update(self, step: int, seqs: Sequences, advantages, returns, old, ref, values, t) -> dict[str, float]:
         """The critic's update (PPO), then the actor's (after the critic's warm-up); their metrics."""
         stats: dict[str, float] = {}
-        if self.trainer.critic is not None:
+        if self.host.critic is not None:
             with self._timed(t, "update_critic"):
-                stats.update(self.trainer.critic.update(seqs, values, returns))
-        if self.trainer.critic is None or step > self.trainer.cfg.critic.warmup_steps:
+                stats.update(self.host.critic.update(seqs, values, returns))
+        if self.host.critic is None or step > self.host.cfg.critic.warmup_steps:
             with self._timed(t, "update_actor"):
                 drill = faults.once("nan_log_prob", step)  # (a value: only that rank's batch)
-                poison = drill is not None and (drill == "" or int(drill) == self.trainer.dist.rank)
+                poison = drill is not None and (drill == "" or int(drill) == self.host.dist.rank)
                 rollout_lp = seqs.rollout_log_probs  # (on-policy: logprob_diff; any step: the rollout correction)
-                actor = self.trainer.actor.update(
-                    seqs, advantages, old, ref, self.trainer.kl_ctrl.value, poison, rollout_lp
-                )
+                actor = self.host.actor.update(seqs, advantages, old, ref, self.host.kl_ctrl.value, poison, rollout_lp)
                 stats.update(actor)
         return stats
 
@@ -158,11 +156,11 @@ class TrainStep:
         if current_kl is not None:
             stats["actor/reward_kl_penalty"] = current_kl
         how = {**ACTOR_REDUCTIONS, **CRITIC_REDUCTIONS, **STEP_REDUCTIONS}
-        stats = self.trainer.dist.reduce_row(stats, how)
+        stats = self.host.dist.reduce_row(stats, how)
         if ref is not None:
             measured = stats.get("actor/reward_kl_penalty", stats.get("actor/kl_loss"))
             if measured is not None and math.isfinite(measured):
-                self.trainer.kl_ctrl.update(measured, n_steps=batch * self.trainer.dist.world)
+                self.host.kl_ctrl.update(measured, n_steps=batch * self.host.dist.world)
         return stats
 
     def record(self, step: int, stats: dict[str, float], rest: dict[str, Any]) -> dict[str, Any]:
@@ -171,15 +169,15 @@ class TrainStep:
         how = {
             **BATCH_REDUCTIONS,
             **SAMPLING_REDUCTIONS,
-            **metrics_of(self.trainer.experience.reward_fn),  # each reward source's mean (reward.sources)
-            **self.trainer.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
-            **(STALENESS_REDUCTIONS if self.trainer.ahead is not None else {}),
+            **metrics_of(self.host.experience.reward_fn),  # each reward source's mean (reward.sources)
+            **self.host.rollout.reductions,  # the rollout's own (multi-turn: turns, tool calls)
+            **(STALENESS_REDUCTIONS if self.host.ahead is not None else {}),
             **STEP_REDUCTIONS,
             **{key: MAX for key in rest if key.startswith("timing_s/")},
         }  # a step takes its slowest rank's time
-        row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.trainer.dist.reduce_row(rest, how)}
-        self.trainer.state.step = step
-        self.trainer.state.prompts_seen += self.trainer.cfg.trainer.prompts_per_step
-        self.trainer.state.tokens_seen += int(row.pop("perf/tokens"))
-        row["perf/tokens_seen"] = self.trainer.state.tokens_seen
+        row = {"step": step, "timestamp": round(time.time(), 3), **stats, **self.host.dist.reduce_row(rest, how)}
+        self.host.state.step = step
+        self.host.state.prompts_seen += self.host.cfg.trainer.prompts_per_step
+        self.host.state.tokens_seen += int(row.pop("perf/tokens"))
+        row["perf/tokens_seen"] = self.host.state.tokens_seen
         return row
