@@ -3,6 +3,7 @@ one sentence per failure and a shared outage clock: the ground floor every write
 
 ``store`` is ``Storage``, a directory on such a filesystem; ``clients`` opens the filesystems and bounds
 their clients; ``failures`` classes and retries each failure; ``outages`` is the process's outage clock;
+``deadline`` cuts a request that hangs once its store's outage has lasted the budget;
 ``appends`` appends without rewriting where the store allows; ``mounts`` tells a local disk from a
 network one. This package only re-exports.
 """

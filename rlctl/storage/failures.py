@@ -21,6 +21,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from rlctl.errors import RlctlError, StorageError, StorageRefused
+from rlctl.storage.deadline import AttemptCut, attempt
 from rlctl.storage.outages import OUTAGES, Outage, store_of
 
 T = TypeVar("T")
@@ -207,6 +208,8 @@ def _origin(url: str) -> str:
 def describe(exc: BaseException) -> str:
     """The cause of a storage failure in a few words, on one line."""
     name = type(exc).__name__
+    if isinstance(exc, AttemptCut):
+        return str(exc) or "no answer by the deadline"
     service = _service_error(exc)
     if service is not None:
         code, message, status = service
@@ -261,12 +264,12 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
     rlctl's own errors (a nested call's StorageError, ``open_fs``'s ConfigError for a filesystem that
     is not installed) are raised as they are, but for a missing file whose bucket is missing."""
     start = time.monotonic()
-    attempt = 0
+    tries = 0
     while True:
-        attempt += 1
+        tries += 1
         tried = time.monotonic()
         try:
-            result = fn()
+            result = attempt(url, fn, budget)  # (cut short at the outage's deadline)
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough as exc:
@@ -284,7 +287,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
                 if is_refusal(exc, url, writing=True):  # (a missing file the caller passes through came above)
                     raise refused(action, url, exc) from exc
                 raise StorageError(f"cannot {action} {url}: {describe(exc)}") from exc
-            _wait_or_give_up(action, url, exc, budget, (start, tried), attempt)
+            _wait_or_give_up(action, url, exc, budget, (start, tried), tries)
         else:
             OUTAGES.answered(url)
             return result
@@ -316,18 +319,19 @@ def _open_for_writing(value: object) -> bool:
     )
 
 
-def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times: tuple, attempt: int) -> None:
+def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times: tuple, tries: int) -> None:
     """After a transient failure of the attempt begun at ``times[1]`` of a call begun at ``times[0]``:
     sleep the backoff, or raise the StorageError that gives up (with ``outage``, the store's outage, for
     a process that did not see it)."""
     start, tried = times
-    outage = OUTAGES.failed(url, f"cannot {action} {url}: {describe(exc)}", tried)
+    cause = exc.cause if isinstance(exc, AttemptCut) and exc.cause else describe(exc)  # (the outage's own)
+    outage = OUTAGES.failed(url, f"cannot {action} {url}: {cause}", tried, cause)
     left = (outage.since if outage is not None else start) + budget - time.monotonic()
     if left > 0:
-        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (attempt - 1)) * (0.5 + 0.5 * _JITTER.random())
+        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (tries - 1)) * (0.5 + 0.5 * _JITTER.random())
         time.sleep(min(delay, left))
         return
-    count = f"{attempt} attempt{'s' if attempt > 1 else ''} in {time.monotonic() - start:.0f} s"
+    count = f"{tries} attempt{'s' if tries > 1 else ''} in {time.monotonic() - start:.0f} s"
     earlier = f", {outage.store} having failed since {outage.began()}" if outage and outage.since < start else ""
     error = StorageError(f"cannot {action} {url}: {describe(exc)}; gave up after {count}{earlier}")
     error.outage = outage

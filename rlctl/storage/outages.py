@@ -35,6 +35,7 @@ class Outage:
     since: float
     last: float
     failure: str
+    cause: str = ""  # the failure's cause alone (``failure`` names the action and URL too)
 
     def began(self) -> str:
         """When it began, on the wall clock (UTC)."""
@@ -62,10 +63,11 @@ class Outages:
         self._open: dict[str, Outage] = {}
         self._answered: dict[str, float] = {}  # when each store last answered
 
-    def failed(self, url: str, failure: str, tried: float) -> Outage | None:
-        """A transient failure of ``url`` in an attempt begun at ``tried``: its store's outage (None for a
-        local path), begun then unless one is open, and never before the store's last answer (an
-        attempt that took minutes did not meet an outage that long)."""
+    def failed(self, url: str, failure: str, tried: float, cause: str = "") -> Outage | None:
+        """A transient failure of ``url`` (``failure``, its sentence; ``cause``, that failure's cause
+        alone) in an attempt begun at ``tried``: its store's outage (None for a local path), begun then
+        unless one is open, and never before the store's last answer (an attempt that took minutes did
+        not meet an outage that long)."""
         store = store_of(url)
         if store is None:
             return None
@@ -75,7 +77,7 @@ class Outages:
             if known is not None and tried - known.last > FORGOTTEN_AFTER:
                 known = None  # met again after a long silence: a new outage (a test's, a notebook's)
             since = min(known.since, began) if known else began
-            outage = self._open[store] = Outage(store, since, time.monotonic(), failure)
+            outage = self._open[store] = Outage(store, since, time.monotonic(), failure, cause)
         return outage
 
     def answered(self, url: str) -> None:
@@ -97,6 +99,17 @@ class Outages:
                 latest = outage if outage.last >= known.last else known
                 outage = replace(latest, since=min(known.since, outage.since))
             self._open[outage.store] = outage
+
+    def current(self, url: str) -> Outage | None:
+        """The open outage of the store of ``url``, if any."""
+        store = store_of(url)
+        return self._open.get(store) if store is not None else None
+
+    def deadline(self, url: str, budget: float) -> float | None:
+        """When the open outage of the store of ``url`` will have lasted ``budget`` seconds (monotonic
+        time), or None while none is open."""
+        outage = self.current(url)
+        return outage.since + budget if outage is not None else None
 
     def overdue(self, budget: float) -> Outage | None:
         """The oldest open outage that has lasted ``budget`` seconds or more, or None."""

@@ -147,6 +147,43 @@ def test_a_stall_shorter_than_the_budget_is_survived_and_a_longer_one_is_one_sen
     assert st.read_bytes("metrics.jsonl") == b'{"step": 1}\n'
 
 
+def test_a_request_that_hangs_in_an_outage_is_cut_at_the_deadline_not_a_read_timeout_later(moto):
+    """A writer whose client waits 20 s for a read meets an outage that another writer of the process
+    (a heartbeat's 0.5 s reads) met first: its request on the silent store is cut once the outage has
+    lasted the budget, not when its read times out, and the write it gave up never lands once the store
+    is back (the request was cancelled, its connection closed, not left waiting)."""
+    from rlctl.storage.deadline import RECHECK
+
+    budget = 3.0
+    quick = Storage(f"s3://{BUCKET}/run", moto.options(timeout=0.5), retry_timeout=budget)
+    slow = Storage(f"s3://{BUCKET}/run", moto.options(timeout=20), retry_timeout=budget)
+    slow.write_bytes("metrics.jsonl", b'{"step": 1}\n')
+    assert slow.read_bytes("metrics.jsonl") == b'{"step": 1}\n'  # (its connection is open and pooled)
+
+    met: list[BaseException] = []
+    moto.pause()
+    try:
+        t0 = time.monotonic()
+        heartbeat = threading.Thread(target=lambda: met.append(pytest.raises(StorageError, quick.exists, "lease.json")))
+        heartbeat.start()
+        time.sleep(0.2)
+        with pytest.raises(StorageError) as info:
+            slow.write_bytes("metrics.jsonl", b'{"step": 2}\n')
+        took = time.monotonic() - t0
+        heartbeat.join(timeout=30)
+    finally:
+        moto.resume()
+    assert budget <= took < budget + RECHECK + 2, took  # (before the cut: 20 s, the read timeout)
+    assert len(met) == 1, "the heartbeat's reads gave up too"
+    text = info.value.message
+    assert text.startswith(f"cannot write s3://{BUCKET}/run/metrics.jsonl: endpoint {moto.url} timed out ("), text
+    assert "had no answer by the deadline; gave up after" in text and "\n" not in text
+    time.sleep(1.0)  # (the server has caught up with what it was sent)
+    # (the outage is still open and overdue, no request having been answered since: a first try after
+    # it is tried in full, not cut at once)
+    assert quick.read_bytes("metrics.jsonl") == b'{"step": 1}\n'
+
+
 def test_the_lease_survives_a_short_stall_and_a_long_one_stops_the_writer_as_an_outage(moto):
     """Renewals that the storage failed for the lease timeout lose the lease as a storage outage (exit
     12: requeue and resume), never as a takeover (10 is for a lease.json that names another writer)."""
