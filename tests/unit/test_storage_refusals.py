@@ -21,6 +21,7 @@ from rlctl.config import load_config
 from rlctl.errors import ConfigError, ExitCode, StorageError
 from rlctl.preflight import check_config_names
 from rlctl.storage import Storage
+from rlctl.storage.deadline import RECHECK
 from rlctl.storage.failures import guarded, is_refusal, is_transient
 
 from helpers import child_env, invoke, run_cli
@@ -221,9 +222,11 @@ def test_an_azure_account_key_that_is_wrong_is_refused(azure_env):
 
 
 @pytest.mark.slow
-def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout():
+def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout_and_a_writers_deadline():
     """The Azure SDK waits 20 s to connect and 60 s for a read of its own; a reader's --timeout (2 s
-    here) bounds both. Before: the read waited 60 s."""
+    here) bounds both. Before: the read waited 60 s. Then a writer with the 60 s read timeout and a 3 s
+    budget meets the outage the reader opened: its request is cut at the outage's deadline
+    (``rlctl.storage.deadline``). Before: it waited its read timeout, 60 s."""
     server = os.path.join(os.path.dirname(os.path.dirname(sys.executable)), AZURITE)
     if not os.path.exists(server):
         pytest.skip("Azurite is not installed (`make venv` installs it)")
@@ -238,11 +241,17 @@ def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout():
         store.fs.mkdir("rlctl-paused")
         store.write_bytes("config.yaml", b"trainer: {}\n")
         reader = Storage.for_reading("az://rlctl-paused/run", 2, {"connection_string": connection})
+        writer = Storage("az://rlctl-paused/run", {"connection_string": connection}, retry_timeout=3)
+        assert writer.read_bytes("config.yaml") == b"trainer: {}\n"
         _pause(proc)
         began = time.monotonic()
         with pytest.raises(StorageError, match="gave up after"):
             reader.read_bytes("config.yaml")
         assert time.monotonic() - began < 2 + 4, time.monotonic() - began
+
+        with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
+            writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
+        assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
     finally:
         proc.send_signal(signal.SIGCONT)
         _stop(proc)
