@@ -22,12 +22,14 @@ def test_a_code_reward_run_writes_its_tests_passes_timeouts_and_sandbox_seconds(
         "data": {"path": str(REPO / "examples" / "data" / "coding_train.jsonl"), "max_prompt_length": 512},
         "reward": {
             "function": "rlctl.engine.reward.code:tests_passed",
-            "kwargs": {"workers": 2, "sandbox": {"wall_time_s": 3, "cpu_time_s": 2}},
+            "kwargs": {"workers": 2, "sandbox": {"wall_time_s": 30, "cpu_time_s": 10}},
         },
         "trainer": {"total_steps": 2, "prompts_per_step": 2},
         "algorithm": {"group_size": 2},
         "rollout": {"max_new_tokens": 8},
     }
+    # (limits far above what 8 tokens of the model's code can use: a jail that starts slowly on a loaded
+    # machine, 3 s of wall time in a suite of 3 workers on 2 cores, is no timeout of the code's own)
     run = tmp_path / "run"
     r = invoke("start", *start_args(run, config=config), cwd=REPO)
     assert r.returncode == 0, r.stderr
