@@ -88,7 +88,7 @@ def test_an_environment_answers_each_turn_and_rewards_it_on_its_last_token(made)
     rollout._step_environment([(0, convs[0])], second, 1, 1, stats)
     assert convs[0].calls[1]["answer"] == "right after 2" and convs[0].done
     assert convs[0].turn_rewards[1] == (end + len(second[0]) - 1, 1.0)
-    rollout.pool.release()
+    rollout.calls.pool.release()
 
     # in the batch and the advantages: the score holds the turns' rewards; they sit at their turns' ends
     batch = batch_of(rollout.encode(["guess my number"] * 3), convs, tok.pad_token_id)
@@ -105,7 +105,7 @@ def test_a_failing_environment_masks_its_conversation_and_a_bad_one_is_refused_b
     convs, turns = _start(rollout, ["1"])
     rollout._step_environment(list(enumerate(convs)), turns, 1, 0, ToolStats())
     assert convs[0].infra_failed and convs[0].done and "step() must return" in convs[0].calls[0]["answer"]
-    rollout.pool.release()
+    rollout.calls.pool.release()
     with pytest.raises(ConfigError, match="'rollout.multi_turn.environment': toolbox:lookup is no class"):
         made(environment="toolbox:lookup")
 
@@ -122,11 +122,11 @@ def test_a_stateful_tool_keeps_its_state_and_a_step_run_again_rebuilds_it(made, 
         rollout.record = record
         record.begin(5)
         convs, turns = _start(rollout, [call % 2], offer=offer)
-        rollout._generation = 1  # the same generate call of the step, as a step run again numbers it
+        rollout.calls.generation = 1  # the same generate call of the step, as a step run again numbers it
         rollout._answer(list(enumerate(convs)), turns, 5, 0, ToolStats(by_name={"Counter": 0}))
         turns = _said(rollout, convs, [call % 3])
         rollout._answer(list(enumerate(convs)), turns, 5, 1, ToolStats(by_name={"Counter": 0}))
-        rollout.pool.release()
+        rollout.calls.pool.release()
         return [c["answer"] for c in convs[0].calls]
 
     run = Storage(str(tmp_path / "run"))

@@ -10,8 +10,9 @@ from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.actor import Actor
 from rlctl.engine.model import load_tokenizer
 from rlctl.engine.rollout.conversation import Conversation, ToolStats, batch_of
-from rlctl.engine.rollout.multi_turn import OUTAGE, MultiTurnRollout
+from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 from rlctl.engine.rollout.offers import Offer
+from rlctl.engine.rollout.tool_calls import OUTAGE
 from rlctl.engine.tools.loader import load_tools
 from rlctl.engine.tools.pool import ToolPool
 from rlctl.engine.tools.record import ToolRecord
@@ -163,13 +164,13 @@ def test_under_a_tool_outage_drill_every_call_is_unavailable_and_nothing_is_aske
         lines = record.read_bytes()
         rollout.record = ToolRecord(RunDir(run), 0)  # the step run again, now in the outage
         rollout.record.begin(5)
-        rollout._outage = True
+        rollout.calls.outage = True
         said, stats = _turn(rollout, [tick, lookup, "<tool_call>not json</tool_call>"], 5)
         assert all(OUTAGE in s for s in said[:2]) and "lima" not in said[1] and "not valid JSON" in said[2]
         assert (stats.calls, stats.unavailable, stats.invalid, stats.replayed) == (3, 2, 1, 0)
         assert record.read_bytes() == lines
     finally:
-        rollout.record, rollout._outage = None, None
+        rollout.record, rollout.calls.outage = None, None
 
 
 def test_a_rows_tools_and_hidden_arguments_reach_its_prompt_and_its_calls(rollout):

@@ -16,29 +16,23 @@ policy loss, the KL, the entropy, their normalisation or the response length (ov
 the model's tokens). Rollout log-probs are the model's tokens' (0 elsewhere). A conversation that met
 an infrastructure failure (a timeout, ``ToolUnavailable``, a dead worker) is masked whole: no mistake
 of the model's is trained on. At its end each conversation is rendered whole and compared with its ids
-(``chat.first_drift``): ``multi_turn/template_drift_frac`` and a ``template_drift`` event. The
-``tool_outage`` fault drill (``rlctl.faults``) answers every call of its steps as unavailable, the
-tools never asked.
+(``chat.first_drift``): ``multi_turn/template_drift_frac`` and a ``template_drift`` event.
 
-A stateful tool and an environment are objects kept per conversation in the tool workers (``Session``:
-every call of a conversation goes to the worker holding its object, with the conversation's earlier
-calls, from which a worker that does not hold it rebuilds it); their objects are released when the
-generate ends. With an environment, every turn of the model's is its action: ``step`` answers the next
-user message, a reward on the turn's last token (``Conversation.turn_rewards``, part of the score) and
-whether the conversation is done.
+The calls, once checked, are run, replayed and recorded by ``tool_calls`` (stateful tools and
+environments included: objects kept per conversation in the tool workers). With an environment, every
+turn of the model's is its action: ``step`` answers the next user message, a reward on the turn's last
+token (``Conversation.turn_rewards``, part of the score) and whether the conversation is done.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from rlctl import events as names
-from rlctl import faults
 from rlctl.config import RunConfig
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.batch import Sequences
@@ -57,28 +51,13 @@ from rlctl.engine.rollout.hf import HFRollout, decode, response_mask_for, sample
 from rlctl.engine.rollout.offers import EVERY_TOOL, Offer, Offers
 from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
+from rlctl.engine.rollout.tool_calls import ENVIRONMENT, Job, ToolCalls
 from rlctl.engine.rollout.trajectory import TrajectoryLog, segments
 from rlctl.engine.tools.loader import Tools
-from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, CallResult, Session, ToolPool
-from rlctl.engine.tools.record import ToolRecord, call_key
+from rlctl.engine.tools.pool import INFRA, OK, ToolPool
+from rlctl.engine.tools.record import ToolRecord
 from rlctl.tools.formats import FORMATS
 from rlctl.tools.schema import check_call
-
-OUTAGE = "the tool is unavailable (fault drill tool_outage)"  # what a call under the drill is answered
-ENVIRONMENT = "environment"  # the name of an environment's steps in the calls and the record
-
-
-class Job(NamedTuple):
-    """A call to run: what the worker gets (a function's ``module:function`` or a ``Session``) and its
-    arguments; the tool's name, the call's key in the record, the worker it must run in (None: any) and
-    its arguments as the calls' log shows them (hidden values included)."""
-
-    payload: str | Session
-    arguments: Any
-    name: str
-    key: str
-    slot: int | None
-    shown: Any
 
 
 class MultiTurnRollout(HFRollout):
@@ -100,25 +79,31 @@ class MultiTurnRollout(HFRollout):
         of tool calls (``engine.tools.record``; None: nothing recorded or replayed); ``trajectories``: where
         the conversations of each training step are written (``trajectory``; None: nowhere)."""
         super().__init__(cfg, actor, tokenizer)
-        schemas, functions = tools.schemas, tools.functions
-        self.mt, self.schemas, self.functions = mt, schemas, functions
-        self.stateful, self.environment = tools.stateful, tools.environment
+        self.mt, self.schemas, self.environment = mt, tools.schemas, tools.environment
+        self.calls = ToolCalls(tools, pool, record)
         self.format = FORMATS[mt.format]
         self.offers = Offers(mt, tools, tokenizer, cfg.model.path or "the built-in model")
         self.chat = self.offers.chat(EVERY_TOOL)
         stops = [*cfg.rollout.stop, self.format.end] if mt.max_parallel_calls == 1 else list(cfg.rollout.stop)
         self.turn_stops = StopStrings(tokenizer, stops)
-        self.pool, self.record, self.trajectories = pool, record, trajectories
+        self.trajectories = trajectories
         self._last: list[Conversation] = []  # the last generate's conversations, for ``scored``
         self.emit: Callable[[dict[str, Any]], None] = emit or (lambda event: None)
         self.call_metrics = tools.call_metrics  # name -> a tool's own metrics of a call (tool/python/*)
         own = {key: how for hook in self.call_metrics.values() for key, how in hook.reductions.items()}
-        self.reductions = {**MULTI_TURN_REDUCTIONS, **{f"tool/{name}/calls": SUM for name in schemas}, **own}
+        self.reductions = {**MULTI_TURN_REDUCTIONS, **{f"tool/{name}/calls": SUM for name in self.schemas}, **own}
         if self.environment is not None:
             self.reductions.update(ENVIRONMENT_REDUCTIONS)
         self._metrics: list[dict[str, float]] = []
-        self._outage: bool | None = None  # the tool_outage drill's answer for the step running (None: not asked)
-        self._generation = 0  # generate calls so far: the objects of a stateful tool or environment are per call
+
+    @property
+    def record(self) -> ToolRecord | None:
+        """The run's record of tool calls (``tool_calls``)."""
+        return self.calls.record
+
+    @record.setter
+    def record(self, record: ToolRecord | None) -> None:
+        self.calls.record = record
 
     def decode(self, seqs: Sequences) -> list[str]:
         """The text of each conversation's last turn of the model (its last run of trained tokens, eos
@@ -136,7 +121,8 @@ class MultiTurnRollout(HFRollout):
     def take_metrics(self) -> dict[str, float]:
         """The metrics of the conversations generated since the last call (every round of a step), as
         one row (``reductions``). The step's run is over: the next generate asks the drills again."""
-        rows, self._metrics, self._outage = self._metrics, [], None
+        rows, self._metrics = self._metrics, []
+        self.calls.step_over()
         if self.trajectories is not None:
             self.trajectories.write()
         if not rows:
@@ -167,15 +153,11 @@ class MultiTurnRollout(HFRollout):
             Conversation(p, k, messages=prompt_messages(self.cfg.data, p), offer=o, env_args=e)
             for p, k, o, e in zip(prompts, keys, offers, self.offers.env_args(columns, keys))
         ]
-        self._generation += 1
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"].cpu(), enc["attention_mask"].cpu())]
         t = self.cfg.rollout.temperature if temperature is None else temperature
         own = {key: 0.0 for hook in self.call_metrics.values() for key in hook.reductions}
         stats = ToolStats(by_name=dict.fromkeys(self.schemas, 0), own=own)
-        if self.record is not None:
-            self.record.begin(step)
-        if self._outage is None:  # once per run of a step, every round of it alike
-            self._outage = faults.tool_outage(step)
+        self.calls.begin(step)
         module = self.actor.module
         was_training = module.training
         module.eval()
@@ -190,8 +172,7 @@ class MultiTurnRollout(HFRollout):
                     answer([(i, convs[i]) for i in live], turns, step, turn, stats)
         finally:
             module.train(was_training)
-            if self.environment is not None or self.stateful:
-                self.pool.release()  # every conversation's objects: release() / close()
+            self.calls.release()
         self._metrics.append(self._row(convs, stats, step))
         if stats.replayed:
             self.emit({"event": names.TOOL_CALLS_REPLAYED, "step": step, "calls": stats.replayed})
@@ -309,16 +290,16 @@ class MultiTurnRollout(HFRollout):
                     continue
                 stats.by_name[call.name] += 1
                 answers.append(len(jobs))
-                jobs.append(self._tool_job(index, c, step, turn, len(answers) - 1, call.name, args))
+                jobs.append(self.calls.tool_job(index, c, step, turn, len(answers) - 1, call.name, args))
             answers += [("invalid", f"error: {sentence}") for sentence in parsed.invalid]
             plans.append((c, tokens, answers))
-        results = self._run(jobs, stats)
+        results = self.calls.run(jobs, stats)
         for c, tokens, answers in plans:
             messages = []
             for a in answers:
                 if isinstance(a, int):
                     res, job = results[a], jobs[a]
-                    self._count(res, stats, job.name)
+                    self.calls.count(res, stats, job.name)
                     c.infra_failed |= res.outcome in INFRA
                     content = res.text if res.outcome == OK else f"error: {res.text}"
                     messages.append((job.name, self._cut(content)))
@@ -333,21 +314,6 @@ class MultiTurnRollout(HFRollout):
                 for call in c.calls[len(c.calls) - len(answers) :]:
                     call["answer"] = None
 
-    def _tool_job(self, index: int, c: Conversation, step: int, turn: int, position: int, name: str, args) -> Job:
-        """A well-formed call: a function called with the row's hidden values among its arguments, or a
-        stateful tool's object (``index``: the conversation's place in the generate, the worker it lives
-        in) asked with its earlier calls, to rebuild it where it is not held, and its create() given them."""
-        hidden = c.offer.hidden.get(name, {})
-        key = call_key(step, c.prompt, c.seed, turn, position, name, {**args, **hidden})
-        if name not in self.stateful:
-            args = {**args, **hidden}  # never shown to the model
-            return Job(self.functions[name], args, name, key, None, args)
-        earlier = c.history.setdefault(name, [])
-        instance = f"{self._generation}:{index}:{name}"
-        session = Session("tool", self.functions[name], instance, dict(hidden), tuple(earlier))
-        earlier.append(args)
-        return Job(session, args, name, key, index, {**args, **hidden})
-
     def _step_environment(
         self, live: list[tuple[int, Conversation]], turns: list[list[int]], step: int, turn: int, stats: ToolStats
     ) -> None:
@@ -359,14 +325,10 @@ class MultiTurnRollout(HFRollout):
         for (index, c), tokens in zip(live, turns):
             text = self._turn_text(tokens)
             c.messages.append({"role": "assistant", "content": text})
-            earlier = c.history.setdefault(ENVIRONMENT, [])
-            session = Session(ENVIRONMENT, self.environment, f"{self._generation}:{index}", c.env_args, tuple(earlier))
-            earlier.append([text])
-            key = call_key(step, c.prompt, c.seed, turn, 0, ENVIRONMENT, {"action": text})
-            jobs.append(Job(session, [text], ENVIRONMENT, key, index, {"action": text}))
+            jobs.append(self.calls.environment_job(index, c, step, turn, text))
         stats.calls += len(jobs)
-        for (_, c), tokens, job, res in zip(live, turns, jobs, self._run(jobs, stats)):
-            self._count(res, stats)
+        for (_, c), tokens, job, res in zip(live, turns, jobs, self.calls.run(jobs, stats)):
+            self.calls.count(res, stats)
             call = {"turn": turn, "name": ENVIRONMENT, "arguments": job.shown, "outcome": res.outcome}
             c.calls.append(call)
             if res.outcome != OK:
@@ -390,47 +352,8 @@ class MultiTurnRollout(HFRollout):
                 else:
                     call["answer"] = None  # no room: the model never saw it
 
-    def _count(self, res: CallResult, stats: ToolStats, name: str | None = None) -> None:
-        """A call's outcome counted; a tool with metrics of its own (``call_metrics``) counts it too, from
-        the outcome and text alone, so that a replayed call counts as the call it replays."""
-        stats.errors += res.outcome == ERROR
-        stats.timeouts += res.outcome == TIMEOUT
-        stats.unavailable += res.outcome == UNAVAILABLE
-        if (hook := self.call_metrics.get(name)) is not None:
-            for key, value in hook.of(res.outcome, res.text).items():
-                stats.own[key] += value
-
     def _turn_text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode([x for x in tokens if x not in self.eos_ids], skip_special_tokens=False)
-
-    def _run(self, jobs: list[Job], stats: ToolStats) -> list[CallResult]:
-        """The answers of a turn's calls: recorded ones replayed (``record``), the others run in the pool
-        together and recorded. Under the ``tool_outage`` drill every call is unavailable, nothing asked
-        or replayed (an infrastructure failure is never recorded)."""
-        if self._outage:
-            return [CallResult(UNAVAILABLE, OUTAGE, 0.0) for _ in jobs]
-        results: list[CallResult | None] = [None] * len(jobs)
-        fresh = []
-        for i, job in enumerate(jobs):
-            old = self.record.replay(job.key) if self.record is not None else None
-            if old is None:
-                fresh.append(i)
-            else:
-                results[i] = CallResult(old.outcome, old.text, old.seconds)
-                stats.replayed += 1
-
-        def recorded(j: int, res: CallResult) -> None:  # on storage as each call ends
-            if self.record is not None and res.outcome not in INFRA:
-                self.record.add(jobs[fresh[j]].key, res.outcome, res.text, res.seconds)
-                self.record.flush()
-
-        t0 = time.perf_counter()
-        calls = [(jobs[i].payload, jobs[i].arguments) for i in fresh]
-        answered = self.pool.run(calls, recorded, [jobs[i].slot for i in fresh]) if fresh else []
-        stats.seconds += time.perf_counter() - t0
-        for i, res in zip(fresh, answered):
-            results[i] = res
-        return results  # type: ignore[return-value]
 
     def _append(self, c: Conversation, tokens: list[int], answer: list[int]) -> bool:
         """The template's close of the model's turn and the ``answer``'s ids (a tool's or the
