@@ -134,10 +134,13 @@ def drop_baseline(trigger: DropTrigger, history: Sequence[float]) -> float:
 
 def drop_limit(trigger: DropTrigger, history: Sequence[float], seen: int) -> float | None:
     """The value past which ``trigger`` fires (below it for mode max, above for min): the baseline
-    less (or plus) the margin; None while it is not armed (fewer than ``min_history`` values seen)."""
+    less (or plus) the margin; None while it is not armed (fewer than ``min_history`` values seen, or a
+    baseline past its ``floor``)."""
     if seen < trigger.min_history or not history:
         return None
     baseline = drop_baseline(trigger, history)
+    if trigger.floor is not None and (baseline < trigger.floor if trigger.mode == "max" else baseline > trigger.floor):
+        return None
     margin = trigger.amount if trigger.amount is not None else trigger.fraction * abs(baseline)  # type: ignore[operator]
     return baseline - margin if trigger.mode == "max" else baseline + margin
 

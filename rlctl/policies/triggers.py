@@ -124,6 +124,13 @@ class DropTrigger(PolicyModel):
         description="Fire when the value is more than this fraction of |baseline| past it (0.05: 5%).",
     )
 
+    floor: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="Not armed while the baseline is below this (mode max; above it, mode min): a metric near "
+        "its floor has nothing left to drop (an entropy of 0.01 that falls to 0.002 is a converged policy).",
+    )
+
     @model_validator(mode="after")
     def _one_margin(self) -> DropTrigger:
         if (self.amount is None) == (self.fraction is None):
@@ -140,6 +147,8 @@ class DropTrigger(PolicyModel):
         else:
             base = "its best so far" if self.mode == "max" else "its best (lowest) so far"
         text = f"{self.metric} {moves.format(margin)} {base}"
+        if self.floor is not None:
+            text += f" while that is {'at least' if self.mode == 'max' else 'at most'} {as_written(self.floor)}"
         if self.min_history > 1:
             text += f", once {self.min_history} values are known"
         return text

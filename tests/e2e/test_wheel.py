@@ -71,4 +71,4 @@ def test_the_wheel_ships_the_ready_made_policies(tmp_path):
 
     r = run(venv / "bin" / "rlctl", "policy", "check", "default", cwd=elsewhere)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("default: valid, 7 rules."), r.stdout
+    assert r.stdout.startswith("default: valid, 8 rules."), r.stdout

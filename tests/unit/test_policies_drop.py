@@ -53,6 +53,25 @@ def state_of(eng: PolicyEngine, name: str = "drop") -> dict:
 # Evaluator
 
 
+def test_a_floor_disarms_a_median_drop_whose_baseline_has_nothing_left_to_fall_from():
+    """default's entropy-collapse: a fall to under a quarter of the median fires from 2.0; a policy whose
+    entropy came down step by step (each value within the band joins the median) and now swings by 4x
+    around 0.05, as a converged one does, is not a collapse once the median is under the floor; mode min
+    mirrors it (not armed while the median is above the floor)."""
+    rule = drop_rule(baseline="median", window=4, min_history=4, fraction=0.75, floor=0.1)
+    floorless = {**rule, "trigger": {k: v for k, v in rule["trigger"].items() if k != "floor"}}
+    sudden = {1: 2.0, 2: 2.1, 3: 1.9, 4: 2.0, 5: 0.3}
+    assert run(engine(rule), sparse(sudden)) == {5: (0.3, pytest.approx(0.5))}
+    gradual = {1: 2.0, 2: 1.0, 3: 0.5, 4: 0.25, 5: 0.2, 6: 0.1, 7: 0.06, 8: 0.05, 9: 0.01}
+    assert run(engine(floorless), sparse(gradual)) == {9: (0.01, pytest.approx(0.02))}
+    assert run(engine(rule), sparse(gradual)) == {}  # the median at step 9 is 0.08
+
+    mirrored = drop_rule(mode="min", baseline="median", window=4, min_history=4, fraction=1.0, floor=10.0)
+    assert list(run(engine(mirrored), sparse({1: 1.0, 2: 1.1, 3: 0.9, 4: 1.0, 5: 2.5}))) == [5]
+    assert run(engine(mirrored), sparse({1: 8.0, 2: 12.0, 3: 16.0, 4: 20.0, 5: 50.0})) == {}  # (median 14)
+    assert "while that is at least 0.1" in validate_policy({"rules": [rule]}).rules[0].resolved_trigger.describe()
+
+
 def test_best_amount_fires_below_best_minus_amount_with_the_threshold_as_limit():
     eng = engine(drop_rule(amount=0.05))
     fired = run(eng, sparse({2: 0.40, 4: 0.50, 6: 0.46, 8: 0.44, 10: 0.52, 12: 0.46}))
