@@ -29,11 +29,9 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_cli(
     *args: str, cwd: Path | None = None, timeout: float = 600, env=None, faults: str = ""
 ) -> subprocess.CompletedProcess:
-    """`rlctl ARGS` in a process of its own (``_popen``), run to its end: ``env`` added to this process's
-    (``child_env``), ``faults`` as RLCTL_FAULTS (drills that fire once per process), in ``cwd`` (the
-    repository's root by default). ``spawn`` leaves it running; ``invoke`` runs it in this process."""
-    drilled = {**(env or {}), **({"RLCTL_FAULTS": faults} if faults else {})}
-    proc = _popen(args, env=child_env(**drilled), cwd=cwd or REPO)
+    """`rlctl ARGS` in a process of its own, as ``spawn`` starts it, run to its end (``timeout``: killed
+    then, and TimeoutExpired raised). ``invoke`` runs it in this process."""
+    proc = spawn(*args, faults=faults, env=env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -131,9 +129,12 @@ def completed_hash(run_dir):
 
 
 def spawn(*args, faults="", env=None, cwd=None, fork: bool = True):
-    """`rlctl ARGS` left running in a process of its own (a Popen with text pipes), as ``run_cli`` starts
-    it; ``fork=False``: a new interpreter from the console script, never the fork server's child."""
-    return _popen(args, env=child_env(RLCTL_FAULTS=faults, **(env or {})), cwd=cwd or REPO, fork=fork)
+    """`rlctl ARGS` left running in a process of its own (a Popen with text pipes; ``_popen``): ``env``
+    added to this process's environment (``child_env``), ``faults`` as RLCTL_FAULTS (drills that fire
+    once per process; else ``env``'s, never this process's own), in ``cwd`` (the repository's root by
+    default); ``fork=False``: a new interpreter from the console script, never the fork server's child."""
+    extra = {"RLCTL_FAULTS": "", **(env or {}), **({"RLCTL_FAULTS": faults} if faults else {})}
+    return _popen(args, env=child_env(**extra), cwd=cwd or REPO, fork=fork)
 
 
 def drills(faults: str) -> list[str]:
