@@ -134,8 +134,8 @@ def _factory(previous: Any, runner_code: Any) -> Any:
 
 
 def _look(loop: asyncio.AbstractEventLoop, task: asyncio.Future, watch: Watch) -> None:
-    """Cut ``task`` once its store's outage is overdue (or its attempt was cut): looked at now, then at
-    the outage's deadline, or every ``RECHECK`` seconds while none is open."""
+    """Cut ``task`` once its store's outage is overdue (or its attempt was cut): looked at as it starts,
+    then at the outage's deadline, or every ``RECHECK`` seconds while none is open."""
     pending: list[asyncio.TimerHandle] = []
 
     def look() -> None:
@@ -150,7 +150,9 @@ def _look(loop: asyncio.AbstractEventLoop, task: asyncio.Future, watch: Watch) -
             return
         pending[:] = [loop.call_later((due - now) if due is not None else RECHECK, look)]
 
-    look()
+    # first looked at once the task has taken its first step, inside fsspec's try: a task cancelled before
+    # it starts never runs the finally that wakes the waiting thread (which would wait forever)
+    pending.append(loop.call_soon(look))
     task.add_done_callback(lambda _task: [handle.cancel() for handle in pending])
 
 

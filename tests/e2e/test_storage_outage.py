@@ -27,7 +27,8 @@ from conftest import _listens, _pause, _server, _start
 from rlctl.errors import ExitCode, StorageError
 from rlctl.rundir.layout import LEASE_FILE
 from rlctl.rundir.lease import Lease, read_lease
-from rlctl.storage import Storage
+from rlctl.storage import Storage, guarded
+from rlctl.storage.outages import OUTAGES
 
 from helpers import SMALL, metrics_of, run_cli, spawn, start_args
 
@@ -182,6 +183,38 @@ def test_a_request_that_hangs_in_an_outage_is_cut_at_the_deadline_not_a_read_tim
     # (the outage is still open and overdue, no request having been answered since: a first try after
     # it is tried in full, not cut at once)
     assert quick.read_bytes("metrics.jsonl") == b'{"step": 1}\n'
+
+
+def test_a_request_begun_past_the_deadline_in_an_attempt_begun_before_it_is_cut_not_left_waiting(moto):
+    """The attempt began before its store's outage was overdue, its request after: the request is cut as
+    it starts, inside fsspec's runner (a task cancelled before its first step never wakes the thread that
+    waits on it: that thread waited forever)."""
+    st = Storage(f"s3://{BUCKET}/run", moto.options(timeout=20), retry_timeout=1.0)
+    st.write_bytes("a", b"x")
+    url = st.url_of("a")
+
+    def late_read() -> bytes:
+        time.sleep(1.5)  # (the outage's deadline passes while the attempt runs)
+        return st.fs.cat_file(st.path("a"))
+
+    ended: list[BaseException | bytes] = []
+
+    def attempt() -> None:
+        try:
+            ended.append(guarded("read", url, late_read, 1.0))
+        except BaseException as exc:
+            ended.append(exc)
+
+    OUTAGES.failed(url, f"cannot read {url}: endpoint timed out", time.monotonic(), "endpoint timed out")
+    try:
+        waiting = threading.Thread(target=attempt, daemon=True)
+        waiting.start()
+        waiting.join(timeout=15)
+        assert not waiting.is_alive(), "the attempt's thread was never woken"
+    finally:
+        OUTAGES.clear()
+    assert isinstance(ended[0], StorageError), ended
+    assert "endpoint timed out, and the attempt under way had no answer by the deadline" in ended[0].message
 
 
 def test_the_lease_survives_a_short_stall_and_a_long_one_stops_the_writer_as_an_outage(moto):
