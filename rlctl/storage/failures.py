@@ -209,7 +209,7 @@ def describe(exc: BaseException) -> str:
     """The cause of a storage failure in a few words, on one line."""
     name = type(exc).__name__
     if isinstance(exc, AttemptCut):
-        return str(exc) or "no answer by the deadline"
+        return exc.strerror
     service = _service_error(exc)
     if service is not None:
         code, message, status = service
@@ -269,7 +269,7 @@ def guarded(action: str, url: str, fn: Callable[[], T], budget: float, passthrou
         tries += 1
         tried = time.monotonic()
         try:
-            result = attempt(url, fn, budget)  # (cut short at the outage's deadline)
+            result = attempt(url, fn, budget, (start, tried))  # (cut short at the outage's deadline)
         except RlctlError:  # already a sentence: a nested call's StorageError, a filesystem not installed
             raise
         except passthrough as exc:

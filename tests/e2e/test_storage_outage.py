@@ -185,36 +185,40 @@ def test_a_request_that_hangs_in_an_outage_is_cut_at_the_deadline_not_a_read_tim
     assert quick.read_bytes("metrics.jsonl") == b'{"step": 1}\n'
 
 
-def test_a_request_begun_past_the_deadline_in_an_attempt_begun_before_it_is_cut_not_left_waiting(moto):
-    """The attempt began before its store's outage was overdue, its request after: the request is cut as
-    it starts, inside fsspec's runner (a task cancelled before its first step never wakes the thread that
-    waits on it: that thread waited forever)."""
+def test_a_request_that_would_begin_past_the_deadline_is_never_begun_nor_left_waiting(moto):
+    """The call began before its store's outage was overdue, its upload after: the upload is refused
+    before fsspec runs it, so nothing of it reaches the (live) server, and the waiting thread is woken
+    with the cut. (Cancelled before its first step, fsspec's runner never woke its thread: it waited
+    forever. Refused before it starts, rather than cancelled after its first step, no client can have
+    sent any of it.)"""
     st = Storage(f"s3://{BUCKET}/run", moto.options(timeout=20), retry_timeout=1.0)
     st.write_bytes("a", b"x")
-    url = st.url_of("a")
+    url = st.url_of("b")
 
-    def late_read() -> bytes:
-        time.sleep(1.5)  # (the outage's deadline passes while the attempt runs)
-        return st.fs.cat_file(st.path("a"))
+    def late_write() -> None:
+        time.sleep(1.5)  # (the outage's deadline passes while the call runs)
+        st.fs.pipe_file(st.path("b"), b"late")
 
-    ended: list[BaseException | bytes] = []
+    ended: list[BaseException | None] = []
 
-    def attempt() -> None:
+    def call() -> None:
         try:
-            ended.append(guarded("read", url, late_read, 1.0))
+            ended.append(guarded("write", url, late_write, 1.0))
         except BaseException as exc:
             ended.append(exc)
 
-    OUTAGES.failed(url, f"cannot read {url}: endpoint timed out", time.monotonic(), "endpoint timed out")
+    OUTAGES.failed(url, f"cannot write {url}: endpoint timed out", time.monotonic(), "endpoint timed out")
     try:
-        waiting = threading.Thread(target=attempt, daemon=True)
+        waiting = threading.Thread(target=call, daemon=True)
         waiting.start()
         waiting.join(timeout=15)
-        assert not waiting.is_alive(), "the attempt's thread was never woken"
+        assert not waiting.is_alive(), "the call's thread was never woken"
     finally:
         OUTAGES.clear()
     assert isinstance(ended[0], StorageError), ended
     assert "endpoint timed out, and the attempt under way had no answer by the deadline" in ended[0].message
+    time.sleep(0.5)
+    assert not st.exists("b"), "the upload refused at the deadline reached the server"
 
 
 def test_the_lease_survives_a_short_stall_and_a_long_one_stops_the_writer_as_an_outage(moto):
