@@ -15,7 +15,7 @@ import time
 import uuid
 
 import pytest
-from conftest import AZURITE_ACCOUNT, AZURITE_KEY, _pause, _server, _stop, refused_port
+from conftest import AZURITE_ACCOUNT, AZURITE_KEY, _pause, _server, _stop, gcs_server, refused_port
 
 from rlctl.config import load_config
 from rlctl.errors import ConfigError, ExitCode, StorageError
@@ -249,6 +249,28 @@ def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout_and_a_wri
             reader.read_bytes("config.yaml")
         assert time.monotonic() - began < 2 + 4, time.monotonic() - began
 
+        with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
+            writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
+        assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_writer_on_a_paused_gcs_server_is_given_up_on_at_the_outages_deadline():
+    """gcsfs waits 60 s for a read; a writer with a 3 s budget that meets the outage a reader opened on a
+    paused gcp-storage-emulator is given up within the deadline (``rlctl.storage.deadline``). Before: 60 s."""
+    proc, url = gcs_server("--default-bucket", "rlctl-paused")
+    opts = {"endpoint_url": url, "token": "anon", "project": "rlctl-tests"}
+    try:
+        writer = Storage("gs://rlctl-paused/run", opts, retry_timeout=3)
+        writer.write_bytes("config.yaml", b"trainer: {}\n")
+        reader = Storage.for_reading("gs://rlctl-paused/run", 2, opts)
+        _pause(proc)
+        began = time.monotonic()
+        with pytest.raises(StorageError, match="gave up after"):
+            reader.read_bytes("config.yaml")
         with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
             writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
         assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
