@@ -240,18 +240,9 @@ def test_a_paused_azure_server_is_given_up_on_within_a_readers_timeout_and_a_wri
         store = Storage("az://rlctl-paused/run", {"connection_string": connection})
         store.fs.mkdir("rlctl-paused")
         store.write_bytes("config.yaml", b"trainer: {}\n")
-        reader = Storage.for_reading("az://rlctl-paused/run", 2, {"connection_string": connection})
         writer = Storage("az://rlctl-paused/run", {"connection_string": connection}, retry_timeout=3)
         assert writer.read_bytes("config.yaml") == b"trainer: {}\n"
-        _pause(proc)
-        began = time.monotonic()
-        with pytest.raises(StorageError, match="gave up after"):
-            reader.read_bytes("config.yaml")
-        assert time.monotonic() - began < 2 + 4, time.monotonic() - began
-
-        with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
-            writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
-        assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
+        _reader_then_writer_on_a_paused_server(proc, writer, {"connection_string": connection})
     finally:
         proc.send_signal(signal.SIGCONT)
         _stop(proc)
@@ -266,17 +257,24 @@ def test_a_writer_on_a_paused_gcs_server_is_given_up_on_at_the_outages_deadline(
     try:
         writer = Storage("gs://rlctl-paused/run", opts, retry_timeout=3)
         writer.write_bytes("config.yaml", b"trainer: {}\n")
-        reader = Storage.for_reading("gs://rlctl-paused/run", 2, opts)
-        _pause(proc)
-        began = time.monotonic()
-        with pytest.raises(StorageError, match="gave up after"):
-            reader.read_bytes("config.yaml")
-        with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
-            writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
-        assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
+        _reader_then_writer_on_a_paused_server(proc, writer, opts)
     finally:
         proc.send_signal(signal.SIGCONT)
         _stop(proc)
+
+
+def _reader_then_writer_on_a_paused_server(proc, writer: Storage, options: dict) -> None:
+    """Pause the server: a reader with a 2 s --timeout gives up within it and opens the store's outage;
+    ``writer`` (its client's own read timeout, a 3 s budget) meets that outage and is cut at its deadline."""
+    reader = Storage.for_reading(writer.url, 2, options)
+    _pause(proc)
+    began = time.monotonic()
+    with pytest.raises(StorageError, match="gave up after"):
+        reader.read_bytes("config.yaml")
+    assert time.monotonic() - began < 2 + 4, time.monotonic() - began
+    with pytest.raises(StorageError, match="had no answer by the deadline; gave up after"):
+        writer.write_bytes("metrics.jsonl", b'{"step": 1}\n')
+    assert time.monotonic() - began < 3 + RECHECK + 3, time.monotonic() - began
 
 
 # -- --timeout on every read-only command -----------------------------------------------------------------
