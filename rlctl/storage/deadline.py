@@ -1,7 +1,7 @@
 """An object-store request still waiting when its store's outage has lasted the retry budget is cut
 short there, not a read timeout (60 s) later.
 
-The retry loop (``rlctl.storage.failures.guarded``) runs each attempt on a remote store ``watched``: every
+The retry loop (``rlctl.storage.failures.guarded``) runs each attempt on a remote store through ``attempt``: every
 request fsspec starts for it on its event loop is looked at on that loop, with no thread of ours, and
 cancelled once the store's open outage (``rlctl.storage.outages``) has lasted the budget, with the tasks
 the request spread its work over (fsspec's batches, Azure's parallel blocks). Cancelling, not
@@ -24,12 +24,11 @@ calling thread, so the task the loop makes for it carries that thread's context 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import errno
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -92,36 +91,26 @@ _WATCH: contextvars.ContextVar[Watch | None] = contextvars.ContextVar("rlctl_sto
 def attempt(url: str, fn: Callable[[], T], budget: float, times: tuple[float, float]) -> T:
     """``fn()``, an attempt begun at ``times[1]`` of a call begun at ``times[0]``, its requests on the store
     of ``url`` cut at the outage deadline: AttemptCut then, whatever the client made of the cut (a value,
-    another error)."""
-    with watched(url, budget, times) as watch:
-        try:
-            result = fn()
-        except Exception as exc:  # (an interrupt, SystemExit: as they are)
-            if watch is not None and watch.cut and not isinstance(exc, AttemptCut | RlctlError):
-                raise watch.error() from exc
-            raise
-        if watch is not None and watch.cut:
-            raise watch.error()
-        return result
-
-
-@contextlib.contextmanager
-def watched(url: str, budget: float, times: tuple[float, float]) -> Iterator[Watch | None]:
-    """Run an attempt on ``url`` with its requests cut at its store's outage deadline (nothing to cut on
-    a local path or in memory: None)."""
+    another error). Nothing to cut on a local path or in memory."""
     store = store_of(url)
     runner = _fsspec_runner()
     if store is None or runner is None:
-        yield None
-        return
+        return fn()
     _install(runner)
     watch = Watch(store, budget, *times)
     token = _WATCH.set(watch)
     try:
-        yield watch
+        result = fn()
+    except Exception as exc:  # (an interrupt, SystemExit: as they are)
+        if watch.cut and not isinstance(exc, AttemptCut | RlctlError):
+            raise watch.error() from exc
+        raise
     finally:
         _WATCH.reset(token)
         watch.tasks.clear()
+    if watch.cut:
+        raise watch.error()
+    return result
 
 
 @functools.cache
