@@ -131,10 +131,12 @@ def test_a_start_that_never_trained_can_be_started_again_in_its_run_dir(preempte
 
 def test_sigterm_to_the_driver_of_two_ranks_in_its_first_seconds_is_exit_75(tmp_path):
     run = tmp_path / "run"
-    # (its ranks held 5 s as they build: on a quick machine two steps could end before a poll sees
-    # config.yaml; a rank takes its stop signal once it can, after the hold)
+    # (its ranks held 5 s as they build: on a quick machine two steps could end before a poll sees the
+    # start; a rank takes its stop signal once it can, after the hold. Signalled once the start is
+    # recorded: between config.yaml and that event, a stop is "before the run began", with nothing to
+    # resume, and the same command is run again)
     proc = spawn("start", *start_args(run, steps=2), *SMALL, "--nproc", "2", faults="build_delay=5")
-    code, err = stop_when(proc, lambda: (run / "config.yaml").exists())
+    code, err = stop_when(proc, lambda: "start" in kinds(run))
     assert code == 75, err
     assert "resume will start over" in err and "Traceback" not in err
     assert kinds(run)[-1] == "preempted"
