@@ -143,6 +143,16 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedModuleScheduling(config, log, config.stash[_GROUPS])
 
 
+@pytest.fixture(autouse=True)
+def _no_outage_carried_over():
+    """The process's outage clock is global and keyed by scheme and bucket: an outage a test leaves open
+    is forgotten before the next test on the worker meets a bucket of the same name."""
+    yield
+    outages = sys.modules.get("rlctl.storage.outages")
+    if outages is not None:
+        outages.OUTAGES.clear()
+
+
 @pytest.fixture(scope="session")
 def runtime():
     """One process-wide CPU runtime with a world-of-one gloo group, as `rlctl start` sets up."""

@@ -325,7 +325,7 @@ def _wait_or_give_up(action: str, url: str, exc: Exception, budget: float, times
     a process that did not see it)."""
     start, tried = times
     cause = exc.cause if isinstance(exc, AttemptCut) and exc.cause else describe(exc)  # (the outage's own)
-    outage = OUTAGES.failed(url, f"cannot {action} {url}: {cause}", tried, cause)
+    outage = OUTAGES.failed(url, action, cause, tried)
     left = (outage.since if outage is not None else start) + budget - time.monotonic()
     if left > 0:
         delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (tries - 1)) * (0.5 + 0.5 * _JITTER.random())

@@ -63,14 +63,14 @@ class Outages:
         self._open: dict[str, Outage] = {}
         self._answered: dict[str, float] = {}  # when each store last answered
 
-    def failed(self, url: str, failure: str, tried: float, cause: str = "") -> Outage | None:
-        """A transient failure of ``url`` (``failure``, its sentence; ``cause``, that failure's cause
-        alone) in an attempt begun at ``tried``: its store's outage (None for a local path), begun then
-        unless one is open, and never before the store's last answer (an attempt that took minutes did
-        not meet an outage that long)."""
+    def failed(self, url: str, action: str, cause: str, tried: float) -> Outage | None:
+        """A transient failure to ``action`` ``url`` (``cause``: why) in an attempt begun at ``tried``:
+        its store's outage (None for a local path), begun then unless one is open, and never before the
+        store's last answer (an attempt that took minutes did not meet an outage that long)."""
         store = store_of(url)
         if store is None:
             return None
+        failure = f"cannot {action} {url}: {cause}"
         began = max(tried, self._answered.get(store, tried))
         with self._lock:
             known = self._open.get(store)

@@ -207,7 +207,7 @@ def test_a_request_that_would_begin_past_the_deadline_is_never_begun_nor_left_wa
         except BaseException as exc:
             ended.append(exc)
 
-    OUTAGES.failed(url, f"cannot write {url}: endpoint timed out", time.monotonic(), "endpoint timed out")
+    OUTAGES.failed(url, "write", "endpoint timed out", time.monotonic())
     try:
         waiting = threading.Thread(target=call, daemon=True)
         waiting.start()

@@ -51,14 +51,14 @@ def _timed(fn) -> tuple[float, BaseException]:
 
 def test_an_outage_is_one_per_store_begins_with_its_first_failure_and_ends_with_an_answer():
     clock, url, t = Outages(), "s3://bucket-a/run/metrics.jsonl", time.monotonic()
-    first = clock.failed(url, "cannot append to it", tried=t)
-    later = clock.failed("s3://bucket-a/run/.lease/beat-x", "cannot write the beat", tried=t + 3)
-    assert first.since == later.since == t and later.failure == "cannot write the beat"
-    other = clock.failed("s3://bucket-b/snaps/step-000002/state.pt", "cannot upload", tried=t + 2)
+    first = clock.failed(url, "append to", "it failed", tried=t)
+    later = clock.failed("s3://bucket-a/run/.lease/beat-x", "write", "reset", tried=t + 3)
+    assert first.since == later.since == t and later.failure == "cannot write s3://bucket-a/run/.lease/beat-x: reset"
+    other = clock.failed("s3://bucket-b/snaps/step-000002/state.pt", "upload", "reset", tried=t + 2)
     assert other.store == "s3://bucket-b" and other.since == t + 2
     clock.answered("s3://bucket-a/run/config.yaml")
-    assert clock.failed(url, "again", tried=t + 500).since == t + 500, "an answer ended the first"
-    assert clock.failed("/local/run/metrics.jsonl", "EINTR", tried=1.0) is None
+    assert clock.failed(url, "append to", "again", tried=t + 500).since == t + 500, "an answer ended the first"
+    assert clock.failed("/local/run/metrics.jsonl", "append to", "EINTR", tried=1.0) is None
     assert [store_of(u) for u in ("s3://b/k", "gs://b", "/tmp/x", "file:///tmp/x", "memory://x/y")] == [
         "s3://b",
         "gs://b",
@@ -73,29 +73,30 @@ def test_an_outage_never_begins_before_the_store_last_answered():
     clock, url = Outages(), "s3://bucket-a/snaps/step-000010/actor/model.pt"
     before = time.monotonic()
     clock.answered("s3://bucket-a/run/.lease/beat-x")
-    outage = clock.failed(url, "connection reset", tried=before - 600)
+    outage = clock.failed(url, "upload", "connection reset", tried=before - 600)
     assert before <= outage.since <= time.monotonic()
 
 
 def test_a_store_met_again_after_a_long_silence_begins_a_new_outage():
     clock, url, t = Outages(), "s3://bucket-a/run/metrics.jsonl", time.monotonic()
-    clock.failed(url, "cannot append", tried=t)
-    assert clock.failed(url, "cannot append", tried=t + 500).since == t
-    assert clock.failed(url, "cannot append", tried=t + 1200).since == t + 1200
+    clock.failed(url, "append to", "reset", tried=t)
+    assert clock.failed(url, "append to", "reset", tried=t + 500).since == t
+    assert clock.failed(url, "append to", "reset", tried=t + 1200).since == t + 1200
 
 
 def test_overdue_once_the_budget_has_passed_since_the_outage_began():
     clock, url = Outages(), "s3://bucket-a/run/events.jsonl"
     assert clock.overdue(5.0) is None
-    clock.failed(url, "cannot append", tried=time.monotonic() - 6.0)
+    clock.failed(url, "append to", "reset", tried=time.monotonic() - 6.0)
     assert clock.overdue(10.0) is None
     late = clock.overdue(5.0)
     assert late is not None and late.store == "s3://bucket-a"
     error = late.error(5.0, "the retry budget (checkpoint.retry_timeout)")
     assert error.exit_code == ExitCode.STORAGE and "\n" not in error.message
     assert error.message.startswith("storage outage: s3://bucket-a has failed for 6 s since ")
-    assert "longer than the retry budget (checkpoint.retry_timeout) (5 s); its last failure: cannot append" in (
-        error.message
+    assert (
+        "longer than the retry budget (checkpoint.retry_timeout) (5 s); its last failure: cannot append to s3://bucket-a/run/events.jsonl: reset"
+        in (error.message)
     )
     clock.answered(url)
     assert clock.overdue(5.0) is None
@@ -103,10 +104,12 @@ def test_overdue_once_the_budget_has_passed_since_the_outage_began():
 
 def test_an_outage_another_process_saw_counts_from_its_start():
     clock, now = Outages(), time.monotonic()
-    clock.failed("s3://bucket-a/run/metrics.jsonl", "cannot append", tried=now - 1.0)
+    clock.failed("s3://bucket-a/run/metrics.jsonl", "append to", "reset", tried=now - 1.0)
     clock.note(Outage("s3://bucket-a", now - 9.0, now - 0.5, "cannot upload to s3://bucket-a/snaps"))
     assert clock.overdue(8.0).since == now - 9.0
-    assert clock.overdue(8.0).failure == "cannot append", "the latest failure is named"
+    assert clock.overdue(8.0).failure == "cannot append to s3://bucket-a/run/metrics.jsonl: reset", (
+        "the latest failure is named"
+    )
 
 
 # -- every writer of the process on one deadline ------------------------------------------------------
