@@ -5,7 +5,7 @@ with a "did you mean" from this list. Keys are exact (``actor/ppo_kl``) or patte
 stands for a name chosen by the run: one path segment (``timing_s/<phase>``), except ``<data_source>``,
 a value of the data's data_source column, which may hold slashes itself (``val/openai/gsm8k/score/mean``).
 Pure data and string matching: adding a metric to the engine means adding it here
-(tests/unit/test_catalogue.py fails until then). docs/metrics.md is generated from it, one table per
+(tests/unit/test_every_metric_is_catalogued.py fails until then). docs/metrics.md is generated from it, one table per
 section (docs/gen_metrics.py).
 """
 

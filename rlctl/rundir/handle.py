@@ -7,7 +7,7 @@ directory. It never names a file of the run (``rundir.layout`` does) and never o
 
 What else the engine needs of this floor (what a resume plans, the stages its engines train at, the
 snapshots a rollback may take, the tag of a turn) is re-exported here: this is the one module of
-``rundir/`` the engine imports (tests/unit/test_layout.py holds it to that)."""
+``rundir/`` the engine imports (tests/unit/test_house_rules.py holds it to that)."""
 
 from __future__ import annotations
 

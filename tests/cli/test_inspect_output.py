@@ -1,6 +1,6 @@
 """rlctl inspect and rlctl runs: golden outputs on run directories written here (local, memory://, S3),
 through the command group in this process (the real entry point in a subprocess where a fresh process's
-environment is the point). Every --check exit code from a real run: tests/e2e/test_inspect.py."""
+environment is the point). Every --check exit code from a real run: tests/e2e/test_inspect_check_exit_codes.py."""
 
 import json
 import subprocess

@@ -1,6 +1,6 @@
 """A TCP proxy on loopback that counts the bytes clients send through it to a server (the request lines,
 headers and bodies, as they cross the wire): put its URL where a store's client would put the server's.
-Used by tests/unit/test_appends.py and benchmarks/appends.py."""
+Used by tests/unit/test_appends_match_a_local_file.py and benchmarks/appends.py."""
 
 from __future__ import annotations
 

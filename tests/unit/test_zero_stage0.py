@@ -2,7 +2,7 @@
 master weights that a snapshot restores and an export reads, and fp16 is refused. A world of one trains at
 stage 0 whatever stage 1 or 2 its config names (``trained_stage``), and a ZeRO-1/2 engine loads its
 checkpoints bit for bit. Resume after SIGKILL and export end to end:
-tests/e2e/test_resume.py::test_sigkill_and_resume_is_exact; onto 2 ranks: tests/e2e/test_elastic_resume.py."""
+tests/e2e/test_killed_runs_resume_exactly.py::test_sigkill_and_resume_is_exact; onto 2 ranks: tests/e2e/test_elastic_resume.py."""
 
 import pytest
 import torch

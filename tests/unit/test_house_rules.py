@@ -1,7 +1,8 @@
 """The house rules that code can check (docs/development.md, "Layout"): floors read
 top-down (no upward import, no import cycle), the floors are folders, `checkpoint/` knows no model, the
 engine knows no tracker and reaches the run directory only through its handle, packages only re-export,
-commands load light, no function over 60 lines, no file over 500 lines."""
+commands load light, no function over 60 lines, no file over 500 lines; test files are named after what they
+check, and the end-to-end ones drive the CLI as a user does."""
 
 import ast
 import subprocess
@@ -235,3 +236,36 @@ def test_command_modules_load_without_heavy_imports():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the test house ----------------------------------------------------------------------------------
+TESTS = PKG.parent / "tests"
+RUNNERS = {"run_cli", "spawn", "invoke", "kill_and_resume"}  # tests/support/helpers.py: the CLI, as a user runs it
+STARTERS = {"subprocess", "slurm_cluster"}  # a script, a benchmark or an installed wheel in a process of its own
+
+
+def test_test_files_are_named_after_a_behaviour_not_a_module():
+    """``tests/unit/test_storage.py`` says where, not what: a test file names what it checks, and no test
+    file takes the name of a module or package of rlctl/ or benchmarks/."""
+    products = {p.stem for root in (PKG, PKG.parent / "benchmarks") for p in root.rglob("*.py")}
+    products |= {p.name for root in (PKG, PKG.parent / "benchmarks") for p in root.rglob("*") if p.is_dir()}
+    named = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if p.stem[len("test_") :] in products)
+    assert named == []
+
+
+def test_end_to_end_tests_drive_the_cli_or_a_process():
+    """A file in tests/e2e runs rlctl as a user does: its entry point (``invoke``, in this process) or the
+    installed command in a process of its own (``run_cli``, ``spawn``), or a script or wheel in a process;
+    tests that call rlctl's own functions in this process, real engines included, are in tests/unit."""
+    drives = []
+    for path in sorted((TESTS / "e2e").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                imported |= {alias.name for alias in node.names} | {node.module or ""}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        if not imported & (RUNNERS | STARTERS):
+            drives.append(path.name)
+    assert drives == []

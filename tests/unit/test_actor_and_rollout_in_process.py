@@ -15,6 +15,7 @@ from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("model_dir",)
+pytestmark = pytest.mark.slow  # (real engines in this process: `make test` runs them, test-fast does not)
 
 
 def make_cfg(**sets) -> RunConfig:

@@ -22,6 +22,7 @@ from rlctl.storage import Storage
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("setup",)
+pytestmark = pytest.mark.slow  # (real engines in this process: `make test` runs them, test-fast does not)
 
 TEMPERATURE = 0.9
 PROMPTS = ["abcd=", "e=", "fgh+ij=", "k"]

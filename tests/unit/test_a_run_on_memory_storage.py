@@ -2,10 +2,14 @@
 
 import uuid
 
+import pytest
+
 from rlctl.config import load_config
 from rlctl.metrics import read_rows
 from rlctl.run import resume_run, start_run
 from rlctl.storage import Storage
+
+pytestmark = pytest.mark.slow  # (a whole run in this process: `make test` runs it, test-fast does not)
 
 
 def test_start_and_resume_on_memory_storage(runtime):

@@ -21,6 +21,7 @@ from rlctl.engine.tools.pool import ToolPool
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("both",)
+pytestmark = pytest.mark.slow  # (real engines in this process: `make test` runs them, test-fast does not)
 
 CALL = '<tool_call>{"name": "lookup", "arguments": {"country": "peru"}}</tool_call>'
 
