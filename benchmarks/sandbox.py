@@ -45,7 +45,7 @@ def median_ms(fn, n: int) -> float:
 
 
 def call_overheads(n: int) -> None:
-    from rlctl.engine.tools.pool import ToolPool
+    from rlctl.engine.tool_workers.pool import ToolPool
     from rlctl.sandbox import Limits, check, execute
 
     jail, unsafe = Limits(), Limits(mode="unsafe")

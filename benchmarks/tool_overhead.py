@@ -39,7 +39,7 @@ def median_time(fn, repeats: int) -> float:
 
 
 def tool_calls(n: int, repeats: int) -> None:
-    from rlctl.engine.tools.pool import ToolPool
+    from rlctl.engine.tool_workers.pool import ToolPool
 
     import toolbox
 

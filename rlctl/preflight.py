@@ -71,7 +71,7 @@ def check_multi_turn(cfg: RunConfig) -> None:
     if mt is None:
         return
     from rlctl.engine.rollout.chat import ChatIncrements
-    from rlctl.engine.tools.loader import load_tools
+    from rlctl.engine.tool_workers.loader import load_tools
 
     tools = load_tools(mt)
     ChatIncrements(config_tokenizer(cfg), list(tools.schemas.values()), model_name(cfg))

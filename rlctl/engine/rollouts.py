@@ -9,10 +9,10 @@ from pathlib import Path
 from rlctl.config import RunConfig
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.rollout.trajectory import TrajectoryLog
-from rlctl.engine.tools.budget import ToolRetryBudget
-from rlctl.engine.tools.loader import load_tools
-from rlctl.engine.tools.pool import ToolPool
-from rlctl.engine.tools.record import ToolRecord
+from rlctl.engine.tool_workers.budget import ToolRetryBudget
+from rlctl.engine.tool_workers.loader import load_tools
+from rlctl.engine.tool_workers.pool import ToolPool
+from rlctl.engine.tool_workers.record import ToolRecord
 from rlctl.rundir.handle import RunDir
 
 

@@ -6,8 +6,8 @@ located error when the jail cannot start."""
 import pytest
 
 from rlctl.config.multi_turn import MultiTurnConfig
-from rlctl.engine.tools.loader import load_tools
-from rlctl.engine.tools.pool import ERROR, INFRA, OK, Session, ToolPool
+from rlctl.engine.tool_workers.loader import load_tools
+from rlctl.engine.tool_workers.pool import ERROR, INFRA, OK, Session, ToolPool
 from rlctl.errors import ConfigError
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 

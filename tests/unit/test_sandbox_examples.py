@@ -96,7 +96,7 @@ def test_the_examples_load_with_their_tools_reward_and_policies():
 
 @needs_jail
 def test_the_maths_examples_python_tool_passes_the_preflight_with_its_metrics():
-    from rlctl.engine.tools.loader import load_tools
+    from rlctl.engine.tool_workers.loader import load_tools
 
     tools = load_tools(load_config(EXAMPLES / "gsm8k-python-gpu.yaml").rollout.multi_turn)  # the jail started
     assert "python" in tools.stateful and "tool/python/limit/memory" in tools.call_metrics["python"].reductions

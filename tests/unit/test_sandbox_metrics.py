@@ -8,7 +8,7 @@ import pytest
 from rlctl.config.reward import RewardConfig
 from rlctl.engine.dist import MEAN, SUM
 from rlctl.engine.reward.sources import load_reward, metrics_of, recording
-from rlctl.engine.tools.pool import ToolPool
+from rlctl.engine.tool_workers.pool import ToolPool
 from rlctl.policies.catalogue import known_metric
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 from rlctl.tools.python import CallMetrics, Python, python

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlctl.engine.tools.pool import ERROR, OK, TIMEOUT, Session, ToolPool
+from rlctl.engine.tool_workers.pool import ERROR, OK, TIMEOUT, Session, ToolPool
 
 
 def counter(instance: str, history=(), start: int = 0) -> Session:

@@ -1,8 +1,8 @@
-"""rollout.multi_turn.tool_retry_budget's decision (rlctl/engine/tools/budget.py): a step counts when it ran
+"""rollout.multi_turn.tool_retry_budget's decision (rlctl/engine/tool_workers/budget.py): a step counts when it ran
 tool calls and every one ended in an infrastructure failure, read from its metric row (reduced over the
 ranks); the run ends at the first step that makes the streak exceed the budget."""
 
-from rlctl.engine.tools.budget import ToolRetryBudget, tools_down
+from rlctl.engine.tool_workers.budget import ToolRetryBudget, tools_down
 
 
 def row(calls=1.0, timeout=0.0, unavailable=0.0, invalid=0.0, error=0.0):

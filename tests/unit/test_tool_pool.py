@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlctl.engine.tools.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, ToolPool
+from rlctl.engine.tool_workers.pool import ERROR, INFRA, OK, TIMEOUT, UNAVAILABLE, ToolPool
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("pool",)

@@ -16,8 +16,8 @@ from rlctl.engine.rollout import make_backend
 from rlctl.engine.rollout.conversation import Conversation
 from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 from rlctl.engine.rollout.vllm_multi_turn import VLLMMultiTurnRollout
-from rlctl.engine.tools.loader import load_tools
-from rlctl.engine.tools.pool import ToolPool
+from rlctl.engine.tool_workers.loader import load_tools
+from rlctl.engine.tool_workers.pool import ToolPool
 
 # the module-scoped fixtures here: the tests using any of them share one pytest-xdist worker (tests/conftest.py)
 SHARED_FIXTURES = ("both",)

@@ -5,7 +5,7 @@ live conversations generate from their ids so far (``hf.decode``; seeds from (se
 sample, turn)), ended by eos, the end of a call (the format's end string, with one call per turn), or
 the budget: ``rollout.max_new_tokens`` of the model's tokens over all turns, ``max_total_tokens``
 after the prompt. A turn's calls are parsed (``rlctl.tools.formats``), checked against the tools'
-schemas and run in the rank's worker processes (``engine.tools.pool``); their answers, cut to
+schemas and run in the rank's worker processes (``engine.tool_workers.pool``); their answers, cut to
 ``max_tool_response_tokens``, are appended as the ids the template adds for them (``chat``), after the
 template's close of the model's turn. A conversation ends on a turn without a call, at ``max_turns``,
 or when the budget is spent.
@@ -53,9 +53,9 @@ from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.rollout.tool_calls import ENVIRONMENT, Job, ToolCalls
 from rlctl.engine.rollout.trajectory import TrajectoryLog, segments
-from rlctl.engine.tools.loader import Tools
-from rlctl.engine.tools.pool import INFRA, OK, ToolPool
-from rlctl.engine.tools.record import ToolRecord
+from rlctl.engine.tool_workers.loader import Tools
+from rlctl.engine.tool_workers.pool import INFRA, OK, ToolPool
+from rlctl.engine.tool_workers.record import ToolRecord
 from rlctl.tools.formats import FORMATS
 from rlctl.tools.schema import check_call
 
@@ -74,9 +74,9 @@ class MultiTurnRollout(HFRollout):
         trajectories: TrajectoryLog | None = None,
     ):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
-        (``engine.tools.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
+        (``engine.tool_workers.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
         receives the ``template_drift`` and ``tool_calls_replayed`` events; ``record``: the run's record
-        of tool calls (``engine.tools.record``; None: nothing recorded or replayed); ``trajectories``: where
+        of tool calls (``engine.tool_workers.record``; None: nothing recorded or replayed); ``trajectories``: where
         the conversations of each training step are written (``trajectory``; None: nowhere)."""
         super().__init__(cfg, actor, tokenizer)
         self.mt, self.schemas, self.environment = mt, tools.schemas, tools.environment

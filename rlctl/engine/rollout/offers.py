@@ -17,7 +17,7 @@ from typing import Any
 
 from rlctl.config.multi_turn import MultiTurnConfig
 from rlctl.engine.rollout.chat import ChatIncrements
-from rlctl.engine.tools.loader import Tools
+from rlctl.engine.tool_workers.loader import Tools
 from rlctl.errors import InputError
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from rlctl.engine.tools.worker import ERROR, OK, RELEASE, TIMEOUT, UNAVAILABLE, Session, main
+from rlctl.engine.tool_workers.worker import ERROR, OK, RELEASE, TIMEOUT, UNAVAILABLE, Session, main
 
 INFRA = frozenset({TIMEOUT, UNAVAILABLE})  # outcomes that are no mistake of the model's
 __all__ = ["ERROR", "INFRA", "OK", "TIMEOUT", "UNAVAILABLE", "CallResult", "Session", "ToolPool"]
