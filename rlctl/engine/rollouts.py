@@ -10,9 +10,9 @@ from rlctl.config import RunConfig
 from rlctl.engine.rollout import make_backend
 from rlctl.engine.rollout.trajectory import TrajectoryLog
 from rlctl.engine.tool_workers.budget import ToolRetryBudget
+from rlctl.engine.tool_workers.call_record import ToolRecord
 from rlctl.engine.tool_workers.loader import load_tools
 from rlctl.engine.tool_workers.pool import ToolPool
-from rlctl.engine.tool_workers.record import ToolRecord
 from rlctl.rundir.handle import RunDir
 
 

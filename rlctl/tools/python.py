@@ -31,7 +31,7 @@ wall-time or CPU-time limit, or ``tool_timeout_s``) and ``tool/python/limit/<kin
 from __future__ import annotations
 
 from rlctl.sandbox import Result, current, execute, limit_sentence
-from rlctl.sandbox.run import LIMIT_WORDS
+from rlctl.sandbox.execution import LIMIT_WORDS
 from rlctl.tools import ToolError
 
 PART_CHARS = 4000

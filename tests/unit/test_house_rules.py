@@ -238,6 +238,28 @@ def test_command_modules_load_without_heavy_imports():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+# A file name used in two packages of rlctl/ is one idea in each, never two ideas under one word.
+SAME_NAME_SAME_IDEA = {
+    "base": "what a package's models share (policies, trackers)",
+    "layout": "the file names, once (of a run directory, of a snapshot)",
+    "loader": "reading what the config names (rewards, tools, policies)",
+    "schema": "the strict shape of what a user writes (the config, a policy, a tool's arguments)",
+    "snapshots": "a run's snapshots (rundir: where and with which settings; checkpoint: the manager)",
+    "model": "a model the run loads (the actor's, the reward model)",
+    "multi_turn": "the multi-turn rollout (its config section, its code)",
+    "export": "a verb: commands/<verb>.py parses and renders, the module below does it",
+    "inspect": "a verb, as export",
+    "trajectories": "a verb, as export (the command reads the run's trajectories/)",
+    "lookup": "the built-in tools task (its tool, its reward: module paths its config names)",
+}
+
+
+def test_a_file_name_used_twice_is_one_idea():
+    names = [p.stem for p in PKG.rglob("*.py") if p.name != "__init__.py"]
+    twice = {name for name in names if names.count(name) > 1}
+    assert sorted(twice - SAME_NAME_SAME_IDEA.keys()) == []
+
+
 # -- the test house ----------------------------------------------------------------------------------
 TESTS = PKG.parent / "tests"
 RUNNERS = {"run_cli", "spawn", "invoke", "kill_and_resume"}  # tests/support/helpers.py: the CLI, as a user runs it

@@ -13,9 +13,9 @@ from rlctl.engine.rollout.conversation import Conversation, ToolStats, batch_of
 from rlctl.engine.rollout.multi_turn import MultiTurnRollout
 from rlctl.engine.rollout.offers import Offer
 from rlctl.engine.rollout.tool_calls import OUTAGE
+from rlctl.engine.tool_workers.call_record import ToolRecord
 from rlctl.engine.tool_workers.loader import load_tools
 from rlctl.engine.tool_workers.pool import ToolPool
-from rlctl.engine.tool_workers.record import ToolRecord
 from rlctl.errors import ConfigError, InputError
 from rlctl.rundir.handle import RunDir
 from rlctl.storage import Storage

@@ -76,7 +76,7 @@ def make_backend(
     """The rollout backend ``name`` (rollout.backend). Under rollout.multi_turn the multi-turn rollout
     (its turns sampled by the HF module or the vLLM engine), with the run's ``tools`` (``engine.tool_workers.loader``), the
     rank's ``pool`` of tool workers (its owner closes it), the trainer's event emitter ``emit`` and the
-    run's ``record`` of tool calls (``engine.tool_workers.record``) and ``trajectories`` of its conversations
+    run's ``record`` of tool calls (``engine.tool_workers.call_record``) and ``trajectories`` of its conversations
     (``trajectory``). ``engine``: the vLLM rollout to use (vllm; None: a new engine)."""
     if cfg.rollout.multi_turn is not None:
         if tools is None or pool is None:

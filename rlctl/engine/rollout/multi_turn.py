@@ -53,9 +53,9 @@ from rlctl.engine.rollout.sampling import StopStrings
 from rlctl.engine.rollout.seeds import sample_seed
 from rlctl.engine.rollout.tool_calls import ENVIRONMENT, Job, ToolCalls
 from rlctl.engine.rollout.trajectory import TrajectoryLog, segments
+from rlctl.engine.tool_workers.call_record import ToolRecord
 from rlctl.engine.tool_workers.loader import Tools
 from rlctl.engine.tool_workers.pool import INFRA, OK, ToolPool
-from rlctl.engine.tool_workers.record import ToolRecord
 from rlctl.tools.formats import FORMATS
 from rlctl.tools.schema import check_call
 
@@ -76,7 +76,7 @@ class MultiTurnRollout(HFRollout):
         """``mt``: the multi-turn settings; ``tools``: their schemas and functions by name
         (``engine.tool_workers.loader``); ``pool``: the rank's tool workers (its owner closes it); ``emit``
         receives the ``template_drift`` and ``tool_calls_replayed`` events; ``record``: the run's record
-        of tool calls (``engine.tool_workers.record``; None: nothing recorded or replayed); ``trajectories``: where
+        of tool calls (``engine.tool_workers.call_record``; None: nothing recorded or replayed); ``trajectories``: where
         the conversations of each training step are written (``trajectory``; None: nowhere)."""
         super().__init__(cfg, actor, tokenizer)
         self.mt, self.schemas, self.environment = mt, tools.schemas, tools.environment

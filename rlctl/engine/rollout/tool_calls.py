@@ -1,6 +1,6 @@
 """A multi-turn rollout's calls, once parsed and checked: each made into a job for the rank's tool workers
 (``engine.tool_workers.pool``), run together, replayed from the run's record where it holds them and recorded
-as each ends (``engine.tool_workers.record``), and counted by outcome.
+as each ends (``engine.tool_workers.call_record``), and counted by outcome.
 
 A function is called with the row's hidden arguments among its own (never shown to the model). A
 stateful tool and an environment are objects kept per conversation in the workers (``Session``): every
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 from rlctl import faults
 from rlctl.engine.rollout.conversation import Conversation, ToolStats
+from rlctl.engine.tool_workers.call_record import ToolRecord, call_key
 from rlctl.engine.tool_workers.loader import Tools
 from rlctl.engine.tool_workers.pool import ERROR, INFRA, TIMEOUT, UNAVAILABLE, CallResult, Session, ToolPool
-from rlctl.engine.tool_workers.record import ToolRecord, call_key
 
 OUTAGE = "the tool is unavailable (fault drill tool_outage)"  # what a call under the drill is answered
 ENVIRONMENT = "environment"  # the name of an environment's steps in the calls and the record

@@ -2,7 +2,7 @@
 (CPU-bound code is stopped, as an asyncio or thread timeout cannot do), and a killed or dead worker is
 replaced on its next call.
 
-Each call ends in one of four outcomes (``worker``): ``ok`` (its result), ``error`` (the tool raised: the
+Each call ends in one of four outcomes (``process``): ``ok`` (its result), ``error`` (the tool raised: the
 model is told the exception, a model-facing failure), ``timeout`` (the worker ran past
 ``rollout.multi_turn.tool_timeout_s`` and was killed) and ``unavailable`` (the tool raised
 ``ToolUnavailable``, or its worker process died): the last two are infrastructure failures, not the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from rlctl.engine.tool_workers.worker import ERROR, OK, RELEASE, TIMEOUT, UNAVAILABLE, Session, main
+from rlctl.engine.tool_workers.process import ERROR, OK, RELEASE, TIMEOUT, UNAVAILABLE, Session, main
 
 INFRA = frozenset({TIMEOUT, UNAVAILABLE})  # outcomes that are no mistake of the model's
 __all__ = ["ERROR", "INFRA", "OK", "TIMEOUT", "UNAVAILABLE", "CallResult", "Session", "ToolPool"]
