@@ -15,7 +15,7 @@ ports once (issue 41), every run probed a free port and bound it later, and runs
 take each other's (``DistNetworkError ... EADDRINUSE``, exit 1). On the project's 2-core machine the
 defaults take several minutes: twelve interpreters import torch at once. The load average is printed
 before and after: the machine may be shared. A lighter version runs in the suite
-(tests/e2e/test_rendezvous_e2e.py).
+(tests/e2e/test_runs_sharing_a_machine.py).
 """
 
 from __future__ import annotations

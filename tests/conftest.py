@@ -62,7 +62,7 @@ LONGEST_FIRST = (
     "e2e/test_gpu_check_dry_run.py",
     "e2e/test_grpo_vs_trl_dry_run.py",
     "e2e/test_vllm_cli.py",
-    "e2e/test_multi_turn_e2e.py",
+    "e2e/test_tool_conversations_train_and_resume.py",
 )
 
 

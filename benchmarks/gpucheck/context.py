@@ -76,8 +76,8 @@ TINY = Size(
     matmul=256,
     probe=dict(batch=4, prompt=16, new_tokens=8, rounds=2),
     identity=dict(batch=4, prompt=8, steps=4),
-    # open-ended: it sleeps after step 2 (a drill) and is stopped when its phase's other runs end, as the
-    # budget stops it on a GPU; its figures are read from the rows it wrote
+    # open-ended: it sleeps after step 2 (a drill) and is stopped once it has written that step and its
+    # phase's other runs have ended, as the budget stops it on a GPU; its figures are read from its rows
     throughput=dict(prompts=4, group=2, new_tokens=16, prompt_tokens=48, epochs=1, steps=50, micro_tokens=256),
     small=dict(prompts=4, group=4, new_tokens=8, epochs=1),
     lora_rank=4,

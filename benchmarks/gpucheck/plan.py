@@ -20,6 +20,7 @@ from gpucheck.runs import Run, Watcher, run_phase
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRESS = ("step", "timing_s/", "perf/", "prompt_length/", "response_length/", "actor/loss_scale")  # row keys kept
+REST_STEP = 2  # the dry run's T rests after this step until it is stopped, as a budget stops a run mid-step
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RLCTL_FAULTS")
 
 
@@ -99,7 +100,8 @@ class Plan:
         env = run_env(ctx, RLCTL_FAULTS=faults) if faults else run_env(ctx)
         steps = cfg["trainer"]["total_steps"]
         argv = ["start", str(path), "--run-dir", str(run_dir)]
-        return Run(name, argv, run_dir, env, ctx.work, steps, kill_after, open_ended=name == "T" and ctx.tiny)
+        rests_after = REST_STEP if name == "T" and ctx.tiny else None
+        return Run(name, argv, run_dir, env, ctx.work, steps, kill_after, rests_after=rests_after)
 
     def writer_for(self, name: str) -> str:
         """checkpoint.writer of run ``name``: R's snapshots are check 8's, so R keeps the writer process
@@ -156,7 +158,7 @@ def run_config(ctx: Ctx, name: str) -> tuple[dict, str, int | None]:
         }
         cfg["actor"]["max_tokens_per_micro_batch"] = t["micro_tokens"]
         # the dry run's T sleeps after step 2 until it is stopped, as a budget stops a run mid-step
-        return cfg, ("sleep@2=600" if ctx.tiny else ""), None
+        return cfg, (f"sleep@{REST_STEP}=600" if ctx.tiny else ""), None
     if name in ("R", "K"):  # check 6: the reference and the run killed after step 3 (last snapshot: 2)
         cfg = base_config(ctx, size.small, steps=4, every=2)
         cfg["trainer"]["deterministic"] = True

@@ -44,7 +44,9 @@ class Run:
     cwd: Path
     steps: int
     kill_after: int | None = None  # SIGKILL once this step's row is written and earlier snapshots committed
-    open_ended: bool = False  # stopped as at its budget once the phase's other runs have ended (the dry run's T)
+    # the dry run's T: it rests (a sleep drill) after this step and is stopped as at its budget once it has
+    # written that step and the phase's other runs have ended (on a loaded machine they may end first)
+    rests_after: int | None = None
     proc: subprocess.Popen | None = None
     wall_s: float | None = None
     rc: int | None = None
@@ -276,7 +278,9 @@ def run_phase(runs: list[Run], budget: float, watcher: Watcher, progress: Callab
                 run.killed_after = run.last_step()
                 run.kill()
                 log(f"  run {run.name}: SIGKILL after step {run.killed_after}")
-        closed = all(r.open_ended for r in live) and any(not r.open_ended for r in runs)
+        closed = all(r.rests_after is not None and r.last_step() >= r.rests_after for r in live) and any(
+            r.rests_after is None for r in runs
+        )
         if time.monotonic() - t0 > budget or closed:
             for run in live:
                 run.timed_out = True

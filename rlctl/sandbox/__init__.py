@@ -1,5 +1,5 @@
 """Code a model wrote, run in a jail (``jail``: bubblewrap and the limits) by a runner program
-(``runner``), one run at a time (``execution.execute``); ``jail`` also keeps this process's limits (``configure``,
+(``runner``), one execution at a time (``execution.execute``); ``jail`` also keeps this process's limits (``configure``,
 ``current``). This package only re-exports. On the ground floor: the standard library only, so the
 built-in python tool (``rlctl.tools.python``), the code rewards (``rlctl.engine.reward.code``) and the
 config's section (``rlctl.config.sandbox``) all stand on it."""

@@ -1,7 +1,7 @@
-"""One sandboxed run of Python code (``execute``): the jail started, its output read up to the limit, the
-wall clock kept, and every process of the run gone when it returns.
+"""One sandboxed execution of Python code (``execute``): the jail started, its output read up to the
+limit, the wall clock kept, and every process it started gone when it returns.
 
-A run's outcome is a ``Result``: what the code printed (stdout and stderr, each cut at ``output_kb``),
+An execution's outcome is a ``Result``: what the code printed (stdout and stderr, each cut at ``output_kb``),
 the value of its last expression, a short traceback when it raised, and which limit it hit, if any
 (``wall_time``, ``cpu_time``, ``memory``, ``processes``, ``output``). Those are the code's doing (the
 model's), never an infrastructure failure: only a jail that did not start is (``SandboxUnavailable``).

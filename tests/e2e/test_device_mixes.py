@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_multi_turn_e2e import task  # noqa: F401 (the model taught to call a tool, the tool, the config)
+from test_tool_conversations_train_and_resume import task  # noqa: F401 (the model taught to call a tool, the tool, the config)
 
 from helpers import REPO, SMALL, child_env
 

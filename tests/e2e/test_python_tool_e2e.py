@@ -4,7 +4,7 @@ The tool is a stateful session on the built-in ``rlctl.tools.python:Python`` (th
 vocabulary cannot write Python, so the tool writes the code the model's call stands for): each call
 runs, in the jail, a cell that counts the conversation's calls in a variable kept between its turns and
 prints the country and that count (the earlier cells run again first). The model is taught to call it as
-in ``test_multi_turn_e2e``. A run SIGKILLed after its first snapshot and resumed ends with the same
+in ``test_tool_conversations_train_and_resume``. A run SIGKILLed after its first snapshot and resumed ends with the same
 weights and metric rows as an uninterrupted one: the steps run again got the recorded answers."""
 
 import json
@@ -12,7 +12,7 @@ import signal
 import textwrap
 
 import pytest
-from test_multi_turn_e2e import CAPITALS, REWARD, teach_the_call
+from test_tool_conversations_train_and_resume import CAPITALS, REWARD, teach_the_call
 
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 

@@ -8,7 +8,7 @@ model is told the exception, a model-facing failure), ``timeout`` (the worker ra
 ``ToolUnavailable``, or its worker process died): the last two are infrastructure failures, not the
 model's. Workers start with the spawn method (nothing of the trainer's threads or CUDA state is
 inherited) and import only the tool modules. The objects of stateful tools and environments live in the
-workers (``worker.Session``): a call may be bound to a worker (``run``'s ``slots``), and ``release`` ends
+workers (``process.Session``): a call may be bound to a worker (``run``'s ``slots``), and ``release`` ends
 every object held when a rollout is over.
 """
 
