@@ -142,7 +142,7 @@ def test_local_two_ranks_match_one_rank_and_resume_exactly_after_sigkill(tmp_pat
     assert _ranks_alive(run)  # (the check sees this run's ranks)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not _ranks_alive(run), "rank processes outlived their driver"
+    assert _ranks_end(run), "rank processes outlived their driver"
     r = run_cli("resume", str(run), "--from", "latest", env=env)
     assert r.returncode == 0, r.stderr
     assert "continuing from step 4" in r.stderr
@@ -170,12 +170,21 @@ def marked(run, env=None) -> dict:
     return {**(env or {}), "RLCTL_TEST_RUN": str(run)}
 
 
+def _ranks_end(run, within: float = 10.0) -> bool:
+    """Whether every rank process of ``run`` has ended within ``within`` seconds: PDEATHSIG is delivered at
+    once, but a rank with torch loaded takes a moment to exit on a loaded machine (the driver's SIGKILL
+    ends the starter, whose death ends its ranks)."""
+    deadline = time.monotonic() + within
+    while _ranks_alive(run):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _ranks_alive(run) -> bool:
     """Whether a rank process of ``run`` (started with ``marked``) is alive: the ranks of other runs on
     this machine (another pytest-xdist worker's, another user's) do not count."""
-    import time
-
-    time.sleep(1.0)  # PDEATHSIG is delivered at once; give the kernel a moment to reap
     mark = f"RLCTL_TEST_RUN={run}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -238,7 +247,7 @@ def test_ray_two_nodes_lose_one_then_are_preempted_and_end_exactly_as_one_uninte
     try:
         args = ["--ray-address", nodes.address, *TWO_NODES, "--set", f"actor.zero_stage={stage}", *BUDGET[stage]]
         args += ["--set", f"cluster.node_loss_timeout={NODE_LOSS_TIMEOUT}"]
-        proc = spawn("start", *start_args(url), *COMMON, *args, env=env, faults="sleep@4=8,commit_delay@4=300")
+        proc = spawn("start", *start_args(url), *COMMON, *args, env=env, faults="sleep@4=120,commit_delay@4=300")
         wait_for(lambda: any(e["step"] == 4 for e in events_of(url, "drill_fired")), proc)
         wait_for(lambda: committed(url, 2) and run.exists(f"{step4}/state.pt"), proc)
         placed = nodes.state()
@@ -308,7 +317,7 @@ def test_a_lost_rank_stops_the_run_with_its_error(tmp_path):
     assert r.returncode == ExitCode.INTERNAL, r.stderr
     assert "rank 1 crashed after step 3" in r.stderr
     assert r.stdout == ""
-    assert not _ranks_alive(run)
+    assert _ranks_end(run)
     # the outcome recorded is the crash (step 2's asynchronous commit may finish, and say so, after it)
     assert [e["event"] for e in events_of(run) if e["event"] != "snapshot_committed"][-1] == "crashed"
     assert (run / "checkpoints" / "step-000002" / "manifest.json").exists()  # the last snapshot stands

@@ -73,7 +73,8 @@ def task(tmp_path_factory):
                 "max_turns": 2,
                 "max_total_tokens": 96,
                 "tool_workers": 1,
-                "sandbox": {"wall_time_s": 5},
+                "tool_timeout_s": 60,
+                "sandbox": {"wall_time_s": 30},  # (a jail starts in seconds on a loaded machine)
             },
         },
         "checkpoint": {"every": EVERY, "writer": "thread"},

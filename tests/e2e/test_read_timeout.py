@@ -78,7 +78,7 @@ def test_read_only_commands_give_up_on_a_refused_endpoint_within_their_timeout(r
         t.join()
     for verb, (code, err, seconds) in defaults.items():
         one_sentence(code, err, refused, (verb, "default"))
-        assert 10 <= seconds < 25, (verb, seconds)
+        assert 10 <= seconds < 40, (verb, seconds)  # (three interpreters' starts beside a loaded suite)
         assert short[verb] < seconds - 4, (verb, short[verb], seconds)
 
 

@@ -87,8 +87,12 @@ def node_dies_then_preempted(cluster, job: str, run: Path) -> str:
 
 
 def _until(slurm, job: str, run: Path, deadline: float, ready, why: str) -> None:
+    # (a requeued job may be missing from squeue for a moment between its runs: gone for 15 s, it ended)
+    seen = time.time()
     while not ready():
-        assert slurm.job_state(job) and time.time() < deadline, _log(run, why)
+        if slurm.job_state(job):
+            seen = time.time()
+        assert time.time() - seen < 15 and time.time() < deadline, _log(run, why)
         time.sleep(0.5)
 
 

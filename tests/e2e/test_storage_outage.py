@@ -283,7 +283,7 @@ def test_cli_on_a_dead_endpoint_exits_12_with_one_line(moto):
 # -- a run on S3 whose server is killed at one moment or another --------------------------------------
 
 BUDGET = 6.0  # the runs' checkpoint.retry_timeout
-STEP = 8.0  # one step in flight, with room: the tiny model's take well under a second alone, several in a
+STEP = 25.0  # one step in flight, with room: the tiny model's take well under a second alone, several in a
 # loaded suite (10.0 and 13.4 s from the kill to the sentence were seen with 3 and 4 s here); what the test
 # guards against is a wait of a read timeout (60 s) or a hang, not a second or two of a loaded step
 SEEN = 1.0  # from the decision to the sentence on stderr

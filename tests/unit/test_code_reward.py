@@ -35,12 +35,12 @@ HALF_ADD = "```python\ndef add(a, b):\n    return int(a) + int(b)\n```"
 def test_pass_fractions_all_or_nothing_and_a_hang_that_fails_in_time():
     completions = [GOOD_MAIN, WRONG_MAIN, HANGS, GOOD_ADD, HALF_ADD, "no code", GOOD_ADD]
     tests = [CASES, CASES, CASES, ASSERTS, json.dumps(ASSERTS), ASSERTS, None]
-    kwargs = {"workers": 2, "sandbox": {"wall_time_s": 4.0, "cpu_time_s": 5}}  # (a loaded machine's jail: ~1 s)
+    kwargs = {"workers": 2, "sandbox": {"wall_time_s": 30, "cpu_time_s": 1}}  # (hangs end on their CPU second)
     started = time.monotonic()
     scores = code_reward.tests_passed([""] * 7, completions, tests, **kwargs)
     took = time.monotonic() - started
     assert scores == [1.0, 0.0, 0.0, 1.0, pytest.approx(2 / 3), 0.0, 0.0]
-    assert took < 30  # two hanging cases of 4 s each, beside 12 quick ones on 2 threads
+    assert took < 60  # two hanging cases of a CPU second each, beside 12 quick ones on 2 threads (loaded: slower)
     assert code_reward.tests_passed([""] * 2, [GOOD_ADD, HALF_ADD], [ASSERTS, ASSERTS], all_or_nothing=True) == [
         1.0,
         0.0,

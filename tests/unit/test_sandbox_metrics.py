@@ -20,7 +20,7 @@ except SandboxUnavailable as exc:
     problem = str(exc)
 needs_jail = pytest.mark.skipif(problem is not None, reason=f"no bubblewrap jail on this machine: {problem}")
 
-LIMITS = Limits(wall_time_s=4.0, cpu_time_s=1, memory_mb=256, processes=8, output_kb=16)
+LIMITS = Limits(wall_time_s=10.0, cpu_time_s=1, memory_mb=256, processes=8, output_kb=16)  # (a loaded jail: seconds)
 BOMB = """
 import os, time
 while True:
@@ -52,12 +52,12 @@ def _summed(results) -> dict[str, float]:
 @pytest.mark.slow
 @needs_jail
 def test_the_python_tools_calls_errors_timeouts_and_limits_by_kind():
-    with ToolPool(workers=2, timeout_s=10.0, sandbox=LIMITS) as pool:
+    with ToolPool(workers=2, timeout_s=30.0, sandbox=LIMITS) as pool:
         results = pool.run([("rlctl.tools.python:python", {"code": code}) for code in CODE.values()])
     by = dict(zip(CODE, results, strict=True))
     limits = {name: CallMetrics.limit_of(r.text) for name, r in by.items()}
     assert limits["sleeps"] == "wall_time"
-    assert limits["spins"] in ("cpu_time", "wall_time")  # its CPU second may not come within 4 s on a loaded machine
+    assert limits["spins"] in ("cpu_time", "wall_time")  # its CPU second may not come within 10 s on a loaded machine
     assert limits["allocates"] == "memory" and limits["prints"] == "output"
     assert limits["forks"] in ("processes", "wall_time", "cpu_time")  # processes where a pids cgroup can be made
     assert [limits[k] for k in ("good", "raises", "reads the home directory")] == [None, None, None]
@@ -90,7 +90,7 @@ ECHO = {"cases": [{"input": "4\n", "output": "8\n"}]}
 def test_the_code_rewards_tests_pass_fraction_timeouts_and_sandbox_seconds():
     cfg = RewardConfig(
         function="rlctl.engine.reward.code:tests_passed",
-        kwargs={"workers": 2, "sandbox": {"wall_time_s": 1.0, "cpu_time_s": 5}},
+        kwargs={"workers": 2, "sandbox": {"wall_time_s": 30, "cpu_time_s": 1}},  # (the hang ends on its CPU second)
     )
     fn = load_reward(cfg)
     how = metrics_of(fn)
@@ -106,7 +106,7 @@ def test_the_code_rewards_tests_pass_fraction_timeouts_and_sandbox_seconds():
         "```python\ndef add(a, b):\n    return a + b\n```",  # good: 2 of 2
         "```python\ndef add(a, b):\n    return a - b\n```",  # wrong: 1 of 2 (add(-1, 1) fails too: -2)
         "```python\nprint(int(input()) * 2)\n```",  # good case
-        "```python\nwhile True:\n    pass\n```",  # hangs: fails at the wall time
+        "```python\nwhile True:\n    pass\n```",  # hangs: fails at its CPU second (a timeout)
         "```python\ndef add(a, b) return\n```",  # does not compile: 2 tests failed, none run
     ]
     with recording(fn) as row:
@@ -114,4 +114,4 @@ def test_the_code_rewards_tests_pass_fraction_timeouts_and_sandbox_seconds():
     assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]
     assert row["reward/code/tests"] == 8 and row["reward/code/pass_frac"] == pytest.approx(3 / 8)
     assert row["reward/code/timeouts"] == 1
-    assert 1.0 <= row["reward/code/sandbox_s"] < 20  # the hang's second, and five quick jails
+    assert 1.0 <= row["reward/code/sandbox_s"] < 60  # the hang's CPU second, and five quick jails (loaded: slower)

@@ -390,13 +390,13 @@ def test_check_fences_even_while_the_heartbeat_is_stuck(tmp_path, monkeypatch):
 
     def write_bytes(self, rel, data, exclusive=False):
         if stuck.is_set() and _is_beat(rel):
-            time.sleep(2.0)  # a call hanging on a dead endpoint
+            time.sleep(5.0)  # a call hanging on a dead endpoint
         return real(self, rel, data, exclusive)
 
     monkeypatch.setattr(Storage, "write_bytes", write_bytes)
     lease = Lease(st, timeout=0.4, heartbeat=0.05).acquire()
     stuck.set()
-    time.sleep(0.6)
+    time.sleep(1.5)  # (a beat begun just before the hang may still land: room for a loaded machine)
     with pytest.raises(LeaseError, match="no heartbeat succeeded"):
         lease.check()
     lease.release()
