@@ -9,10 +9,9 @@ weights and metric rows as an uninterrupted one: the steps run again got the rec
 
 import json
 import signal
-import textwrap
 
 import pytest
-from test_tool_conversations_train_and_resume import CAPITALS, REWARD, teach_the_call
+from test_tool_conversations_train_and_resume import teach_the_call, write_task
 
 from rlctl.sandbox import Limits, SandboxUnavailable, check
 
@@ -48,16 +47,8 @@ STEPS, EVERY = 3, 1
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    import importlib.util
-
     root = tmp_path_factory.mktemp("python-tool")
-    (root / "sessions.py").write_text(TOOL)
-    (root / "capital_reward.py").write_text(textwrap.dedent(REWARD))
-    prompts = [{"prompt": f"what is the capital of {c}?", "answer": a} for c, a in CAPITALS.items()]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    spec = importlib.util.spec_from_file_location("sessions", root / "sessions.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = write_task(root, "sessions", TOOL)
     teach_the_call(tool_model_dir(root / "model"), tool.Lookup.call)
     config = {
         "model": {"path": str(root / "model")},

@@ -132,20 +132,27 @@ def teach_the_call(model_dir, tool) -> None:
     model.save_pretrained(model_dir)
 
 
+def write_task(root: Path, module: str, source: str):
+    """Into ``root``: the tool module ``module`` (``source``), the capitals' reward module and prompts;
+    the tool module, imported here (the model is taught to call it)."""
+    import importlib.util
+
+    (root / f"{module}.py").write_text(source)
+    (root / "capital_reward.py").write_text(textwrap.dedent(REWARD))
+    prompts = [{"prompt": f"what is the capital of {c}?", "answer": a} for c, a in CAPITALS.items()]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    spec = importlib.util.spec_from_file_location(module, root / f"{module}.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     """A folder holding the tool and reward modules, the prompts, a model that calls the tool, and the
     config of a run (snapshots every EVERY steps)."""
-    import importlib.util
-
     root = tmp_path_factory.mktemp("multi-turn")
-    (root / "capitals.py").write_text(TOOL.format(capitals=CAPITALS))
-    (root / "capital_reward.py").write_text(textwrap.dedent(REWARD))
-    prompts = [{"prompt": f"what is the capital of {c}?", "answer": a} for c, a in CAPITALS.items()]
-    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    spec = importlib.util.spec_from_file_location("capitals", root / "capitals.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = write_task(root, "capitals", TOOL.format(capitals=CAPITALS))
     teach_the_call(tool_model_dir(root / "model"), tool.lookup)
     config = {
         "model": {"path": str(root / "model")},
